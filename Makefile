@@ -1,0 +1,28 @@
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/python examples/quickstart.py
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_vs_hf.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""formcast.engine: the inference engine (paged KV cache, continuous batching)."""

@@ -1,0 +1,73 @@
+"""The formcast error hierarchy.
+
+Every error formcast raises on purpose derives from :class:`FormcastError`, so a
+caller can catch the family with one clause. Errors about a caller's arguments
+also derive from :class:`ValueError`, so code written against the standard
+library's conventions keeps working.
+"""
+
+from __future__ import annotations
+
+
+class FormcastError(Exception):
+    """Base class of every error formcast raises on purpose."""
+
+
+class ModelError(FormcastError):
+    """A model could not be found, fetched or loaded."""
+
+
+class ModelNotFoundError(ModelError):
+    """The name or path given does not resolve to a model formcast can load."""
+
+
+class ModelFetchError(ModelError):
+    """Fetching a registry model failed (network, pip, checksum)."""
+
+
+class CorruptModelError(ModelError):
+    """A model file exists but is truncated, damaged or inconsistent."""
+
+
+class UnsupportedModelError(ModelError):
+    """A well-formed model file of an architecture or format formcast does not run."""
+
+
+class RequestError(FormcastError, ValueError):
+    """A request was rejected before any work was queued (bad prompt or parameters)."""
+
+
+class ConstraintError(FormcastError, ValueError):
+    """A constraint (schema, regex, grammar, choices) is invalid, unsatisfiable or too costly."""
+
+
+class IncompleteOutputError(FormcastError):
+    """Generation stopped (e.g. at ``max_tokens``) before the constrained output was complete.
+
+    Attributes
+    ----------
+    text : str
+        The partial output produced so far.
+    """
+
+    def __init__(self, message: str, *, text: str = "") -> None:
+        super().__init__(message)
+        self.text = text
+
+
+class EngineError(FormcastError):
+    """The engine failed while running (not caused by one request's input)."""
+
+
+__all__ = [
+    "FormcastError",
+    "ModelError",
+    "ModelNotFoundError",
+    "ModelFetchError",
+    "CorruptModelError",
+    "UnsupportedModelError",
+    "RequestError",
+    "ConstraintError",
+    "IncompleteOutputError",
+    "EngineError",
+]

@@ -1,0 +1,29 @@
+"""Shared fixtures: the real SmolLM2 model (fetched once into the user cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    """The embedded default model, resolved (and fetched on first use) via the registry."""
+    from formcast.engine.hub import resolve_model
+
+    return resolve_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(smollm2_source):
+    """Path of the SmolLM2-135M-Instruct GGUF file."""
+    return smollm2_source.path
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; none is available on this machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
