@@ -1,0 +1,162 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts and prefix hashes.
+
+Pure Python, no tensors: the model runner owns the cache memory, this module only
+decides which block ids each sequence uses. A block holding ``block_size`` computed
+tokens gets a hash chained over its whole prefix; a later sequence whose prompt
+starts with the same tokens reuses it instead of computing it again. Blocks whose
+ref count drops to zero stay hashed in an LRU pool until their memory is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from formcast.engine.sequence import Sequence
+
+
+@dataclass(kw_only=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a block given the hash of the block before it (None for the first)."""
+    return hash((parent, token_ids))
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences; shares full blocks between equal prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(block_id=i) for i in range(num_blocks)]
+        # ref_count == 0 blocks, least recently freed first; hashed ones may be revived
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache -------------------------------------------------------------
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks matching the start of a block-less ``seq``.
+
+        Only blocks that end before the last token are reused, so the last token is
+        always computed (its logits are needed) and no shared block is ever written.
+        Sets ``seq.num_computed_tokens`` and returns the number of reused tokens.
+        """
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.request_id} already has blocks")
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        parent: int | None = None
+        for i in range((len(seq) - 1) // bs):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            h = chain_hash(parent, ids)
+            block_id = self._by_hash.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != ids:
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+            seq.block_hashes.append(h)
+            parent = h
+        seq.num_computed_tokens = len(seq.block_table) * bs
+        return seq.num_computed_tokens
+
+    # -- growth and release -------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Fresh blocks ``seq`` needs to compute ``num_new_tokens`` more tokens."""
+        want = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(0, want - len(seq.block_table))
+
+    def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= len(self._free)
+
+    def grow(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Give ``seq`` room for ``num_new_tokens`` more computed tokens."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > len(self._free):
+            raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
+        for _ in range(need):
+            block_id = next(iter(self._free))
+            block = self.blocks[block_id]
+            if block.hash is not None:  # evict the cached content
+                if self._by_hash.get(block.hash) == block_id:
+                    del self._by_hash[block.hash]
+                block.hash, block.token_ids = None, ()
+            self._take(block_id)
+            seq.block_table.append(block_id)
+
+    def commit(self, seq: Sequence) -> None:
+        """Hash the blocks of ``seq`` that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        for i in range(len(seq.block_hashes), full):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            h = chain_hash(parent, ids)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self._by_hash:
+                block.hash, block.token_ids = h, ids
+                self._by_hash[h] = block.block_id
+
+    def free(self, seq: Sequence) -> None:
+        """Release all blocks of ``seq`` (tail first, so shared prefixes live longest)."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Forget the KV of every token of ``seq`` from position ``num_tokens`` on."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        keep = self.blocks_for(num_tokens)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+        del seq.block_hashes[num_tokens // self.block_size:]
+        if num_tokens % self.block_size and seq.block_table:
+            # the last kept block is partial again and will be rewritten
+            block = self.blocks[seq.block_table[-1]]
+            if block.hash is not None:
+                if block.ref_count > 1:
+                    raise RuntimeError(f"cannot truncate into shared block {block.block_id}")
+                if self._by_hash.get(block.hash) == block.block_id:
+                    del self._by_hash[block.hash]
+                block.hash, block.token_ids = None, ()
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count < 0:
+            raise RuntimeError(f"block {block_id} released more often than taken")
+        if block.ref_count == 0:
+            self._free[block_id] = None

@@ -1,0 +1,43 @@
+"""The one interface between the engine and the grammar layer.
+
+The engine imports no grammar library: it drives any object that implements
+:class:`LogitsConstraint`. ``formcast.grammars`` provides the real matchers.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class LogitsConstraint(Protocol):
+    """A per-request token filter with state (one instance per request)."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the allowed tokens of the next step into ``bitmask[row]``.
+
+        ``bitmask`` is int32 ``[rows, ceil(V/32)]``; bit ``t % 32`` of word ``t // 32``
+        set means token ``t`` is allowed.
+        """
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False (state unchanged) if it is not allowed."""
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+
+    def is_terminated(self) -> bool:
+        """True once the constraint is complete and accepts nothing more."""
+
+    def forced_tokens(self) -> list[int]:
+        """Tokens the constraint fixes from here on (jump-forward); may be empty."""
+
+    def valid_prefix(self, draft: list[int]) -> int:
+        """How many leading tokens of ``draft`` the constraint allows (state unchanged)."""
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """Number of int32 words of one bitmask row for ``vocab_size`` tokens."""
+    return (vocab_size + 31) // 32

@@ -1,0 +1,337 @@
+"""The engine: requests in, tokens out, over a continuously batched paged KV cache.
+
+``Engine.step()`` is one iteration: schedule, run the model once over every
+scheduled token, sample one token for each sequence whose chunk reached its end,
+apply stop conditions, and return what changed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import Sequence as SequenceABC
+
+import torch
+
+from formcast.engine.block_manager import BlockManager
+from formcast.engine.config import EngineConfig, LlamaConfig
+from formcast.engine.constraint import LogitsConstraint
+from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
+from formcast.engine.models.llama import LlamaForCausalLM
+from formcast.engine.sampler import Sampler
+from formcast.engine.sampling_params import SamplingParams
+from formcast.engine.scheduler import ScheduledSeq, Scheduler
+from formcast.engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
+from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from formcast.errors import EngineError, RequestError
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda[:N]'") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
+    return dev
+
+
+class Engine:
+    """A continuously batching inference engine for one model.
+
+    Build it with :meth:`from_pretrained`. Submit work with :meth:`add_request` and
+    drive it with :meth:`step`, or use :meth:`generate` for a whole batch.
+    """
+
+    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, *,
+                 config: EngineConfig | None = None, device: torch.device | None = None,
+                 name: str = "model") -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        param = next(model.parameters())
+        self.device = device or param.device
+        self.dtype = param.dtype
+        mcfg: LlamaConfig = model.config
+        bs = self.config.block_size
+        num_blocks = self.config.num_kv_blocks or max(
+            1, self.config.kv_cache_memory // kv_bytes_per_block(mcfg, bs, self.dtype))
+        # a sequence must always fit alone in the cache, so cap the context there
+        self.max_model_len = min(self.config.max_model_len or mcfg.max_position_embeddings,
+                                 mcfg.max_position_embeddings, num_blocks * bs)
+        self.block_manager = BlockManager(num_blocks, bs,
+                                          enable_prefix_caching=self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
+                                   max_num_batched_tokens=self.config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs,
+                                  device=self.device, dtype=self.dtype)
+        self.sampler = Sampler(mcfg.vocab_size, tokenizer.vocab_size)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: list[Sequence] = []
+        self._ids = itertools.count()
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, *, device: str | torch.device = "auto",
+                        dtype: torch.dtype | None = None, **config) -> "Engine":
+        """Load a model by registry name or path and build an engine for it.
+
+        Parameters
+        ----------
+        name_or_path : str
+            ``"smollm2"`` (fetched on first use), a ``.gguf`` file, or an HF-layout folder.
+        device : str or torch.device
+            "auto" (CUDA when available), "cpu" or "cuda[:N]".
+        dtype : torch.dtype | None
+            Weights and KV dtype; default float32 on CPU, bfloat16 on CUDA.
+        **config
+            Fields of :class:`EngineConfig` (block_size, num_kv_blocks, max_num_seqs, ...).
+
+        Raises
+        ------
+        ModelNotFoundError, ModelFetchError, CorruptModelError, UnsupportedModelError
+            The model could not be resolved or loaded.
+        TypeError
+            An unknown engine option was passed.
+        """
+        from formcast.engine.hub import resolve_model
+        from formcast.engine.loader import load_checkpoint
+
+        try:
+            engine_config = EngineConfig(**config)
+        except TypeError as exc:
+            raise TypeError(f"unknown engine option: {exc}") from exc
+        dev = resolve_device(device)
+        dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        source = resolve_model(name_or_path)
+        tokenizer = (Tokenizer.from_gguf(source.path) if source.kind == "gguf"
+                     else Tokenizer.from_hf_dir(source.path))
+        ckpt = load_checkpoint(source)
+        model = build_model(ckpt.config, ckpt.weights, device=dev, dtype=dtype)
+        return cls(model, tokenizer, config=engine_config, device=dev, name=source.name)
+
+    # -- requests -----------------------------------------------------------------
+    def add_request(self, prompt: Request | SequenceABC[int], params: SamplingParams | None = None,
+                    *, constraint: LogitsConstraint | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue one request; returns its id.
+
+        Raises
+        ------
+        RequestError
+            Empty prompt, prompt too long for the context, token ids out of range,
+            duplicate request id, or a constraint that is not a LogitsConstraint.
+        """
+        seq = self._make_sequence(prompt, params, constraint, request_id)
+        self._queue(seq)
+        return seq.request_id
+
+    def _make_sequence(self, prompt: Request | SequenceABC[int], params: SamplingParams | None,
+                       constraint: LogitsConstraint | None, request_id: str | None) -> Sequence:
+        if isinstance(prompt, Request):
+            params = params or prompt.params
+            constraint = constraint or prompt.constraint
+            request_id = request_id or prompt.request_id
+            prompt = prompt.prompt_token_ids
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, (str, bytes)):
+            raise RequestError("prompt must be a list of token ids; encode text with "
+                               "engine.tokenizer.encode(...) first")
+        ids = list(prompt)
+        if not ids:
+            raise RequestError("prompt is empty: a request needs at least one token")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt holds token ids outside [0, {vocab}): {bad[:5]}")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                "(prompt + output); shorten the prompt")
+        if constraint is not None and not isinstance(constraint, LogitsConstraint):
+            raise RequestError(f"constraint {type(constraint).__name__} does not implement "
+                               "LogitsConstraint (fill_bitmask, accept, rollback, ...)")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif request_id in self._seqs:
+            raise RequestError(f"request id {request_id!r} is already in flight")
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        return Sequence(request_id, ids, params, constraint, generator, self.max_model_len)
+
+    def _queue(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+        self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request; its output (finish_reason "abort") comes with the next step.
+        Returns False if no such request is in flight."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return False
+        self._finish(seq, "abort")
+        self._aborted.append(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    # -- the loop -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling + model + sampling iteration.
+
+        Returns the outputs of requests that got a token or finished in this step.
+        """
+        outputs = [s.to_output() for s in self._aborted]
+        self._aborted.clear()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return outputs
+        sampled = [item.seq for item in plan.scheduled if item.samples]
+        try:
+            logits = self.runner.execute(plan.scheduled)
+        except Exception as exc:
+            raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
+        self.scheduler.on_step_done(plan)
+        result = self.sampler(logits, sampled)
+        for i, seq in enumerate(sampled):
+            if i in result.errors:
+                seq.error = result.errors[i]
+                self._finish(seq, "abort")
+            else:
+                self._append_token(seq, result.token_ids[i], result.logprobs[i])
+            outputs.append(seq.to_output())
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        if seq.constraint is not None:
+            try:
+                ok = seq.constraint.accept(token)
+            except Exception as exc:
+                ok, seq.error = False, f"constraint failed: {type(exc).__name__}: {exc}"
+            if not ok:
+                seq.error = seq.error or f"constraint rejected sampled token {token}"
+                self._finish(seq, "abort")
+                return
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        seq.token_ids.append(token)
+        if seq.logprobs is not None and logprob is not None:
+            seq.logprobs.append(logprob)
+        params = seq.params
+        is_eos = token in self.eos_token_ids and not params.ignore_eos
+        if not is_eos:
+            self._append_text(seq, token)
+        if is_eos or token in params.stop_token_ids:
+            self._finish(seq, "stop")
+        elif seq.status is SequenceStatus.FINISHED:
+            return  # a stop string matched
+        elif seq.constraint is not None and seq.constraint.is_terminated():
+            self._finish(seq, "stop")
+        elif len(seq) >= seq.max_total_len:
+            self._finish(seq, "length")
+
+    def _append_text(self, seq: Sequence, token: int) -> None:
+        delta = self._detok[seq.request_id].feed(token)
+        if not delta:
+            return
+        before = len(seq.text)
+        seq.text += delta
+        stops = seq.params.stop
+        if not stops:
+            return
+        longest = max(len(s) for s in stops)
+        window_start = max(0, before - longest + 1)
+        hits = [(seq.text.find(s, window_start), s) for s in stops]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if hits:
+            pos, s = min(hits)
+            cut = pos + len(s) if seq.params.include_stop_str_in_output else pos
+            seq.text = seq.text[:cut]
+            self._finish(seq, "stop")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, reason)
+        self._seqs.pop(seq.request_id, None)
+        detok = self._detok.pop(seq.request_id, None)
+        if detok is not None and reason != "stop":
+            seq.text += detok.flush()  # bytes of a character cut off at the end
+
+    # -- conveniences -------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 *, constraints: list[LogitsConstraint | None] | None = None
+                 ) -> list[RequestOutput]:
+        """Run a batch of prompts to completion; outputs come back in prompt order.
+
+        Every prompt is validated before any is queued, so a bad one raises
+        :class:`RequestError` without starting the others.
+        """
+        n = len(prompts)
+        plist = params if isinstance(params, list) else [params] * n
+        clist = constraints if constraints is not None else [None] * n
+        if len(plist) != n or len(clist) != n:
+            raise RequestError(f"got {n} prompts but {len(plist)} params and "
+                               f"{len(clist)} constraints")
+        seqs = []
+        for i, (p, sp, c) in enumerate(zip(prompts, plist, clist)):
+            try:
+                seqs.append(self._make_sequence(p, sp, c, None))
+            except RequestError as exc:
+                raise RequestError(f"prompt {i}: {exc}") from exc
+        for seq in seqs:
+            self._queue(seq)
+        pending = {s.request_id for s in seqs}
+        while pending:
+            for out in self.step():
+                if out.finished:
+                    pending.discard(out.request_id)
+            if pending and not self.scheduler.has_unfinished():
+                raise EngineError(f"requests {sorted(pending)} were lost by the scheduler")
+        return [s.to_output() for s in seqs]
+
+    @torch.inference_mode()
+    def forward_logits(self, token_ids: SequenceABC[int]) -> torch.Tensor:
+        """Float32 logits ``[T, V]`` (CPU) for every position of one sequence.
+
+        Runs through the same paged path as serving, in chunks of the step budget,
+        outside the scheduler; needs enough free KV blocks for the whole sequence.
+        """
+        seq = self._make_sequence(list(token_ids), SamplingParams(max_tokens=1), None,
+                                  f"forward-logits-{next(self._ids)}")
+        bm = self.block_manager
+        if not bm.can_grow(seq, len(seq)):
+            raise RequestError(f"not enough free KV blocks for {len(seq)} tokens right now")
+        bm.grow(seq, len(seq))
+        try:
+            chunks = []
+            while seq.num_computed_tokens < len(seq):
+                n = min(len(seq) - seq.num_computed_tokens, self.config.max_num_batched_tokens)
+                chunks.append(self.runner.execute([ScheduledSeq(seq=seq, num_tokens=n)],
+                                                  all_logits=True).cpu())
+                seq.num_computed_tokens += n
+            return torch.cat(chunks)
+        finally:
+            bm.free(seq)
+
+
+def build_model(config: LlamaConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
+                dtype: torch.dtype) -> LlamaForCausalLM:
+    """Instantiate the model without random init, load weights, move to device/dtype."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.load_weights(weights)
+    return model.to(device=device, dtype=dtype).eval()

@@ -1,0 +1,48 @@
+"""Apply packed token bitmasks to logits, in place.
+
+Bitmask rows are int32 words, ``ceil(V/32)`` a row; bit ``t % 32`` of word
+``t // 32`` set means token ``t`` is allowed. Columns of the logits past the
+mask's width (a model vocabulary padded beyond the tokenizer's) are disallowed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 ``[N, W]`` -> bool ``[N, vocab_size]`` (True = allowed)."""
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1                 # [N, W, 32]
+    allowed = bits.view(bitmask.shape[0], -1).bool()            # [N, W*32]
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = allowed.new_zeros(bitmask.shape[0], vocab_size - allowed.shape[1])
+    return torch.cat([allowed, pad], dim=1)
+
+
+def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
+                         rows: torch.Tensor | None = None, *, backend: str = "auto") -> None:
+    """Set disallowed logits to -inf in place.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        ``[B, V]`` float logits; modified in place.
+    bitmask : torch.Tensor
+        int32 ``[N, W]``; row ``i`` applies to logits row ``rows[i]`` (or ``i``).
+    rows : torch.Tensor | None
+        ``[N]`` long row indices into ``logits``; None means rows ``0..N-1``.
+    backend : str
+        "auto" or "torch" (a Triton kernel joins with the CUDA fast path).
+    """
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"unknown bitmask backend {backend!r}")
+    if bitmask.numel() == 0:
+        return
+    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
+    if rows is None:
+        logits.masked_fill_(~allowed, float("-inf"))
+    else:
+        rows = rows.to(logits.device)
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

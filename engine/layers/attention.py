@@ -1,0 +1,92 @@
+"""Attention over the paged KV cache.
+
+A step's tokens arrive flattened: ``[T]`` tokens from several sequences, each a
+decode (one new token) or a prefill chunk (many). New keys/values are written to
+their cache slots first; then decode rows are attended as one padded batch over
+their gathered blocks, and each prefill chunk on its own (causal, with an offset
+when earlier tokens of the sequence are already cached).
+
+Shapes: T tokens this step, H query heads, Hkv key/value heads, D head dim,
+Bd decode rows, S gathered context length, NB blocks, BS block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillSpan:
+    start: int          # first row of this chunk in the flat token batch
+    length: int         # new tokens of the chunk
+    context_len: int    # tokens of the sequence once the chunk is written
+    block_table: torch.Tensor  # [NB] long
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionMetadata:
+    """Everything attention needs about the batch; built once per step, read by every layer."""
+
+    slot_mapping: torch.Tensor          # [T] long: cache slot of each new token
+    decode_rows: torch.Tensor           # [Bd] long: flat rows that are single-token decodes
+    decode_block_tables: torch.Tensor   # [Bd, NB] long (padded with block 0)
+    decode_mask: torch.Tensor           # [Bd, 1, 1, S] bool: True where attended
+    prefills: tuple[PrefillSpan, ...]
+
+    @property
+    def num_decodes(self) -> int:
+        return int(self.decode_rows.numel())
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    # caches [NBtotal, BS, Hkv, D]; k, v [T, Hkv, D]
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of the step's queries over their sequences' cached keys.
+
+    q [T, H, D]; k, v [T, Hkv, D] (this step's, already rotated); caches
+    [NBtotal, BS, Hkv, D]. Returns [T, H, D]. Writes k, v into the caches.
+    """
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    t, h, d = q.shape
+    hkv = k.shape[1]
+    out = q.new_empty(t, h, d)
+    if meta.num_decodes:
+        bd = meta.num_decodes
+        kk = k_cache[meta.decode_block_tables].view(bd, -1, hkv, d).transpose(1, 2)  # [Bd,Hkv,S,D]
+        vv = v_cache[meta.decode_block_tables].view(bd, -1, hkv, d).transpose(1, 2)
+        qq = q[meta.decode_rows].view(bd, hkv, h // hkv, d)                          # [Bd,Hkv,G,D]
+        scores = torch.matmul(qq, kk.transpose(-1, -2)).mul_(scale)                   # [Bd,Hkv,G,S]
+        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out[meta.decode_rows] = torch.matmul(probs, vv).view(bd, h, d)
+    for span in meta.prefills:
+        rows = slice(span.start, span.start + span.length)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, L, D]
+        if span.context_len == span.length:  # nothing cached before this chunk
+            ks = k[rows].transpose(0, 1).unsqueeze(0)                    # [1, Hkv, L, D]
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            ks = k_cache[span.block_table].view(-1, hkv, d)[:span.context_len]
+            vs = v_cache[span.block_table].view(-1, hkv, d)[:span.context_len]
+            ks = ks.transpose(0, 1).unsqueeze(0)                         # [1, Hkv, S, D]
+            vs = vs.transpose(0, 1).unsqueeze(0)
+            offset = span.context_len - span.length
+            qpos = torch.arange(span.length, device=q.device).unsqueeze(1) + offset
+            mask = torch.arange(span.context_len, device=q.device).unsqueeze(0) <= qpos  # [L, S]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,67 @@
+"""Rotary position embedding (rotate-half layout, as transformers' Llama)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies ``[head_dim // 2]``, with Llama-3 style scaling if configured."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables (float32, built on first use on the positions' device), applied
+    to q and k. The tables are plain attributes, not buffers, so moving the model to
+    a lower precision never degrades them."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.scaling = scaling
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None or self._tables[0].device != device:
+            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+            self._tables = (emb.cos().to(device), emb.sin().to(device))
+        return self._tables
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [T]; q [T, H, D]; k [T, Hkv, D]
+        cos_table, sin_table = self.tables(positions.device)
+        cos = cos_table[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = sin_table[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

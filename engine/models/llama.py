@@ -1,0 +1,153 @@
+"""Llama-family decoder over the paged KV cache (SmolLM2 is one).
+
+Projections are fused at load time (q|k|v and gate|up) so a layer runs two
+matmuls fewer; weight names on the way in are transformers' LlamaForCausalLM names.
+Shapes: T tokens of the step (flattened over sequences), E hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from formcast.engine.config import LlamaConfig
+from formcast.engine.layers.attention import AttentionMetadata, paged_attention
+from formcast.engine.layers.norm import RMSNorm
+from formcast.engine.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)      # [T, H, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
+                                    for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus its head. ``forward`` returns hidden states; ``logits`` the head."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the head when the config says so (again after
+        ``to_empty``, which allocates every parameter separately)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        # token_ids, positions [T]; kv_caches[layer] [2, NBtotal, BS, Hkv, D] -> [T, E]
+        x = self.model.embed_tokens(token_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.model.rotary, kv_cache, meta)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [N, E] -> [N, V] in float32
+        return self.lm_head(self.model.norm(hidden)).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy transformers-named weights in, fusing q|k|v and gate|up.
+
+        Raises ``ValueError`` naming missing, unexpected or misshaped tensors.
+        """
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        params = dict(self.named_parameters())
+        parts: dict[str, dict[int, torch.Tensor]] = {}
+        seen: set[str] = set()
+        for name, tensor in weights.items():
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            module, _, leaf = name.rpartition(".")
+            prefix, _, proj = module.rpartition(".")
+            if proj in fused:
+                target, index = fused[proj]
+                parts.setdefault(f"{prefix}.{target}.{leaf}", {})[index] = tensor
+                continue
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} for a Llama model")
+            _copy(params[name], tensor, name)
+            seen.add(name)
+        for name, pieces in parts.items():
+            if name not in params:
+                raise ValueError(f"unexpected weight {name!r} for a Llama model")
+            want = 3 if ".qkv_proj." in name else 2
+            if sorted(pieces) != list(range(want)):
+                raise ValueError(f"incomplete fused weight {name!r}: got parts {sorted(pieces)}")
+            _copy(params[name], torch.cat([pieces[i] for i in range(want)], dim=0), name)
+            seen.add(name)
+        missing = sorted(set(params) - seen)
+        if missing:
+            raise ValueError(f"missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _copy(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, "
+                         f"expected {tuple(param.shape)}")
+    param.copy_(tensor)

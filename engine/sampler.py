@@ -1,0 +1,117 @@
+"""From logits to tokens: constraint masks, temperature/top-k/top-p/min-p, seeded draws.
+
+Each row is sampled with its request's own generator and depends on nothing else
+in the batch, so the same seed gives the same tokens whatever the batch holds.
+Random draws use the exponential race (argmax of p / Exp(1)), which samples
+exactly from p with a single draw per vocabulary entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from formcast.engine.constraint import bitmask_words
+from formcast.engine.kernels.bitmask import apply_token_bitmask_
+from formcast.engine.sampling_params import SamplingParams
+from formcast.engine.sequence import Sequence, TokenLogprob
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleResult:
+    token_ids: list[int]                       # one per row; -1 where the row failed
+    logprobs: list[TokenLogprob | None]
+    errors: dict[int, str]                     # row -> why it could not be sampled
+
+
+class Sampler:
+    """Samples one token per row of a logits batch for the given sequences."""
+
+    def __init__(self, vocab_size: int, valid_vocab_size: int) -> None:
+        # vocab_size: the model's (logits width); valid_vocab_size: the tokenizer's
+        self.vocab_size = vocab_size
+        self.valid_vocab_size = min(valid_vocab_size, vocab_size)
+        self._bitmask = torch.zeros(0, bitmask_words(vocab_size), dtype=torch.int32)
+
+    def _bitmask_rows(self, n: int) -> torch.Tensor:
+        if self._bitmask.shape[0] < n:
+            self._bitmask = torch.zeros(max(n, 2 * self._bitmask.shape[0]),
+                                        bitmask_words(self.vocab_size), dtype=torch.int32)
+        return self._bitmask[:n]
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+        # logits [B, V] float32, row i belongs to seqs[i]; modified in place
+        errors: dict[int, str] = {}
+        raw_logprobs = None
+        if any(s.params.logprobs is not None for s in seqs):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        if self.valid_vocab_size < self.vocab_size:
+            logits[:, self.valid_vocab_size:] = float("-inf")
+        self._apply_constraints(logits, seqs, errors)
+
+        greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        for i, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
+        # one host sync per step: the sampled tokens and the dead-end check
+        dead = torch.isneginf(logits.max(dim=-1).values)
+        token_list = tokens.tolist()
+        for i in torch.nonzero(dead).flatten().tolist():
+            errors.setdefault(i, "the constraint allows no token at this point (dead end)")
+        for i in errors:
+            token_list[i] = -1
+        logprobs: list[TokenLogprob | None] = [None] * len(seqs)
+        if raw_logprobs is not None:
+            for i, seq in enumerate(seqs):
+                if seq.params.logprobs is not None and i not in errors:
+                    logprobs[i] = _token_logprob(raw_logprobs[i], token_list[i], seq.params.logprobs)
+        return SampleResult(token_ids=token_list, logprobs=logprobs, errors=errors)
+
+    def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence],
+                           errors: dict[int, str]) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        if not rows:
+            return
+        bitmask = self._bitmask_rows(len(rows))
+        bitmask.zero_()
+        for j, i in enumerate(rows):
+            try:
+                seqs[i].constraint.fill_bitmask(bitmask, j)
+            except Exception as exc:  # a broken constraint fails its own request only
+                errors[i] = f"constraint failed to fill its mask: {type(exc).__name__}: {exc}"
+                bitmask[j] = -1
+        apply_token_bitmask_(logits, bitmask, torch.tensor(rows))
+
+
+def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+                ) -> torch.Tensor:
+    # logits [V] -> scalar token id
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[0]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # drop a token when the mass strictly before it already reaches top_p
+        drop_sorted = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(0, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax()
+
+
+def _token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:
+    top: tuple[tuple[int, float], ...] = ()
+    if k:
+        values, ids = torch.topk(logprobs, k)
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]), top=top)

@@ -1,0 +1,135 @@
+"""Requests as the user hands them in, and the engine's mutable state for each."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from formcast.engine.constraint import LogitsConstraint
+from formcast.engine.sampling_params import SamplingParams
+
+FinishReason = str  # "stop" | "length" | "abort"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Request:
+    """One generation request: prompt token ids, sampling parameters, optional constraint."""
+
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    constraint: LogitsConstraint | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenLogprob:
+    """Log-prob of the chosen token and of the most likely alternatives at one step."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RequestOutput:
+    """A snapshot of one request's output (final when ``finished`` is True)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    logprobs: tuple[TokenLogprob, ...] | None
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """The engine's state of one request: tokens, KV blocks, progress, sampler state."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 constraint: LogitsConstraint | None, generator: torch.Generator,
+                 max_total_len: int) -> None:
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_ids)
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params = params
+        self.constraint = constraint
+        self.generator = generator
+        # generation stops at max_tokens or when the context is full
+        self.max_total_len = min(max_total_len, self.num_prompt_tokens + params.max_tokens)
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # hashes of the leading full, computed blocks
+        self.num_computed_tokens = 0   # tokens whose KV is in the cache
+        self.num_cached_prompt_tokens = 0
+        self.num_preemptions = 0
+        self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        self.text = ""
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.arrival_time = time.perf_counter()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=tuple(self.token_ids[:self.num_prompt_tokens]),
+            token_ids=tuple(self.output_ids),
+            text=self.text,
+            finished=self.is_finished,
+            finish_reason=self.finish_reason,
+            logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
+            metrics=RequestMetrics(
+                arrival_time=self.arrival_time,
+                first_scheduled_time=self.first_scheduled_time,
+                first_token_time=self.first_token_time,
+                finished_time=self.finished_time,
+                num_prompt_tokens=self.num_prompt_tokens,
+                num_output_tokens=self.num_output_tokens,
+                num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            ),
+            error=self.error,
+        )
