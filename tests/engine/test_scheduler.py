@@ -1,0 +1,104 @@
+from formcast.engine.block_manager import BlockManager
+from formcast.engine.scheduler import Scheduler
+from formcast.engine.sequence import SequenceStatus
+
+from .helpers import make_seq
+
+
+def run_step(sched: Scheduler, sample_token: int = 7):
+    """Pretend the model ran: mark tokens computed and append a token where sampled."""
+    plan = sched.schedule()
+    sampled = [item.seq for item in plan.scheduled if item.samples]
+    sched.on_step_done(plan)
+    for seq in sampled:
+        seq.token_ids.append(sample_token)
+    return plan
+
+
+def test_prefill_then_decode_one_token_per_step():
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    seq = make_seq(list(range(10)))
+    sched.add(seq)
+    plan = run_step(sched)
+    assert [(i.seq.request_id, i.num_tokens) for i in plan.scheduled] == [("r", 10)]
+    plan = run_step(sched)
+    assert [i.num_tokens for i in plan.scheduled] == [1]
+    assert seq.num_computed_tokens == 11 and len(seq) == 12
+
+
+def test_chunked_prefill_respects_token_budget_and_samples_only_at_the_end():
+    sched = Scheduler(BlockManager(32, 4), max_num_seqs=4, max_num_batched_tokens=4)
+    seq = make_seq(list(range(10)))
+    sched.add(seq)
+    chunks = []
+    for _ in range(3):
+        plan = sched.schedule()
+        chunks.append((plan.scheduled[0].num_tokens, plan.scheduled[0].samples))
+        sched.on_step_done(plan)
+    assert chunks == [(4, False), (4, False), (2, True)]
+
+
+def test_continuous_batching_admits_new_requests_while_others_decode():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=8, max_num_batched_tokens=64)
+    a = make_seq(list(range(5)), rid="a")
+    sched.add(a)
+    run_step(sched)
+    b = make_seq(list(range(20, 27)), rid="b")
+    sched.add(b)
+    plan = run_step(sched)
+    assert [(i.seq.request_id, i.num_tokens) for i in plan.scheduled] == [("a", 1), ("b", 7)]
+    sched.finish(a, "stop")
+    plan = run_step(sched)
+    assert [(i.seq.request_id, i.num_tokens) for i in plan.scheduled] == [("b", 1)]
+    assert a.status is SequenceStatus.FINISHED and a.block_table == []
+
+
+def test_max_num_seqs_limits_the_running_batch():
+    sched = Scheduler(BlockManager(64, 4), max_num_seqs=2, max_num_batched_tokens=64)
+    for i in range(3):
+        sched.add(make_seq([1, 2, 3], rid=str(i)))
+    plan = run_step(sched)
+    assert len(plan.scheduled) == 2 and len(sched.waiting) == 1
+
+
+def test_preemption_frees_the_newest_request_and_requeues_it_first():
+    # 4 blocks of 2 tokens: two sequences of 3 tokens take 2 blocks each
+    bm = BlockManager(4, 2, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = make_seq([1, 2, 3], rid="a"), make_seq([4, 5, 6], rid="b")
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)          # both prefilled: 4 tokens each, 3 computed
+    run_step(sched)          # 5 tokens each, 4 computed: both blocks full
+    run_step(sched)          # a needs a 3rd block: b is preempted
+    assert b.status is SequenceStatus.WAITING and b.block_table == []
+    assert b.num_computed_tokens == 0 and sched.waiting[0] is b
+    assert sched.num_preemptions == 1
+    assert b.token_ids == [4, 5, 6, 7, 7]    # generated tokens survive, only KV is dropped
+    sched.finish(a, "stop")
+    plan = run_step(sched)
+    assert [(i.seq.request_id, i.num_tokens) for i in plan.scheduled] == [("b", 5)]
+
+
+def test_a_lone_sequence_never_preempts_itself_when_it_fits():
+    bm = BlockManager(3, 2)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    seq = make_seq([1, 2, 3])
+    sched.add(seq)
+    for _ in range(3):
+        run_step(sched)
+    assert len(seq) == 6 and seq.status is SequenceStatus.RUNNING
+    assert sched.num_preemptions == 0
+
+
+def test_waiting_request_with_cached_prefix_skips_computed_tokens():
+    bm = BlockManager(32, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a = make_seq(list(range(13)), rid="a")
+    sched.add(a)
+    run_step(sched)
+    b = make_seq(list(range(13)), rid="b")
+    sched.add(b)
+    plan = run_step(sched)
+    assert [(i.seq.request_id, i.num_tokens) for i in plan.scheduled] == [("a", 1), ("b", 1)]
+    assert b.num_cached_prompt_tokens == 12
