@@ -12,3 +12,43 @@ def make_seq(ids: list[int], *, rid: str = "r", max_tokens: int = 8, seed: int =
              max_len: int = 10_000, **params) -> Sequence:
     return Sequence(rid, ids, SamplingParams(max_tokens=max_tokens, **params), None,
                     torch.Generator().manual_seed(seed), max_len)
+
+
+class AllowOnly:
+    """A hand-written LogitsConstraint: only the given token ids are ever allowed,
+    and it terminates after ``length`` tokens when ``length`` is set."""
+
+    def __init__(self, allowed: set[int], *, length: int | None = None):
+        self.allowed = set(allowed)
+        self.length = length
+        self.accepted: list[int] = []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        words = [0] * bitmask.shape[1]
+        for t in self.allowed:
+            words[t // 32] |= 1 << (t % 32)
+        signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]
+        bitmask[row] = torch.tensor(signed, dtype=torch.int32)
+
+    def accept(self, token_id: int) -> bool:
+        if token_id not in self.allowed or self.is_terminated():
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens:]
+
+    def is_terminated(self) -> bool:
+        return self.length is not None and len(self.accepted) >= self.length
+
+    def forced_tokens(self) -> list[int]:
+        return []
+
+    def valid_prefix(self, draft: list[int]) -> int:
+        n = 0
+        for t in draft:
+            if t not in self.allowed:
+                break
+            n += 1
+        return n

@@ -1,0 +1,155 @@
+import math
+
+import pytest
+import torch
+
+from formcast.engine.constraint import bitmask_words
+from formcast.engine.kernels.bitmask import apply_token_bitmask_, unpack_bitmask
+from formcast.engine.sampler import Sampler
+from formcast.engine.sampling_params import SamplingParams
+from formcast.errors import RequestError
+
+from .helpers import AllowOnly, make_seq
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"min_p": 2.0}, "min_p"),
+    ({"seed": -1}, "seed"),
+    ({"stop": ("",)}, "stop"),
+    ({"logprobs": -2}, "logprobs"),
+])
+def test_sampling_params_reject_bad_values_with_a_named_error(kwargs, match):
+    with pytest.raises(RequestError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_stop_given_as_a_string_becomes_a_tuple():
+    assert SamplingParams(stop="\n").stop == ("\n",)
+
+
+@pytest.mark.parametrize("vocab", [5, 32, 33, 100])
+def test_unpack_bitmask_matches_bit_arithmetic(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    words = bitmask_words(vocab)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    allowed = unpack_bitmask(bitmask, vocab)
+    for r in range(3):
+        for t in range(vocab):
+            assert bool(allowed[r, t]) == bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1)
+
+
+def test_bitmask_disallows_columns_beyond_its_width():
+    logits = torch.zeros(1, 40)
+    apply_token_bitmask_(logits, torch.full((1, 1), -1, dtype=torch.int32))
+    assert torch.isfinite(logits[0, :32]).all() and torch.isneginf(logits[0, 32:]).all()
+
+
+def test_bitmask_applies_only_to_listed_rows():
+    logits = torch.zeros(3, 8)
+    mask = torch.tensor([[0b101]], dtype=torch.int32)
+    apply_token_bitmask_(logits, mask, torch.tensor([1]))
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+    assert torch.isfinite(logits[1]).tolist() == [True, False, True] + [False] * 5
+
+
+def test_greedy_takes_argmax_and_constraint_redirects_it():
+    sampler = Sampler(64, 64)
+    logits = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    logits[:, 10] = 50.0
+    free = make_seq([1], rid="a", temperature=0.0)
+    constrained = make_seq([1], rid="b", temperature=0.0)
+    constrained.constraint = AllowOnly({3, 40})
+    logits[1, 40] = 20.0
+    out = sampler(logits, [free, constrained])
+    assert out.token_ids == [10, 40] and not out.errors
+
+
+def test_padded_model_vocabulary_is_never_sampled():
+    sampler = Sampler(64, 50)
+    logits = torch.zeros(1, 64)
+    logits[0, 60] = 100.0
+    out = sampler(logits, [make_seq([1], temperature=0.0)])
+    assert out.token_ids[0] < 50
+
+
+def test_seeded_sampling_repeats_and_ignores_other_rows():
+    sampler = Sampler(100, 100)
+    base = torch.randn(100, generator=torch.Generator().manual_seed(1))
+
+    def draw(batch_rows: int, seed: int) -> list[int]:
+        seqs = [make_seq([1], rid=f"s{i}", seed=seed + i, temperature=1.0) for i in range(batch_rows)]
+        toks = []
+        for _ in range(20):
+            logits = base.repeat(batch_rows, 1)
+            toks.append(sampler(logits, seqs).token_ids[0])
+        return toks
+
+    alone = draw(1, 123)
+    assert alone == draw(1, 123)
+    assert alone == draw(5, 123)          # row 0 has the same seed; other rows differ
+    assert alone != draw(1, 124)
+
+
+@pytest.mark.parametrize("params, support", [
+    ({"top_k": 2}, {0, 1}),
+    ({"top_p": 0.6}, {0, 1}),              # 0.5 + 0.25 reaches 0.6
+    ({"top_p": 0.4}, {0}),
+    ({"min_p": 0.4}, {0, 1}),              # p >= 0.4 * 0.5
+])
+def test_truncation_keeps_exactly_the_expected_support(params, support):
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625])
+    sampler = Sampler(5, 5)
+    seq = make_seq([1], temperature=1.0, seed=7, **params)
+    seen = {sampler(probs.log().unsqueeze(0), [seq]).token_ids[0] for _ in range(300)}
+    assert seen == support
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    sampler = Sampler(3, 3)
+    seq = make_seq([1], temperature=1.0, seed=3)
+    n = 3000
+    counts = torch.zeros(3)
+    for _ in range(n):
+        counts[sampler(probs.log().unsqueeze(0), [seq]).token_ids[0]] += 1
+    # each frequency within 4 standard deviations of its probability
+    for p, c in zip(probs.tolist(), counts.tolist()):
+        assert abs(c / n - p) < 4 * math.sqrt(p * (1 - p) / n)
+
+
+def test_dead_end_and_broken_constraints_fail_only_their_row():
+    class Broken(AllowOnly):
+        def fill_bitmask(self, bitmask, row):
+            raise KeyError("boom")
+
+    sampler = Sampler(64, 64)
+    ok = make_seq([1], rid="ok", temperature=0.0)
+    dead = make_seq([1], rid="dead", temperature=0.0)
+    dead.constraint = AllowOnly(set())
+    broken = make_seq([1], rid="broken", temperature=0.0)
+    broken.constraint = Broken({1})
+    logits = torch.zeros(3, 64)
+    logits[:, 5] = 1.0
+    out = sampler(logits, [ok, dead, broken])
+    assert out.token_ids[0] == 5
+    assert "dead end" in out.errors[1] and "boom" in out.errors[2]
+    assert out.token_ids[1] == -1 and out.token_ids[2] == -1
+
+
+def test_logprobs_are_raw_model_logprobs_with_top_alternatives():
+    sampler = Sampler(4, 4)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    seq = make_seq([1], temperature=0.0, logprobs=2)
+    seq.constraint = AllowOnly({1})
+    out = sampler(logits.clone(), [seq])
+    expected = torch.log_softmax(logits[0], -1)
+    lp = out.logprobs[0]
+    assert lp.token_id == 1 and lp.logprob == pytest.approx(float(expected[1]))
+    assert [t for t, _ in lp.top] == [0, 1]
