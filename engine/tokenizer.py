@@ -1,0 +1,624 @@
+"""The tokenizer: text <-> token ids, chat prompts, and the raw bytes of every token.
+
+One :class:`Tokenizer` wraps a ``tokenizers.Tokenizer`` (the Rust BPE) built either
+from a GGUF file's metadata or from an HF folder's ``tokenizer.json``. It loads no
+weights and never imports transformers.
+
+From GGUF, the byte-level BPE is rebuilt from ``tokenizer.ggml.tokens`` and
+``tokenizer.ggml.merges``; the pre-tokenizer is chosen by ``tokenizer.ggml.pre``
+following llama.cpp, which is what the model's own ``tokenizer.json`` does. For
+``smollm`` (and ``starcoder``) that is ``Digits(individual)`` then ``ByteLevel``: every
+numeric character stands alone, so a run of spaces before a digit stays one piece
+(``"a  1"`` -> ``a``, ``ĠĠ``, ``1``) and ``" ½"`` is ``Ġ``, ``Â½``. (transformers' GGUF
+loader has no ``smollm`` entry and splits those two differently; we follow the model's
+own tokenizer and llama.cpp.) Control tokens (type 3) become special added tokens and
+user-defined ones (type 4) plain added tokens, so both are matched whole in text.
+
+End-of-sequence rule (:attr:`Tokenizer.eos_token_ids`): the tokenizer's eos id, plus
+``generation_config.json``'s eos ids (HF folders) or ``tokenizer.ggml.eot_token_id`` /
+``eom_token_id`` (GGUF), plus every special token among :data:`TURN_END_TOKENS` whose
+text appears in the chat template. For SmolLM2 that is ``{2}``: eos is already
+``<|im_end|>``, and ``<|endoftext|>`` is not in its template.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal, overload
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from formcast.engine.chat_template import ChatTemplate
+from formcast.errors import (CorruptModelError, ModelNotFoundError, RequestError,
+                             UnsupportedModelError)
+
+# Special tokens that close a chat turn in common templates. One that is in the vocabulary
+# as a special token and written by the chat template also stops generation.
+TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>",
+                   "<|return|>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>")
+
+_GGUF_CONTROL = 3
+_GGUF_USER_DEFINED = 4
+# llama.cpp pre-tokenizer names whose split is "each digit alone, then the GPT-2 regex".
+_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder"})
+_GPT2 = frozenset({"gpt2", "gpt-2"})
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+BYTE_TO_CHAR: Mapping[int, str] = MappingProxyType(_byte_alphabet())
+CHAR_TO_BYTE: Mapping[str, int] = MappingProxyType({c: b for b, c in BYTE_TO_CHAR.items()})
+
+
+class Tokenizer:
+    """Text <-> token ids for one model. Immutable once built; safe to share.
+
+    Build it with :meth:`from_gguf`, :meth:`from_hf_dir` or :func:`load_tokenizer`.
+
+    Parameters
+    ----------
+    backend : tokenizers.Tokenizer
+        The configured Rust tokenizer (pre-tokenizer, model, decoder, added tokens).
+    bos_token_id, eos_token_id, pad_token_id, unk_token_id : int or None
+        The named special tokens.
+    extra_eos_token_ids : iterable of int
+        Further stop ids (see the module docstring for the rule).
+    chat_template : str or None
+        The jinja chat template source.
+    """
+
+    def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_id: int | None,
+                 pad_token_id: int | None = None, unk_token_id: int | None = None,
+                 extra_eos_token_ids: Sequence[int] = (), chat_template: str | None = None) -> None:
+        self._backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
+        self.chat_template = chat_template
+        # Ids, not entries: a vocabulary with a duplicated string has a hole, and ids past
+        # the hole must still be in range.
+        self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        added = backend.get_added_tokens_decoder()
+        self.special_token_ids: frozenset[int] = frozenset(i for i, t in added.items() if t.special)
+        eos = {eos_token_id} if eos_token_id is not None else set()
+        eos.update(extra_eos_token_ids)
+        if chat_template:
+            for text in TURN_END_TOKENS:
+                tid = backend.token_to_id(text)
+                if tid is not None and tid in self.special_token_ids and text in chat_template:
+                    eos.add(tid)
+        self.eos_token_ids: frozenset[int] = frozenset(eos)
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build the tokenizer stored in a GGUF file's metadata (no weights are read).
+
+        Parameters
+        ----------
+        path : str or path
+            A ``.gguf`` file.
+
+        Returns
+        -------
+        Tokenizer
+
+        Raises
+        ------
+        ModelNotFoundError
+            No such file.
+        CorruptModelError
+            Not a readable GGUF, or its tokenizer metadata is incomplete.
+        UnsupportedModelError
+            A tokenizer kind or pre-tokenizer formcast does not reproduce.
+        """
+        from gguf import GGUFReader
+
+        path = Path(path)
+        if not path.is_file():
+            raise ModelNotFoundError(f"no GGUF file at {path}")
+        try:
+            reader = GGUFReader(path, "r")
+        except (ValueError, OSError) as exc:
+            raise CorruptModelError(f"{path} is not a readable GGUF file: {exc}") from exc
+        meta = {name: field.contents() for name, field in reader.fields.items()
+                if name.startswith("tokenizer.")}
+        return cls.from_gguf_metadata(meta, source=str(path))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, source: str = "GGUF") -> Tokenizer:
+        """Build from already-parsed GGUF key/values (``tokenizer.*`` keys are enough).
+
+        Lets a loader that has parsed the file once share that work.
+
+        Parameters
+        ----------
+        meta : mapping
+            GGUF metadata, values as ``GGUFReader``'s ``field.contents()`` returns them.
+        source : str
+            Names the file in error messages.
+
+        Returns
+        -------
+        Tokenizer
+
+        Raises
+        ------
+        CorruptModelError, UnsupportedModelError
+            As :meth:`from_gguf`.
+        """
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise UnsupportedModelError(
+                f"{source}: tokenizer.ggml.model={kind!r}; formcast builds only byte-level BPE "
+                "('gpt2') tokenizers from GGUF. Load the model's HF folder (tokenizer.json) "
+                "instead.")
+        pre = meta.get("tokenizer.ggml.pre", "gpt2")
+        if pre in _DIGITS_THEN_GPT2:
+            pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        elif pre in _GPT2:
+            pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        else:
+            raise UnsupportedModelError(
+                f"{source}: GGUF pre-tokenizer {pre!r} is not supported (known: "
+                f"{', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))}). Load the model's HF folder "
+                "(tokenizer.json) instead.")
+        try:
+            tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+            merge_lines: list[str] = list(meta["tokenizer.ggml.merges"])
+        except KeyError as exc:
+            raise CorruptModelError(f"{source}: GGUF metadata lacks {exc.args[0]}") from exc
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+        if len(types) != len(tokens):
+            raise CorruptModelError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
+
+        vocab: dict[str, int] = {}
+        for i, (text, ttype) in enumerate(zip(tokens, types)):
+            # Ordinary tokens are spelled in the byte alphabet already; an added token keeps
+            # its own text so that it maps to its id, never to a fresh one.
+            added = ttype in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
+            if not added and not set(text) <= CHAR_TO_BYTE.keys():
+                text = "".join(BYTE_TO_CHAR[b] for b in text.encode("utf-8"))
+            vocab.setdefault(text, i)
+        merges = []
+        for line in merge_lines:
+            cut = line.find(" ", 1)  # a token may begin with a space; the separator cannot
+            if cut < 0:
+                raise CorruptModelError(f"{source}: malformed merge {line!r}")
+            merges.append((line[:cut], line[cut + 1:]))
+        backend = _Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
+        backend.pre_tokenizer = pre_tokenizer
+        backend.decoder = decoders.ByteLevel()
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                    for t, k in zip(tokens, types) if k == _GGUF_CONTROL])
+        backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                            for t, k in zip(tokens, types) if k == _GGUF_USER_DEFINED])
+
+        def token_id(key: str) -> int | None:
+            value = meta.get(f"tokenizer.ggml.{key}")
+            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+        bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+        _set_bos_eos(backend, bos_id=bos if meta.get("tokenizer.ggml.add_bos_token") else None,
+                     eos_id=eos if meta.get("tokenizer.ggml.add_eos_token") else None)
+        extra = [t for t in (token_id("eot_token_id"), token_id("eom_token_id")) if t is not None]
+        return cls(backend, bos_token_id=bos, eos_token_id=eos,
+                   pad_token_id=token_id("padding_token_id"),
+                   unk_token_id=token_id("unknown_token_id"), extra_eos_token_ids=extra,
+                   chat_template=meta.get("tokenizer.chat_template"))
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Build from an HF folder: ``tokenizer.json`` plus, when present,
+        ``tokenizer_config.json``, ``special_tokens_map.json``, ``chat_template.jinja``
+        and ``generation_config.json``.
+
+        As in transformers, an explicit ``add_bos_token``/``add_eos_token`` in
+        ``tokenizer_config.json`` (or a ``tokenizer.json`` without a post-processor)
+        decides whether :meth:`encode` adds bos/eos.
+
+        Parameters
+        ----------
+        path : str or path
+            The folder.
+
+        Returns
+        -------
+        Tokenizer
+
+        Raises
+        ------
+        ModelNotFoundError
+            No such folder, or it has no ``tokenizer.json``.
+        CorruptModelError
+            A JSON file there does not parse.
+        """
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise ModelNotFoundError(
+                f"no tokenizer.json in {folder}; formcast needs the fast-tokenizer file "
+                "(save one with transformers' tokenizer.save_pretrained)")
+        try:
+            backend = _Backend.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise CorruptModelError(f"{folder / 'tokenizer.json'} does not load: {exc}") from exc
+        config = _read_json(folder / "tokenizer_config.json")
+        names = {**_read_json(folder / "special_tokens_map.json"), **config}
+
+        def named(key: str) -> int | None:
+            value = names.get(key)
+            text = value.get("content") if isinstance(value, Mapping) else value
+            return backend.token_to_id(text) if isinstance(text, str) else None
+
+        bos, eos = named("bos_token"), named("eos_token")
+        explicit = "add_bos_token" in config or "add_eos_token" in config
+        if explicit or backend.post_processor is None:
+            _set_bos_eos(backend, bos_id=bos if config.get("add_bos_token") else None,
+                         eos_id=eos if config.get("add_eos_token") else None)
+        template_file = folder / "chat_template.jinja"
+        template = template_file.read_text(encoding="utf-8") if template_file.is_file() \
+            else config.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            by_name = {t.get("name"): t.get("template") for t in template}
+            template = by_name.get("default", next(iter(by_name.values()), None))
+        gen_eos = _read_json(folder / "generation_config.json").get("eos_token_id")
+        extra = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+        return cls(backend, bos_token_id=bos, eos_token_id=eos, pad_token_id=named("pad_token"),
+                   unk_token_id=named("unk_token"), extra_eos_token_ids=extra,
+                   chat_template=template)
+
+    # ---------------------------------------------------------------- encoding
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (highest id + 1), added tokens included."""
+        return self._vocab_size
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. Does not change state.
+
+        Special tokens written in the text (``"<|im_start|>"``) map to their ids, as in
+        transformers. ``add_special_tokens`` adds bos/eos only where the model asks for
+        it (SmolLM2 does not).
+
+        Parameters
+        ----------
+        text : str
+        add_special_tokens : bool
+
+        Returns
+        -------
+        list of int
+        """
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids``; bytes that are not valid UTF-8 become U+FFFD. Does not change state.
+
+        Parameters
+        ----------
+        ids : sequence of int
+        skip_special_tokens : bool
+            Leave out special tokens (``<|im_end|>``...).
+
+        Returns
+        -------
+        str
+
+        Raises
+        ------
+        RequestError
+            An id is outside ``[0, vocab_size)``.
+        """
+        ids = list(ids)
+        if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):
+            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of ``token_id`` (byte-alphabet spelling), or None if unknown."""
+        return self._backend.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of the vocabulary string ``token``, or None if it is not one."""
+        return self._backend.token_to_id(token)
+
+    # ------------------------------------------------------------------- chat
+
+    @cached_property
+    def _compiled_template(self) -> ChatTemplate:
+        if not self.chat_template:
+            raise RequestError("this model has no chat template; pass a plain prompt string "
+                               "instead of chat messages")
+        return ChatTemplate(self.chat_template)
+
+    @overload
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = ..., tokenize: Literal[False] = ...,
+                            **template_kwargs: Any) -> str: ...
+
+    @overload
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = ..., tokenize: Literal[True],
+                            **template_kwargs: Any) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True, tokenize: bool = False,
+                            **template_kwargs: Any) -> str | list[int]:
+        """Render a conversation with the model's chat template. Does not change state.
+
+        Renders exactly as transformers' ``apply_chat_template`` (the template sees
+        ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
+        ``unk_token``, ``pad_token``, ``tools``, ``documents`` and ``template_kwargs``).
+
+        Parameters
+        ----------
+        messages : sequence of dict
+            ``{"role": ..., "content": ...}`` messages.
+        add_generation_prompt : bool
+            End with the header of an assistant turn, ready for generation.
+        tokenize : bool
+            Return token ids (encoded without adding bos/eos: the template writes them).
+        **template_kwargs
+            Extra template variables; they override the special-token names.
+
+        Returns
+        -------
+        str or list of int
+
+        Raises
+        ------
+        RequestError
+            The model has no chat template, or the template rejected the conversation.
+        CorruptModelError
+            The template is not valid jinja.
+        """
+        names = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id,
+                 "unk_token": self.unk_token_id, "pad_token": self.pad_token_id}
+        variables = {k: self._backend.id_to_token(v) for k, v in names.items() if v is not None}
+        text = self._compiled_template.render(messages, add_generation_prompt=add_generation_prompt,
+                                              **{**variables, **template_kwargs})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    # ---------------------------------------------------------- token bytes
+
+    @cached_property
+    def _token_bytes(self) -> tuple[bytes, ...]:
+        added = self._backend.get_added_tokens_decoder()
+        spelled = _decoder_spelling(json.loads(self._backend.to_str()).get("decoder"))
+        out = []
+        for i in range(self.vocab_size):
+            text = self._backend.id_to_token(i)
+            if text is None:
+                out.append(b"")
+            elif i in added:
+                out.append(added[i].content.encode("utf-8"))
+            else:
+                out.append(spelled(text))
+        return tuple(out)
+
+    def token_bytes(self) -> list[bytes]:
+        """The raw bytes each token id stands for, indexed by id. Does not change state.
+
+        Byte-level tokens are mapped back through GPT-2's byte alphabet (so one token
+        may hold part of a UTF-8 character); added and special tokens give their text
+        in UTF-8. Sentencepiece-style vocabularies map ``▁`` to a space and
+        ``<0xNN>`` to that byte.
+
+        Returns
+        -------
+        list of bytes
+            ``vocab_size`` entries; a fresh list on each call.
+        """
+        return list(self._token_bytes)
+
+    @cached_property
+    def _strips_leading_space(self) -> bool:
+        return _decoder_strips_space(json.loads(self._backend.to_str()).get("decoder"))
+
+    def fingerprint(self) -> str:
+        """A stable sha256 hex digest of the vocabulary, merges, added tokens and eos ids.
+
+        Equal digests mean the same id -> token mapping, merges, special tokens and stop
+        ids, which is what a compiled grammar depends on, so it keys grammar caches. The
+        pre-tokenizer is not covered: tokenizers sharing a digest may still split some
+        text differently.
+
+        Returns
+        -------
+        str
+        """
+        return self._fingerprint
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        model = json.loads(self._backend.to_str())["model"]
+        merges = [m.split(" ", 1) if isinstance(m, str) else list(m)
+                  for m in model.get("merges", [])]
+        added = self._backend.get_added_tokens_decoder()
+        payload = {
+            "version": 1,
+            "model": model.get("type"),
+            "vocab": [self._backend.id_to_token(i) for i in range(self.vocab_size)],
+            "merges": merges,
+            "added": [[i, t.content, t.special] for i, t in sorted(added.items())],
+            "eos": sorted(self.eos_token_ids),
+        }
+        blob = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return hashlib.sha256(blob).hexdigest()
+
+    def __repr__(self) -> str:
+        return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
+                f"eos={sorted(self.eos_token_ids)}, "
+                f"chat_template={self.chat_template is not None})")
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Each :meth:`feed` returns only whole characters: bytes of a UTF-8 character split
+    across tokens are held back until it completes, so no delta ends in a spurious
+    U+FFFD. The deltas plus :meth:`flush` concatenate to ``tokenizer.decode(ids)``.
+    One instance per sequence; it is stateful.
+
+    Parameters
+    ----------
+    tokenizer : Tokenizer
+    skip_special_tokens : bool
+        Emit nothing for special tokens (as ``decode(..., skip_special_tokens=True)``).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
+        self._bytes = tokenizer._token_bytes
+        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        self._strip_space = tokenizer._strips_leading_space
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._started = False
+
+    def feed(self, token_id: int) -> str:
+        """Add one token; return the text it completes (maybe ``""``). Changes state.
+
+        Raises
+        ------
+        RequestError
+            ``token_id`` is outside the vocabulary.
+        """
+        if not 0 <= token_id < len(self._bytes):
+            raise RequestError(
+                f"token id {token_id} is outside the vocabulary [0, {len(self._bytes)})")
+        if token_id in self._skip:
+            return ""
+        return self._emit(self._utf8.decode(self._bytes[token_id]))
+
+    def flush(self) -> str:
+        """Return what is held back (an unfinished character becomes U+FFFD). Changes state."""
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    def _emit(self, text: str) -> str:
+        # Sentencepiece decoders drop the space the encoder put before the first word.
+        if text and not self._started:
+            self._started = True
+            if self._strip_space and text.startswith(" "):
+                text = text[1:]
+        return text
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
+    """The tokenizer of a registry model, a GGUF file or an HF folder; loads no weights.
+
+    Parameters
+    ----------
+    name_or_path : str or path
+        As :func:`formcast.engine.hub.resolve_model` takes it; a folder holding only a
+        ``tokenizer.json`` also works.
+
+    Returns
+    -------
+    Tokenizer
+
+    Raises
+    ------
+    ModelNotFoundError
+        Nothing loadable there (or an unknown registry name).
+    ModelFetchError
+        A registry model had to be fetched and the fetch failed.
+    CorruptModelError, UnsupportedModelError
+        As :meth:`Tokenizer.from_gguf` / :meth:`Tokenizer.from_hf_dir`.
+    """
+    from formcast.engine.hub import resolve_model
+
+    path = Path(os.fspath(name_or_path)).expanduser()
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return Tokenizer.from_hf_dir(path)
+    source = resolve_model(name_or_path)
+    if source.kind == "gguf":
+        return Tokenizer.from_gguf(source.path)
+    return Tokenizer.from_hf_dir(source.path)
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CorruptModelError(f"{path} is not valid JSON: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def _set_bos_eos(backend: _Backend, *, bos_id: int | None, eos_id: int | None) -> None:
+    """Make ``encode(add_special_tokens=True)`` add bos and/or eos (or nothing)."""
+    if bos_id is None and eos_id is None:
+        backend.post_processor = None
+        return
+    bos = [f"{backend.id_to_token(bos_id)}"] if bos_id is not None else []
+    eos = [f"{backend.id_to_token(eos_id)}"] if eos_id is not None else []
+    single = [*bos, "$A", *eos]
+    pair = [*single, *(f"{t}:1" for t in bos), "$B:1", *(f"{t}:1" for t in eos)]
+    specials = [(backend.id_to_token(i), i) for i in {bos_id, eos_id} if i is not None]
+    backend.post_processor = processors.TemplateProcessing(
+        single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
+
+
+def _decoder_steps(decoder: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    if not decoder:
+        return []
+    if decoder.get("type") == "Sequence":
+        return [s for d in decoder.get("decoders", []) for s in _decoder_steps(d)]
+    return [decoder]
+
+
+def _decoder_spelling(decoder: Mapping[str, Any] | None) -> Callable[[str], bytes]:
+    """A function from a vocabulary string to the bytes the decoder makes of it."""
+    types = {step.get("type") for step in _decoder_steps(decoder)}
+    if "ByteLevel" in types:
+        def byte_level(text: str) -> bytes:
+            # A token with any character outside the alphabet decodes as its own UTF-8.
+            if set(text) <= CHAR_TO_BYTE.keys():
+                return bytes(CHAR_TO_BYTE[c] for c in text)
+            return text.encode("utf-8")
+        return byte_level
+    byte_fallback = "ByteFallback" in types
+
+    def sentencepiece(text: str) -> bytes:
+        if byte_fallback and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            return bytes([int(text[3:5], 16)])
+        return text.replace("\u2581", " ").encode("utf-8")
+    return sentencepiece
+
+
+def _decoder_strips_space(decoder: Mapping[str, Any] | None) -> bool:
+    for step in _decoder_steps(decoder):
+        if step.get("type") == "Metaspace" and step.get("prepend_scheme", "always") != "never" \
+                and step.get("add_prefix_space", True):
+            return True
+        if step.get("type") == "Strip" and step.get("content") == " " and step.get("start", 0) > 0:
+            return True
+    return False
