@@ -47,6 +47,11 @@ class LlamaConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
         """Build from a transformers ``config.json`` dictionary."""
         heads = d["num_attention_heads"]
+        # transformers >= 5 writes RoPE settings (theta and any scaling) as rope_parameters.
+        rope_params = d.get("rope_parameters") or {}
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -56,9 +61,8 @@ class LlamaConfig:
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=(d.get("rope_theta")
-                        or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0),
-            rope_scaling=d.get("rope_scaling"),
+            rope_theta=d.get("rope_theta") or rope_params.get("rope_theta") or 10000.0,
+            rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", False),
