@@ -1,0 +1,375 @@
+"""Load a Llama GGUF file into transformers-named float32 weights, with an on-disk cache.
+
+Parsing is ``gguf.GGUFReader``; anything it trips over becomes a
+:class:`~formcast.errors.CorruptModelError` naming the file. Dequantized weights are
+cached next to the GGUF as ``<file>.formcast-f32.safetensors`` so a second load is
+a plain safetensors read instead of a parse (~2 s for SmolLM2, mostly the 49k
+tokenizer strings) plus dequantization (~1 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGUFReader
+from gguf.gguf_reader import ReaderTensor
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from formcast.engine.config import LlamaConfig
+from formcast.engine.loader.dequant import SUPPORTED_TYPES, dequantize, nbytes_of
+from formcast.engine.loader.hf import check_weights, expected_shapes
+from formcast.errors import CorruptModelError, ModelError, ModelNotFoundError, UnsupportedModelError
+
+_log = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+CACHE_SUFFIX = ".formcast-f32.safetensors"
+# Bump when the cached tensors would come out differently (naming, permutation, config).
+_CACHE_FORMAT = "formcast-gguf-f32/1"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The transformers name of a llama.cpp tensor name, or None if it is not a Llama weight."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
+    """Parse a GGUF file's header and tensor table (tensor data stays memory-mapped).
+
+    Raises
+    ------
+    ModelNotFoundError
+        No such file.
+    CorruptModelError
+        Not a GGUF file, or truncated / damaged so that its header cannot be parsed.
+    """
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+        size = path.stat().st_size
+    except FileNotFoundError as exc:
+        raise ModelNotFoundError(f"{path}: no such GGUF file") from exc
+    except OSError as exc:
+        raise ModelError(f"{path}: cannot read the file ({exc})") from exc
+    if size == 0:
+        raise CorruptModelError(f"{path}: the file is empty; delete it and download it again")
+    if head != b"GGUF":
+        raise CorruptModelError(
+            f"{path}: not a GGUF file (it starts with {head!r}, not the magic b'GGUF')")
+    try:
+        return GGUFReader(path)
+    # GGUFReader parses untrusted bytes with numpy views; a damaged or truncated file
+    # surfaces as whichever exception the first short read or bad value causes
+    # (IndexError, ValueError, KeyError, UnicodeDecodeError, ...), so all mean "corrupt".
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptModelError(
+            f"{path}: truncated or damaged GGUF file ({size} bytes); reading its header and "
+            f"tensor table failed with {type(exc).__name__}: {exc}. Delete it and download "
+            "it again.") from exc
+
+
+def _value(reader: GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
+def _number(reader: GGUFReader, key: str, path: Path, *, integer: bool,
+            default: int | float | None = None) -> Any:
+    value = _value(reader, key)
+    if value is None:
+        if default is None:
+            raise CorruptModelError(f"{path}: required metadata key {key!r} is missing")
+        return default
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise CorruptModelError(f"{path}: metadata key {key!r} should be a "
+                                f"{'integer' if integer else 'number'}, found {value!r}")
+    return value
+
+
+def _rope_scaling(reader: GGUFReader, path: Path) -> dict[str, Any] | None:
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # Llama 3.1-style RoPE: llama.cpp stores per-frequency factors instead of the
+        # scaling parameters, which transformers' llama3 rope type needs.
+        raise UnsupportedModelError(
+            f"{path}: carries a rope_freqs tensor (Llama 3.1-style RoPE scaling), which "
+            "formcast does not support yet; use the HF-layout folder of this model instead")
+    kind = _value(reader, "llama.rope.scaling.type")
+    factor = _value(reader, "llama.rope.scaling.factor")
+    if kind is None and _value(reader, "llama.rope.scale_linear") is not None:
+        kind, factor = "linear", _value(reader, "llama.rope.scale_linear")
+    if kind is None or kind == "none":
+        return None
+    scaling: dict[str, Any] = {"rope_type": str(kind)}
+    if factor is not None:
+        scaling["factor"] = float(factor)
+    for suffix, hf_key in (("original_context_length", "original_max_position_embeddings"),
+                           ("attn_factor", "attention_factor"),
+                           ("yarn_beta_fast", "beta_fast"),
+                           ("yarn_beta_slow", "beta_slow")):
+        value = _value(reader, f"llama.rope.scaling.{suffix}")
+        if value is not None:
+            scaling[hf_key] = value
+    return scaling
+
+
+def config_from_reader(reader: GGUFReader, path: Path) -> LlamaConfig:
+    """Build a :class:`LlamaConfig` from an opened GGUF's metadata and tensor table."""
+    try:
+        arch = _value(reader, "general.architecture")
+        if arch is None:
+            raise CorruptModelError(f"{path}: metadata key 'general.architecture' is missing")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{path}: GGUF architecture {arch!r} is not supported; formcast runs "
+                f"{', '.join(map(repr, SUPPORTED_ARCHITECTURES))} models")
+        p = f"{arch}."
+        hidden = _number(reader, p + "embedding_length", path, integer=True)
+        heads = _number(reader, p + "attention.head_count", path, integer=True)
+        rope_dim = _number(reader, p + "rope.dimension_count", path, integer=True,
+                           default=hidden // max(heads, 1))
+        head_dim = _number(reader, p + "attention.key_length", path, integer=True,
+                           default=rope_dim)
+        if rope_dim != head_dim:
+            raise UnsupportedModelError(
+                f"{path}: partial rotary embedding (rope.dimension_count {rope_dim} < head "
+                f"dim {head_dim}) is not supported")
+        names = {t.name for t in reader.tensors}
+        vocab = _value(reader, p + "vocab_size")
+        if vocab is None:
+            tokens = reader.get_field("tokenizer.ggml.tokens")
+            if tokens is not None:
+                vocab = len(tokens.data)
+            elif "token_embd.weight" in names:
+                vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight")
+                            .shape[-1])
+            else:
+                raise CorruptModelError(f"{path}: cannot tell the vocabulary size (no "
+                                        f"{p}vocab_size, tokenizer.ggml.tokens or token_embd)")
+        return LlamaConfig(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=_number(reader, p + "feed_forward_length", path, integer=True),
+            num_hidden_layers=_number(reader, p + "block_count", path, integer=True),
+            num_attention_heads=heads,
+            num_key_value_heads=_number(reader, p + "attention.head_count_kv", path,
+                                        integer=True, default=heads),
+            head_dim=head_dim,
+            rms_norm_eps=float(_number(reader, p + "attention.layer_norm_rms_epsilon", path,
+                                       integer=False, default=1e-5)),
+            rope_theta=float(_number(reader, p + "rope.freq_base", path, integer=False,
+                                     default=10000.0)),
+            rope_scaling=_rope_scaling(reader, path),
+            max_position_embeddings=_number(reader, p + "context_length", path, integer=True,
+                                            default=2048),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            mlp_bias="blk.0.ffn_gate.bias" in names,
+            architecture=str(arch),
+        )
+    except UnicodeDecodeError as exc:
+        raise CorruptModelError(f"{path}: metadata holds invalid UTF-8 ({exc})") from exc
+    except ValueError as exc:  # LlamaConfig's own validation
+        raise CorruptModelError(f"{path}: inconsistent model metadata ({exc})") from exc
+
+
+def read_gguf_config(path: str | os.PathLike[str]) -> LlamaConfig:
+    """Read a GGUF file's model config from its metadata, without touching tensor data.
+
+    Parameters
+    ----------
+    path : str or path
+        The ``.gguf`` file.
+
+    Returns
+    -------
+    LlamaConfig
+
+    Raises
+    ------
+    ModelNotFoundError
+        No such file.
+    CorruptModelError
+        Not a GGUF file, truncated, or missing required metadata.
+    UnsupportedModelError
+        An architecture other than Llama, or a Llama variant formcast does not run.
+    """
+    return config_from_reader(open_gguf(path), Path(path))
+
+
+def _unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's reordering of q/k projection rows (weights or biases).
+
+    llama.cpp's RoPE rotates adjacent pairs (x0, x1), (x2, x3), ...; transformers'
+    ``rotate_half`` pairs x_j with x_{j + d/2}. The converter therefore moves row
+    ``s * d/2 + j`` of each head to row ``2 * j + s``; this puts it back.
+    """
+    head_dim = w.shape[0] // n_heads
+    rest = w.shape[1:]
+    # [n_heads * d, ...] -> [n_heads, d/2, 2, ...] -> [n_heads, 2, d/2, ...]
+    return w.reshape(n_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(w.shape) \
+        .contiguous()
+
+
+def _weight(t: ReaderTensor, name: str, shape: tuple[int, ...], config: LlamaConfig,
+            path: Path, file_size: int) -> torch.Tensor:
+    if t.tensor_type not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+        raise UnsupportedModelError(
+            f"{path}: tensor {t.name} is stored as {t.tensor_type.name}, which formcast cannot "
+            f"dequantize (supported: {supported}); use a GGUF quantized with one of those")
+    end = t.data_offset + nbytes_of(t.tensor_type, shape)
+    if end > file_size:
+        raise CorruptModelError(
+            f"{path}: data of tensor {t.name} ends at byte {end}, past the end of the file "
+            f"({file_size} bytes); the file is truncated. Delete it and download it again.")
+    try:
+        w = dequantize(t.data, t.tensor_type, shape)
+    except ValueError as exc:
+        raise CorruptModelError(f"{path}: tensor {t.name}: {exc}") from exc
+    if ".self_attn.q_proj." in name:
+        w = _unpermute_rope_rows(w, config.num_attention_heads)
+    elif ".self_attn.k_proj." in name:
+        w = _unpermute_rope_rows(w, config.num_key_value_heads)
+    return w
+
+
+def load_gguf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Parse and dequantize a Llama GGUF into float32 weights with transformers names.
+
+    Raises
+    ------
+    ModelNotFoundError, CorruptModelError, UnsupportedModelError
+        As for :func:`read_gguf_config`; also for missing or unexpected tensors,
+        shapes that disagree with the metadata, data past the end of the file and
+        tensor types formcast cannot dequantize.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    config = config_from_reader(reader, path)
+    shapes = expected_shapes(config)
+    file_size = path.stat().st_size
+    by_name: dict[str, ReaderTensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise UnsupportedModelError(
+                f"{path}: unexpected tensor {t.name!r} for a Llama model; formcast does not "
+                "know how to use it")
+        if name not in shapes:
+            raise CorruptModelError(
+                f"{path}: tensor {t.name} does not fit the metadata (block_count "
+                f"{config.num_hidden_layers})")
+        by_name[name] = t
+    missing = [n for n in shapes if n not in by_name]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CorruptModelError(f"{path}: missing tensors for {', '.join(missing[:5])}{more}")
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in shapes.items():
+        t = by_name[name]
+        found = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims inner-first
+        if found != shape:
+            raise CorruptModelError(f"{path}: tensor {t.name} has shape {list(found)}, but the "
+                                    f"metadata implies {list(shape)}")
+        weights[name] = _weight(t, name, shape, config, path, file_size)
+    return config, weights
+
+
+def cache_path(path: str | os.PathLike[str]) -> Path:
+    """Where the float32 cache of the GGUF at ``path`` lives."""
+    path = Path(path)
+    return path.with_name(path.name + CACHE_SUFFIX)
+
+
+def _cache_key(path: Path) -> dict[str, str]:
+    st = path.stat()
+    return {"format": _CACHE_FORMAT, "gguf_size": str(st.st_size),
+            "gguf_mtime_ns": str(st.st_mtime_ns)}
+
+
+def read_cache(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torch.Tensor]] | None:
+    """The cached float32 weights of a GGUF, or None if absent, stale or unreadable.
+
+    The cache is stale when the GGUF's size or modification time differs from the
+    one recorded when the cache was written. Does not modify anything.
+    """
+    path = Path(path)
+    target = cache_path(path)
+    try:
+        key = _cache_key(path)
+        with safe_open(target, framework="pt") as f:
+            meta = f.metadata() or {}
+            if any(meta.get(k) != v for k, v in key.items()):
+                _log.info("formcast: weight cache %s is stale; rebuilding it", target)
+                return None
+            config = LlamaConfig(**json.loads(meta["config"]))
+            weights = {name: f.get_tensor(name) for name in f.keys()}
+        check_weights(weights, config, origin=target)
+    except FileNotFoundError:
+        return None
+    except (OSError, SafetensorError, ValueError, TypeError, KeyError, CorruptModelError) as exc:
+        _log.warning("formcast: ignoring unreadable weight cache %s (%s)", target, exc)
+        return None
+    return config, weights
+
+
+def write_cache(path: str | os.PathLike[str], config: LlamaConfig,
+                weights: dict[str, torch.Tensor]) -> Path | None:
+    """Write the float32 cache of the GGUF at ``path`` atomically; None if it could not.
+
+    A folder that is not writable (or a full disk) only costs the speed-up, so
+    failures are logged, not raised.
+    """
+    path = Path(path)
+    target = cache_path(path)
+    meta = {**_cache_key(path), "config": json.dumps(dataclasses.asdict(config))}
+    tmp: str | None = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        os.close(fd)
+        save_file({k: v.to(torch.float32).contiguous() for k, v in weights.items()}, tmp,
+                  metadata=meta)
+        os.replace(tmp, target)
+        tmp = None
+    except (OSError, SafetensorError) as exc:
+        _log.info("formcast: not caching weights of %s (%s)", path, exc)
+        return None
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+    return target
+
