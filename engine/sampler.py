@@ -40,7 +40,7 @@ class Sampler:
                                         bitmask_words(self.vocab_size), dtype=torch.int32)
         return self._bitmask[:n]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         # logits [B, V] float32, row i belongs to seqs[i]; modified in place
         errors: dict[int, str] = {}

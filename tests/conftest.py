@@ -27,3 +27,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_source):
+    """Our engine on the real SmolLM2 weights (CPU, float32)."""
+    from formcast.engine import Engine
+
+    return Engine.from_pretrained(str(smollm2_source.path), device="cpu")
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers' LlamaForCausalLM from the same GGUF: the correctness oracle."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    return model.eval()

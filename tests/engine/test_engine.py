@@ -1,0 +1,235 @@
+"""End-to-end engine tests on the real SmolLM2-135M-Instruct weights (CPU, float32).
+
+transformers' LlamaForCausalLM, loaded from the same GGUF, is the oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from formcast.engine import Engine, EngineConfig, SamplingParams
+from formcast.errors import ModelNotFoundError, RequestError
+
+from .helpers import AllowOnly
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Ünïcödé and 中文 and emoji 🎉 in one sentence:",
+    "Extract the name and age: John Smith is 42 years old and lives in Boston.",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def chat(engine: Engine, text: str) -> list[int]:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+
+
+def variant(engine: Engine, **config) -> Engine:
+    """Another engine over the same weights, with its own KV cache and config."""
+    return Engine(engine.model, engine.tokenizer, config=EngineConfig(**config),
+                  device=engine.device)
+
+
+@pytest.mark.parametrize("text", PROMPTS)
+def test_forward_logits_match_transformers(smollm2_engine, hf_smollm2, text):
+    ids = smollm2_engine.tokenizer.encode(text)
+    ours = smollm2_engine.forward_logits(ids)
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([ids])).logits[0].float()
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-3
+
+
+def test_forward_logits_in_chunks_equals_one_pass(smollm2_engine):
+    ids = chat(smollm2_engine, PROMPTS[3])
+    chunked = variant(smollm2_engine, max_num_batched_tokens=7, num_kv_blocks=64)
+    assert (chunked.forward_logits(ids) - smollm2_engine.forward_logits(ids)).abs().max() <= 1e-4
+
+
+def test_step_by_step_decode_matches_prefill(smollm2_engine):
+    ids = chat(smollm2_engine, PROMPTS[0])
+    out = smollm2_engine.generate([ids], SamplingParams(max_tokens=16, temperature=0.0,
+                                                        logprobs=0, ignore_eos=True))[0]
+    full = list(ids) + list(out.token_ids)
+    ref = torch.log_softmax(smollm2_engine.forward_logits(full), dim=-1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp.token_id == tok
+        assert lp.logprob == pytest.approx(ref[len(ids) - 1 + i, tok].item(), abs=1e-4)
+        assert tok == int(ref[len(ids) - 1 + i].argmax())
+
+
+def test_greedy_generation_matches_transformers_generate(smollm2_engine, hf_smollm2):
+    prompts = [chat(smollm2_engine, t) for t in PROMPTS[:3]]
+    outs = smollm2_engine.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
+    eos = sorted(smollm2_engine.eos_token_ids)
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                      eos_token_id=eos, pad_token_id=eos[0])
+        assert list(out.token_ids) == ref[0, len(ids):].tolist()
+        assert out.finish_reason in ("stop", "length")
+
+
+def test_batch_of_16_gives_each_request_what_it_gives_alone(smollm2_engine):
+    texts = [f"{t} (variant {i})" * (1 + i % 3) for i, t in enumerate(PROMPTS * 4)]
+    prompts = [chat(smollm2_engine, t) for t in texts]
+    assert len({len(p) for p in prompts}) > 4
+    batch = smollm2_engine.generate(prompts, GREEDY)
+    for ids, out in zip(prompts, batch):
+        alone = smollm2_engine.generate([ids], GREEDY)[0]
+        assert out.token_ids == alone.token_ids
+        assert out.text == alone.text
+
+
+def test_seeded_sampling_repeats_and_does_not_depend_on_the_batch(smollm2_engine):
+    ids = chat(smollm2_engine, "Write one sentence about the sea.")
+    sp = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234)
+    first = smollm2_engine.generate([ids], sp)[0]
+    again = smollm2_engine.generate([ids], sp)[0]
+    assert first.token_ids == again.token_ids
+    others = [chat(smollm2_engine, t) for t in PROMPTS]
+    mixed = smollm2_engine.generate(others + [ids], [SamplingParams(max_tokens=20, temperature=1.0)]
+                                    * len(others) + [sp])[-1]
+    assert mixed.token_ids == first.token_ids
+    other_seed = smollm2_engine.generate([ids], SamplingParams(max_tokens=20, temperature=0.9,
+                                                               top_p=0.95, seed=99))[0]
+    assert other_seed.token_ids != first.token_ids
+
+
+def test_preemption_under_a_tiny_kv_budget_keeps_greedy_outputs(smollm2_engine):
+    prompts = [chat(smollm2_engine, t) for t in PROMPTS * 2]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = smollm2_engine.generate(prompts, sp)
+    longest = max(len(p) for p in prompts) + 40
+    tiny = variant(smollm2_engine, block_size=16, num_kv_blocks=-(-longest // 16) + 2)
+    got = tiny.generate(prompts, sp)
+    assert tiny.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_prefix_cache_hits_give_identical_outputs(smollm2_engine):
+    system = "You are a precise extraction assistant. " * 8
+    prompts = [smollm2_engine.tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": t}], tokenize=True)
+        for t in PROMPTS[:2]]
+    eng = variant(smollm2_engine, num_kv_blocks=256)
+    first = eng.generate(prompts[:1], GREEDY)[0]
+    second = eng.generate(prompts[1:], GREEDY)[0]
+    assert second.metrics.num_cached_prompt_tokens >= 64
+    assert second.token_ids == smollm2_engine.generate(prompts[1:], GREEDY)[0].token_ids
+    again = eng.generate(prompts[:1], GREEDY)[0]
+    assert again.metrics.num_cached_prompt_tokens > 0 and again.token_ids == first.token_ids
+
+
+def test_chunked_prefill_gives_identical_greedy_output(smollm2_engine):
+    prompts = [chat(smollm2_engine, t) for t in PROMPTS]
+    small = variant(smollm2_engine, max_num_batched_tokens=16)
+    assert ([o.token_ids for o in small.generate(prompts, GREEDY)]
+            == [o.token_ids for o in smollm2_engine.generate(prompts, GREEDY)])
+
+
+def test_constraint_hook_restricts_every_token_and_terminates(smollm2_engine):
+    tok = smollm2_engine.tokenizer
+    digits = {tok.encode(str(d))[0] for d in range(10)}
+    constraint = AllowOnly(digits, length=6)
+    out = smollm2_engine.generate([chat(smollm2_engine, "Say hello.")], GREEDY,
+                                  constraints=[constraint])[0]
+    assert len(out.token_ids) == 6 and set(out.token_ids) <= digits
+    assert out.text.isdigit() and out.finish_reason == "stop"
+    assert constraint.accepted == list(out.token_ids)
+
+
+def test_a_failing_constraint_fails_only_its_own_request(smollm2_engine):
+    class Broken(AllowOnly):
+        def accept(self, token_id):
+            raise RuntimeError("matcher crashed")
+
+    prompts = [chat(smollm2_engine, t) for t in PROMPTS[:3]]
+    alone = smollm2_engine.generate(prompts, GREEDY)
+    outs = smollm2_engine.generate(prompts, GREEDY, constraints=[None, Broken({5, 6}), None])
+    assert outs[1].finish_reason == "abort" and "matcher crashed" in outs[1].error
+    assert outs[0].token_ids == alone[0].token_ids and outs[2].token_ids == alone[2].token_ids
+    assert not smollm2_engine.has_unfinished_requests()
+
+
+def test_max_tokens_gives_length_and_stop_strings_cut_text(smollm2_engine):
+    ids = chat(smollm2_engine, "Count from one to twenty in words, separated by commas.")
+    out = smollm2_engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0,
+                                                        ignore_eos=True))[0]
+    assert len(out.token_ids) == 12 and out.finish_reason == "length"
+    stop = out.text[len(out.text) // 2:][:3]
+    cut = smollm2_engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0,
+                                                        stop=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == out.text[:out.text.index(stop)]
+    kept = smollm2_engine.generate([ids], SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,),
+                                                         include_stop_str_in_output=True))[0]
+    assert kept.text == out.text[:out.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_eos_end_generation(smollm2_engine):
+    ids = chat(smollm2_engine, "Say hi.")
+    free = smollm2_engine.generate([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert free.finish_reason == "stop" and free.token_ids[-1] in smollm2_engine.eos_token_ids
+    assert "<|im_end|>" not in free.text
+    third = free.token_ids[2]
+    out = smollm2_engine.generate([ids], SamplingParams(max_tokens=64, temperature=0.0,
+                                                        stop_token_ids=(third,)))[0]
+    assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
+
+
+def test_abort_request_ends_it_and_keeps_the_others(smollm2_engine):
+    eng = variant(smollm2_engine, num_kv_blocks=128)
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    a = eng.add_request(chat(eng, PROMPTS[0]), sp)
+    b = eng.add_request(chat(eng, PROMPTS[1]), sp)
+    for _ in range(3):
+        eng.step()
+    assert eng.abort_request(a) and not eng.abort_request("nope")
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert finished[a].finish_reason == "abort" and len(finished[a].token_ids) < 20
+    assert finished[b].token_ids == eng.generate([chat(eng, PROMPTS[1])], sp)[0].token_ids
+    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], None, "empty"),
+    ([1] * 9000, None, "context"),
+    ([1, 2, 10**9], None, "outside"),
+    ("hello", None, "token ids"),
+])
+def test_bad_requests_raise_before_anything_is_queued(smollm2_engine, prompt, params, match):
+    with pytest.raises(RequestError, match=match):
+        smollm2_engine.add_request(prompt, params)
+    assert not smollm2_engine.has_unfinished_requests()
+
+
+def test_bad_prompt_in_a_batch_rejects_the_batch_before_any_work(smollm2_engine):
+    good = chat(smollm2_engine, "hi")
+    with pytest.raises(RequestError, match="prompt 1"):
+        smollm2_engine.generate([good, []], GREEDY)
+    assert not smollm2_engine.has_unfinished_requests()
+
+
+def test_non_constraint_object_is_rejected(smollm2_engine):
+    with pytest.raises(RequestError, match="LogitsConstraint"):
+        smollm2_engine.add_request([1, 2, 3], GREEDY, constraint=object())
+
+
+def test_unknown_model_name_is_a_typed_error():
+    with pytest.raises(ModelNotFoundError, match="no-such-model"):
+        Engine.from_pretrained("no-such-model")
+
+
+def test_unknown_engine_option_is_a_type_error():
+    with pytest.raises(TypeError, match="unknown engine option"):
+        Engine.from_pretrained("smollm2", max_batch_size=3)
