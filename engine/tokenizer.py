@@ -440,6 +440,49 @@ class Tokenizer:
     def _strips_leading_space(self) -> bool:
         return _decoder_strips_space(json.loads(self._backend.to_str()).get("decoder"))
 
+    def save_pretrained(self, folder: str | os.PathLike[str]) -> Path:
+        """Write this tokenizer as an HF folder that :meth:`from_hf_dir` reads back.
+
+        Writes ``tokenizer.json``, ``tokenizer_config.json`` (named tokens, chat
+        template, whether bos/eos are added) and ``generation_config.json`` (eos ids).
+        Does not change the tokenizer.
+
+        Parameters
+        ----------
+        folder : str or path
+            Created if missing.
+
+        Returns
+        -------
+        Path
+            The folder.
+        """
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(out / "tokenizer.json"))
+        probe = self._backend.encode("a", add_special_tokens=True).ids
+        plain = self._backend.encode("a", add_special_tokens=False).ids
+
+        def text(token_id: int | None) -> str | None:
+            return None if token_id is None else self._backend.id_to_token(token_id)
+
+        config = {
+            "bos_token": text(self.bos_token_id),
+            "eos_token": text(self.eos_token_id),
+            "pad_token": text(self.pad_token_id),
+            "unk_token": text(self.unk_token_id),
+            "add_bos_token": self.bos_token_id is not None and probe[:1] == [self.bos_token_id]
+            and plain[:1] != [self.bos_token_id],
+            "add_eos_token": self.eos_token_id is not None and probe[-1:] == [self.eos_token_id]
+            and plain[-1:] != [self.eos_token_id],
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        (out / "generation_config.json").write_text(
+            json.dumps({"eos_token_id": sorted(self.eos_token_ids)}), encoding="utf-8")
+        return out
+
     def fingerprint(self) -> str:
         """A stable sha256 hex digest of the vocabulary, merges, added tokens and eos ids.
 

@@ -446,3 +446,16 @@ def test_sentencepiece_style_folder(tmp_path: Path) -> None:
         deltas = _stream(tok, ids, skip_special_tokens=skip)
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
         assert not any("\ufffd" in d for d in deltas)
+
+
+def test_save_pretrained_round_trips_through_from_hf_dir(smollm2_gguf, tmp_path):
+    ours = Tokenizer.from_gguf(smollm2_gguf)
+    back = Tokenizer.from_hf_dir(ours.save_pretrained(tmp_path / "tok"))
+    texts = ["Hello  world\n\n", "a  1 ½ 2024", "<|im_start|>user\nhi<|im_end|>", "日本語 🎉"]
+    for text in texts:
+        assert back.encode(text) == ours.encode(text)
+    assert back.eos_token_ids == ours.eos_token_ids
+    assert (back.bos_token_id, back.pad_token_id) == (ours.bos_token_id, ours.pad_token_id)
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert back.apply_chat_template(messages) == ours.apply_chat_template(messages)
+    assert back.fingerprint() == ours.fingerprint()

@@ -1,0 +1,118 @@
+"""The engine on CUDA: random weights of the SmolLM2 shape (the GGUF does not travel
+to the GPU machine), our real tokenizer. Skipped where no CUDA device exists."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
+from formcast.engine.engine import build_model
+from formcast.engine.models.shapes import SHAPES, random_llama_weights
+
+from .helpers import AllowOnly
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    folder = os.environ.get("FORMCAST_TOKENIZER_DIR")
+    if folder:
+        return Tokenizer.from_hf_dir(folder)
+    from formcast.engine.hub import resolve_model
+
+    return Tokenizer.from_gguf(resolve_model("smollm2").path)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_llama_weights(SHAPES["smollm2-135m"], seed=0, head_std=0.5)
+
+
+def make_engine(weights, tokenizer, device: str, dtype: torch.dtype, **config) -> Engine:
+    model = build_model(SHAPES["smollm2-135m"], weights, device=torch.device(device), dtype=dtype)
+    return Engine(model, tokenizer, config=EngineConfig(**config), device=torch.device(device))
+
+
+@pytest.fixture(scope="module")
+def cuda32(weights, tokenizer):
+    return make_engine(weights, tokenizer, "cuda", torch.float32, num_kv_blocks=512)
+
+
+@pytest.fixture(scope="module")
+def cpu32(weights, tokenizer):
+    return make_engine(weights, tokenizer, "cpu", torch.float32, num_kv_blocks=512)
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    texts = [f"Request {i}: " + "tell me about the weather. " * (1 + i % 5) for i in range(n)]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def test_cuda_float32_logits_match_cpu(cuda32, cpu32, tokenizer):
+    for ids in prompts(tokenizer, 3):
+        gpu = cuda32.forward_logits(ids)
+        cpu = cpu32.forward_logits(ids)
+        assert (gpu - cpu).abs().max().item() <= 2e-3
+
+
+def test_cuda_bfloat16_is_the_default_and_tracks_float32(weights, tokenizer, cuda32):
+    eng = Engine(build_model(SHAPES["smollm2-135m"], weights, device=torch.device("cuda"),
+                             dtype=torch.bfloat16), tokenizer, device=torch.device("cuda"))
+    assert eng.dtype == torch.bfloat16 and eng.runner.kv_caches[0].dtype == torch.bfloat16
+    ids = prompts(tokenizer, 1)[0]
+    lo, hi = eng.forward_logits(ids), cuda32.forward_logits(ids)
+    agree = (lo.argmax(-1) == hi.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+    assert torch.nn.functional.cosine_similarity(lo, hi, dim=-1).min().item() > 0.99
+
+
+def test_cuda_decode_matches_prefill(cuda32, tokenizer):
+    ids = prompts(tokenizer, 1)[0]
+    out = cuda32.generate([ids], SamplingParams(max_tokens=16, temperature=0.0, logprobs=0,
+                                                ignore_eos=True))[0]
+    ref = torch.log_softmax(cuda32.forward_logits(ids + list(out.token_ids)), dim=-1)
+    for i, lp in enumerate(out.logprobs):
+        assert lp.logprob == pytest.approx(ref[len(ids) - 1 + i, lp.token_id].item(), abs=1e-3)
+
+
+def test_cuda_batch_of_16_matches_each_alone(cuda32, tokenizer):
+    ps = prompts(tokenizer, 16)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    batch = cuda32.generate(ps, sp)
+    for ids, out in zip(ps, batch):
+        assert out.token_ids == cuda32.generate([ids], sp)[0].token_ids
+
+
+def test_cuda_greedy_matches_cpu(cuda32, cpu32, tokenizer):
+    ps = prompts(tokenizer, 4)
+    sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in cuda32.generate(ps, sp)] == \
+        [o.token_ids for o in cpu32.generate(ps, sp)]
+
+
+def test_cuda_seeded_sampling_repeats(cuda32, tokenizer):
+    ids = prompts(tokenizer, 1)[0]
+    sp = SamplingParams(max_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=7)
+    assert cuda32.generate([ids], sp)[0].token_ids == cuda32.generate([ids], sp)[0].token_ids
+
+
+def test_cuda_preemption_keeps_greedy_outputs(weights, tokenizer, cuda32):
+    ps = prompts(tokenizer, 8)
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    longest = max(len(p) for p in ps) + 24
+    tiny = make_engine(weights, tokenizer, "cuda", torch.float32,
+                       num_kv_blocks=-(-longest // 16) + 2)
+    got = tiny.generate(ps, sp)
+    assert tiny.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in cuda32.generate(ps, sp)]
+
+
+def test_cuda_constraint_mask_applies_on_device(cuda32, tokenizer):
+    allowed = {tokenizer.encode(str(d))[0] for d in range(10)}
+    out = cuda32.generate(prompts(tokenizer, 1), SamplingParams(max_tokens=8, temperature=0.0),
+                          constraints=[AllowOnly(allowed, length=8)])[0]
+    assert set(out.token_ids) <= allowed and len(out.token_ids) == 8
