@@ -23,6 +23,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_vs_hf.py
+	$(BIN)/python benchmarks/engine_vs_hf.py --quantization int4
 
 clean:
 	rm -rf $(VENV) build *.egg-info

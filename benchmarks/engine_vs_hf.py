@@ -224,6 +224,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--skip-hf", action="store_true", help="measure formcast only")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--quantization", default="none", choices=["none", "int4", "int8"],
+                    help="formcast's CPU weight format (HF always runs float weights)")
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if args.tokens < 2 or args.repeats < 1 or any(b < 1 for b in batch_sizes):
@@ -235,13 +237,16 @@ def main() -> None:
     t0 = time.perf_counter()
     # prefix caching off: the same prompts run every repeat, and cache hits from the
     # previous repeat would skip prefill that HF has to redo
-    engine = Engine.from_pretrained("smollm2", device=args.device, enable_prefix_caching=False)
+    quantization = None if args.quantization == "none" else args.quantization
+    engine = Engine.from_pretrained("smollm2", device=args.device, enable_prefix_caching=False,
+                                    quantization=quantization)
     hf = None if args.skip_hf else load_hf(device, engine.dtype)
     prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                     add_generation_prompt=True, tokenize=True)
                for text in PROMPTS]
     lengths = sorted(len(p) for p in prompts)
-    print(f"model {engine.name} on {device} ({engine.dtype}), torch {torch.__version__}, "
+    print(f"model {engine.name} on {device} ({engine.dtype}, formcast weights: "
+          f"{quantization or 'float'}), torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {platform.processor() or platform.machine()}")
     print(f"{len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens "
           f"(median {statistics.median(lengths):.0f}); loaded in {time.perf_counter() - t0:.1f}s")
