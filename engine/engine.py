@@ -24,7 +24,7 @@ from formcast.engine.sampler import Sampler
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.scheduler import ScheduledSeq, Scheduler
 from formcast.engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
-from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
 from formcast.errors import EngineError, RequestError
 
 
@@ -118,7 +118,7 @@ class Engine:
         dev = resolve_device(device)
         dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
         source = resolve_model(name_or_path)
-        tokenizer = (Tokenizer.from_gguf(source.path) if source.kind == "gguf"
+        tokenizer = (cached_gguf_tokenizer(source.path) if source.kind == "gguf"
                      else Tokenizer.from_hf_dir(source.path))
         ckpt = load_checkpoint(source)
         model = build_model(ckpt.config, ckpt.weights, device=dev, dtype=dtype,

@@ -27,6 +27,7 @@ import codecs
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -599,8 +600,41 @@ def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
         return Tokenizer.from_hf_dir(path)
     source = resolve_model(name_or_path)
     if source.kind == "gguf":
-        return Tokenizer.from_gguf(source.path)
+        return cached_gguf_tokenizer(source.path)
     return Tokenizer.from_hf_dir(source.path)
+
+
+def cached_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """:meth:`Tokenizer.from_gguf`, served from an HF-folder copy next to the file.
+
+    Parsing a GGUF's vocabulary takes seconds; the copy (``<file>.formcast-tokenizer``,
+    stamped with the GGUF's size and mtime) loads in a fraction of that. When the
+    folder cannot be written the tokenizer is simply built from the GGUF each time.
+    """
+    gguf_path = Path(path)
+    folder = gguf_path.with_name(gguf_path.name + ".formcast-tokenizer")
+    stat = gguf_path.stat()
+    stamp = f"{stat.st_size}:{stat.st_mtime_ns}:{_TOKENIZER_CACHE_VERSION}"
+    stamp_file = folder / "formcast-stamp"
+    if stamp_file.is_file() and stamp_file.read_text() == stamp:
+        try:
+            return Tokenizer.from_hf_dir(folder)
+        except (CorruptModelError, ModelNotFoundError):
+            pass  # a damaged copy: rebuild it below
+    tokenizer = Tokenizer.from_gguf(gguf_path)
+    try:
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        tokenizer.save_pretrained(tmp)
+        (tmp / "formcast-stamp").write_text(stamp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except OSError:
+        pass
+    return tokenizer
+
+
+_TOKENIZER_CACHE_VERSION = "1"
 
 
 # ------------------------------------------------------------------ helpers

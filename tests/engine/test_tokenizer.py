@@ -459,3 +459,25 @@ def test_save_pretrained_round_trips_through_from_hf_dir(smollm2_gguf, tmp_path)
     messages = [{"role": "user", "content": "Hi there"}]
     assert back.apply_chat_template(messages) == ours.apply_chat_template(messages)
     assert back.fingerprint() == ours.fingerprint()
+
+
+def test_gguf_tokenizer_is_cached_as_an_hf_folder_and_invalidated_by_changes(smollm2_gguf, tmp_path):
+    import os
+    import shutil
+
+    from formcast.engine.tokenizer import cached_gguf_tokenizer
+
+    copy = tmp_path / smollm2_gguf.name
+    shutil.copyfile(smollm2_gguf, copy)
+    first = cached_gguf_tokenizer(copy)
+    folder = tmp_path / (copy.name + ".formcast-tokenizer")
+    assert (folder / "tokenizer.json").is_file()
+    second = cached_gguf_tokenizer(copy)
+    text = "Héllo  wörld 123 <|im_start|>"
+    assert second.encode(text) == first.encode(text) == Tokenizer.from_gguf(copy).encode(text)
+    assert second.fingerprint() == first.fingerprint()
+    (folder / "tokenizer.json").write_text("{broken")
+    os.utime(copy, ns=(1, 1))                       # the GGUF "changed": the copy is rebuilt
+    third = cached_gguf_tokenizer(copy)
+    assert third.encode(text) == first.encode(text)
+    assert (folder / "formcast-stamp").read_text().startswith(f"{copy.stat().st_size}:1:")
