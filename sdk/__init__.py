@@ -9,6 +9,7 @@ from formcast.errors import (
     ModelError,
     ModelFetchError,
     ModelNotFoundError,
+    OutputValidationError,
     RequestError,
     UnsupportedModelError,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "ModelError",
     "ModelFetchError",
     "ModelNotFoundError",
+    "OutputValidationError",
     "RequestError",
     "UnsupportedModelError",
 ]

@@ -55,6 +55,23 @@ class IncompleteOutputError(FormcastError):
         self.text = text
 
 
+class OutputValidationError(FormcastError):
+    """The output conformed to its constraint but the schema's validators rejected it.
+
+    Attributes
+    ----------
+    text : str
+        The raw generated text.
+    error : Exception
+        The validation error (e.g. ``pydantic.ValidationError``).
+    """
+
+    def __init__(self, message: str, *, text: str, error: Exception) -> None:
+        super().__init__(message)
+        self.text = text
+        self.error = error
+
+
 class EngineError(FormcastError):
     """The engine failed while running (not caused by one request's input)."""
 
@@ -69,5 +86,6 @@ __all__ = [
     "RequestError",
     "ConstraintError",
     "IncompleteOutputError",
+    "OutputValidationError",
     "EngineError",
 ]
