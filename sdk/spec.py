@@ -1,0 +1,130 @@
+"""From a call's constraint arguments to a grammar constraint and an output parser.
+
+``output_spec`` takes the keyword arguments of ``LLM.generate`` (at most one set)
+and returns an :class:`OutputSpec`: the ``formcast.grammars`` constraint to compile,
+and how to turn the finished text into a value (JSON parsing + validation with an
+independent validator: jsonschema or pydantic).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from formcast.errors import OutputValidationError
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSpec:
+    """What the output must be, and how to read it.
+
+    Attributes
+    ----------
+    kind : str
+        "text", "regex", "json", "grammar", "lark", "choice" or "type".
+    constraint : object | None
+        The ``formcast.grammars`` constraint (None for free text).
+    parser : callable | None
+        text -> value; raises :class:`OutputValidationError`. None: no value.
+    json_schema : dict | None
+        The JSON Schema, for JSON outputs.
+    """
+
+    kind: str
+    constraint: Any = None
+    parser: Callable[[str], Any] | None = None
+    json_schema: dict | None = None
+
+    @property
+    def parses(self) -> bool:
+        return self.parser is not None
+
+    def parse(self, text: str) -> Any:
+        assert self.parser is not None
+        return self.parser(text)
+
+    def compile(self, tokenizer: Any, *, vocab_size: int):
+        """The compiled grammar (cached by the grammar layer), or None for free text."""
+        if self.constraint is None:
+            return None
+        from formcast import grammars
+
+        return grammars.compile(self.constraint, tokenizer, vocab_size=vocab_size)
+
+
+def output_spec(*, regex: str | None = None, json_schema: dict | str | None = None,
+                grammar: str | None = None, lark: str | None = None,
+                choices: Sequence[str] | None = None, output_type: Any = None) -> OutputSpec:
+    """Build the spec for at most one constraint argument (else ``ValueError``)."""
+    given = {k: v for k, v in dict(regex=regex, json_schema=json_schema, grammar=grammar,
+                                   lark=lark, choices=choices, output_type=output_type).items()
+             if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"give at most one constraint, got {sorted(given)}")
+    if not given:
+        return OutputSpec(kind="text")
+    from formcast import grammars
+
+    (key, value), = given.items()
+    if key == "regex":
+        return OutputSpec(kind="regex", constraint=grammars.Regex(value))
+    if key == "grammar":
+        return OutputSpec(kind="grammar", constraint=grammars.Ebnf(value))
+    if key == "lark":
+        return OutputSpec(kind="lark", constraint=grammars.Lark(value))
+    if key == "choices":
+        options = list(value)
+        return OutputSpec(kind="choice", constraint=grammars.Choice(options),
+                          parser=lambda text: _check_choice(text, options))
+    if key == "json_schema":
+        schema = json.loads(value) if isinstance(value, str) else dict(value)
+        return OutputSpec(kind="json", constraint=grammars.JsonSchema(schema),
+                          parser=lambda text: parse_json(text, schema), json_schema=schema)
+    return type_spec(value)
+
+
+def type_spec(tp: Any) -> OutputSpec:
+    """Spec for a Python type: JSON constrained by its schema, validated by pydantic."""
+    from pydantic import TypeAdapter
+
+    from formcast import grammars
+
+    try:
+        adapter = TypeAdapter(tp)
+        schema = adapter.json_schema()
+    except Exception as exc:
+        raise TypeError(f"cannot build a JSON Schema for {tp!r}: {exc}") from exc
+    return OutputSpec(kind="type", constraint=grammars.from_type(tp),
+                      parser=lambda text: validate_with(adapter, text), json_schema=schema)
+
+
+def validate_with(adapter: Any, text: str) -> Any:
+    from pydantic import ValidationError
+
+    try:
+        return adapter.validate_json(text)
+    except ValidationError as exc:
+        raise OutputValidationError(f"the output does not validate: {exc}", text=text,
+                                    error=exc) from exc
+
+
+def parse_json(text: str, schema: dict) -> Any:
+    """json.loads + jsonschema validation, both independent of the mask backend."""
+    import jsonschema
+
+    try:
+        value = json.loads(text)
+        jsonschema.validate(value, schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError) as exc:
+        raise OutputValidationError(f"the output does not validate: {exc}", text=text,
+                                    error=exc) from exc
+    return value
+
+
+def _check_choice(text: str, options: list[str]) -> str:
+    if text not in options:
+        raise OutputValidationError(f"{text!r} is not one of the choices", text=text,
+                                    error=ValueError(text))
+    return text
