@@ -44,3 +44,11 @@ def hf_smollm2(smollm2_gguf):
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def llm(smollm2_engine):
+    """formcast.LLM over the shared SmolLM2 engine."""
+    from formcast.llm import LLM
+
+    return LLM(smollm2_engine)

@@ -1,0 +1,96 @@
+"""The SDK's model object on the real SmolLM2 (free text, scoring, streaming, errors)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import formcast
+from formcast import Completion, FormcastError, RequestError
+
+pytestmark = pytest.mark.slow
+
+
+def test_generate_renders_the_chat_template_and_reports_usage(llm):
+    out = llm.generate("What is the capital of France?", max_tokens=20)
+    assert isinstance(out, Completion)
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    ids = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=True)
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(out.token_ids)
+    assert out.usage.latency_s > 0 and out.value is None
+
+
+def test_raw_prompt_skips_the_template_and_system_is_prepended(llm):
+    raw = llm.generate("The capital of France is", raw=True, max_tokens=3)
+    assert raw.usage.prompt_tokens == len(llm.tokenizer.encode("The capital of France is"))
+    sys_ids = llm.prompt_ids("Hi", system="Answer in French.")
+    assert llm.tokenizer.decode(sys_ids).count("Answer in French.") == 1
+
+
+def test_max_tokens_and_stop(llm):
+    out = llm.generate("Count from one to ten in words.", max_tokens=5)
+    assert out.finish_reason == "length" and out.usage.completion_tokens == 5
+    full = llm.generate("Count from one to ten in words.", max_tokens=30).text
+    word = full.split()[2]
+    cut = llm.generate("Count from one to ten in words.", max_tokens=30, stop=word)
+    assert word not in cut.text and cut.finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(llm):
+    a = llm.generate("Name a colour.", temperature=1.0, seed=11, max_tokens=12)
+    b = llm.generate("Name a colour.", temperature=1.0, seed=11, max_tokens=12)
+    assert a.token_ids == b.token_ids
+
+
+def test_generate_batch_matches_single_calls_and_isolates_failures(llm):
+    prompts = ["What is 2+2?", "Name a fruit.", "Say hello."]
+    batch = llm.generate_batch(prompts, max_tokens=12)
+    for p, out in zip(prompts, batch):
+        assert out.token_ids == llm.generate(p, max_tokens=12).token_ids
+    mixed = llm.generate_batch(["Say hi.", "x" * 40_000, "Say bye."], max_tokens=8)
+    assert isinstance(mixed[0], Completion) and isinstance(mixed[2], Completion)
+    assert isinstance(mixed[1], RequestError) and "context" in str(mixed[1])
+
+
+def test_stream_text_deltas_join_to_the_generated_text(llm):
+    deltas = list(llm.stream_text("Write one sentence about cats.", max_tokens=24))
+    assert len(deltas) > 3
+    assert "".join(deltas) == llm.generate("Write one sentence about cats.", max_tokens=24).text
+
+
+def test_score_is_the_sum_of_token_logprobs(llm):
+    prompt = "What is the capital of France?"
+    scores = llm.score(prompt, ["Paris", "The capital of France is Paris."])
+    base = llm.prompt_ids(prompt)
+    cont = llm.tokenizer.encode("The capital of France is Paris.", add_special_tokens=False)
+    logits = llm.engine.forward_logits(base + cont)
+    lp = torch.log_softmax(logits, -1)
+    expected = sum(lp[len(base) - 1 + i, t].item() for i, t in enumerate(cont))
+    assert scores[1] == pytest.approx(expected, abs=1e-4)
+    assert all(s < 0 for s in scores)
+
+
+def test_choose_picks_the_likeliest_answer(llm):
+    assert llm.choose("What is the capital of France? Answer with the city.",
+                      ["Paris", "Madrid", "Tokyo"]) == "Paris"
+    with pytest.raises(RequestError):
+        llm.score("hi", [])
+
+
+def test_more_than_one_constraint_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="at most one constraint"):
+        llm.generate("hi", regex="a+", choices=["a", "b"])
+
+
+def test_bad_sampling_parameters_are_typed_errors(llm):
+    with pytest.raises(RequestError, match="max_tokens"):
+        llm.generate("hi", max_tokens=0)
+    with pytest.raises(FormcastError):
+        llm.generate("hi", temperature=-1)
+
+
+def test_load_unknown_model_says_what_is_known():
+    with pytest.raises(formcast.ModelNotFoundError, match="smollm2"):
+        formcast.load("definitely-not-a-model")
