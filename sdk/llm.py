@@ -176,9 +176,13 @@ class LLM:
                     results[i] = exc
                     continue
                 pending[rid] = i
-            for out in self._drive(set(pending)):
-                i = pending[out.request_id]
-                results[i] = self._finish(out, spec)
+            try:
+                for out in self._drive(set(pending)):
+                    i = pending.pop(out.request_id)
+                    results[i] = self._finish(out, spec)
+            finally:
+                if pending:  # interrupted (e.g. KeyboardInterrupt): leave the engine clean
+                    self._abort_all(pending)
         if _raise:
             for r in results:
                 if isinstance(r, FormcastError):
@@ -186,10 +190,10 @@ class LLM:
         return results  # type: ignore[return-value]
 
     def _abort_all(self, pending: dict[str, int]) -> None:
-        for rid in pending:
+        for rid in list(pending):
             self.engine.abort_request(rid)
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        pending.clear()
+        self.engine.step()  # hands back the aborted outputs; frees nothing else
 
     def _drive(self, request_ids: set[str]) -> Iterator[RequestOutput]:
         """Step the engine until every request in ``request_ids`` finished; yield finals."""
