@@ -1,0 +1,447 @@
+"""The ``formcast`` command line: pull, info, generate, extract.
+
+Exit codes: 0 success, 1 a runtime failure (fetch, engine, output cut short),
+2 a usage error (bad option, unreadable file, invalid schema or constraint,
+unknown model). Errors print one clear line on stderr, never a traceback.
+Progress and status go to stderr, results to stdout (or the --output file), so
+``formcast generate ... > out.txt`` captures only the answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn,
+                           Task, TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
+from rich.text import Text
+
+from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
+                             ModelNotFoundError, OutputValidationError, RequestError)
+
+app = typer.Typer(name="formcast", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False,
+                  help="Structured generation on formcast's embedded engine (no API key).")
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CliContext:
+    """What the commands need from outside; tests pass their own ``load``.
+
+    Attributes
+    ----------
+    load : callable
+        ``load(model, device=..., dtype=..., **engine_options) -> LLM``.
+    """
+
+    load: Callable[..., Any]
+
+
+def _default_load(model: str, **kwargs: Any) -> Any:
+    import formcast
+
+    return formcast.load(model, **kwargs)
+
+
+def _err() -> Console:
+    # Built per call so the console follows the current sys.stderr (CliRunner swaps it).
+    return Console(stderr=True, highlight=False)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    _err().print(Text("error: ", style="bold red") + Text(message))
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _errors_to_exit_codes() -> Iterator[None]:
+    """Turn formcast's (and the OS's) exceptions into one line and an exit code."""
+    try:
+        yield
+    except (ConstraintError, ModelNotFoundError, RequestError) as exc:
+        _fail(str(exc), EXIT_USAGE)
+    except (ValueError, TypeError) as exc:  # arguments the SDK rejected (bad option, schema)
+        _fail(str(exc), EXIT_USAGE)
+    except IncompleteOutputError as exc:
+        _fail(f"{exc}\npartial output: {exc.text!r}", EXIT_RUNTIME)
+    except OutputValidationError as exc:
+        _fail(f"{exc}\noutput: {exc.text!r}", EXIT_RUNTIME)
+    except (FormcastError, OSError, RuntimeError) as exc:
+        _fail(f"{type(exc).__name__}: {exc}", EXIT_RUNTIME)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+
+
+def _load_llm(ctx: typer.Context, model: str, device: str, dtype: str | None,
+              quantization: str | None) -> Any:
+    import torch
+
+    if dtype is not None and dtype not in DTYPES:
+        raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}",
+                                 param_hint="--dtype")
+    if quantization not in (None, "int4", "int8"):
+        raise typer.BadParameter(f"{quantization!r} is not int4 or int8",
+                                 param_hint="--quantization")
+    options: dict[str, Any] = {"device": device,
+                               "dtype": getattr(torch, dtype) if dtype else None}
+    if quantization:
+        options["quantization"] = quantization
+    state = ctx.find_object(CliContext)
+    load = state.load if state is not None else _default_load
+    with _err().status(f"loading {model} ..."):
+        return load(model, **options)
+
+
+# Options shared by the commands that load a model.
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Registry name, .gguf file or HF folder.")]
+DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
+DtypeOpt = Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")]
+QuantOpt = Annotated[str | None, typer.Option(help="CPU weight quantization: int4 or int8.")]
+
+
+# -- pull ---------------------------------------------------------------------------
+@app.command()
+def pull(model: Annotated[str, typer.Argument(help="Registry name.")] = "smollm2") -> None:
+    """Fetch a model into the local cache and print its path."""
+    from formcast.engine.hub import resolve_model
+
+    with _errors_to_exit_codes():
+        source = resolve_model(model)
+    typer.echo(str(source.path))
+
+
+# -- info ---------------------------------------------------------------------------
+@app.command()
+def info(ctx: typer.Context,
+         model: Annotated[str, typer.Argument(help="Registry name or path.")] = "smollm2",
+         device: DeviceOpt = "auto", dtype: DtypeOpt = None, quantization: QuantOpt = None,
+         as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False) -> None:
+    """Show a model's shape, dtype, device, cache files, tokenizer and versions."""
+    from formcast.engine.hub import formcast_home, resolve_model
+
+    with _errors_to_exit_codes():
+        source = resolve_model(model)
+        llm = _load_llm(ctx, model, device, dtype, quantization)
+    engine, cfg, tok = llm.engine, llm.engine.model.config, llm.tokenizer
+    report = {
+        "model": {"name": engine.name, "source": str(source.path), "format": source.kind,
+                  "architecture": cfg.architecture, "parameters": _parameter_count(cfg),
+                  "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
+                  "intermediate_size": cfg.intermediate_size,
+                  "attention_heads": cfg.num_attention_heads,
+                  "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
+                  "vocab_size": cfg.vocab_size, "context_length": cfg.max_position_embeddings,
+                  "tied_embeddings": cfg.tie_word_embeddings},
+        "runtime": {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+                    "quantization": quantization or "none",
+                    "max_model_len": engine.max_model_len,
+                    "kv_blocks": engine.block_manager.num_blocks,
+                    "block_size": engine.config.block_size},
+        "tokenizer": {"vocab_size": tok.vocab_size, "bos_token_id": tok.bos_token_id,
+                      "eos_token_ids": sorted(tok.eos_token_ids)},
+        "cache": {"home": str(formcast_home()), "files": _cache_files(source.path)},
+        "versions": _versions(),
+    }
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    out = Console(highlight=False)
+    for section, rows in report.items():
+        table = Table(title=section, title_justify="left", show_header=False, box=None,
+                      padding=(0, 2))
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in rows.items():
+            if isinstance(value, list):
+                value = "\n".join(map(str, value)) or "-"
+            table.add_row(key, f"{value:,}" if isinstance(value, int) and not isinstance(
+                value, bool) else str(value))
+        out.print(table)
+        out.print()
+
+
+def _parameter_count(cfg: Any) -> int:
+    """Weights of a Llama decoder, from its shape (true whatever the storage format)."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
+        cfg.num_key_value_heads * cfg.head_dim
+    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size + 2 * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return cfg.vocab_size * h + cfg.num_hidden_layers * layer + h + head
+
+
+def _cache_files(path: Path) -> list[str]:
+    if path.is_dir():
+        return [str(path)]
+    return [str(p) for p in sorted(path.parent.iterdir()) if p.name.startswith(path.name)]
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import formcast
+
+    found = {"formcast": formcast.__version__, "python": platform.python_version()}
+    for dist in ("torch", "tokenizers", "pydantic", "xgrammar", "outlines_core", "typer", "rich"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return found
+
+
+# -- generate -----------------------------------------------------------------------
+@app.command()
+def generate(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Argument(help="The prompt ('-' reads stdin).")],
+    regex: Annotated[str | None, typer.Option(help="Output must fully match this regex.")] = None,
+    json_schema: Annotated[str | None, typer.Option(
+        "--json-schema", help="JSON Schema file (or inline JSON) the output must satisfy.")] = None,
+    grammar: Annotated[Path | None, typer.Option(
+        help="EBNF (GBNF) grammar file with a root rule.")] = None,
+    lark: Annotated[Path | None, typer.Option(help="Lark grammar file.")] = None,
+    choices: Annotated[str | None, typer.Option(help="Comma-separated allowed outputs.")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    seed: int | None = None,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
+    model: ModelOpt = "smollm2", device: DeviceOpt = "auto", dtype: DtypeOpt = None,
+    quantization: QuantOpt = None,
+) -> None:
+    """Generate text, optionally constrained (at most one of the constraint options)."""
+    given = [name for name, v in (("--regex", regex), ("--json-schema", json_schema),
+                                  ("--grammar", grammar), ("--lark", lark),
+                                  ("--choices", choices)) if v is not None]
+    if len(given) > 1:
+        raise typer.BadParameter(f"give at most one constraint, got {' and '.join(given)}")
+    constraint: dict[str, Any] = {}
+    if regex is not None:
+        constraint["regex"] = regex
+    elif json_schema is not None:
+        constraint["json_schema"] = _read_json_schema(json_schema, "--json-schema")
+    elif grammar is not None:
+        constraint["grammar"] = _read_text(grammar, "--grammar")
+    elif lark is not None:
+        constraint["lark"] = _read_text(lark, "--lark")
+    elif choices is not None:
+        options = [c.strip() for c in choices.split(",") if c.strip()]
+        if not options:
+            raise typer.BadParameter("no choices given", param_hint="--choices")
+        constraint["choices"] = options
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    with _errors_to_exit_codes():
+        llm = _load_llm(ctx, model, device, dtype, quantization)
+        out = llm.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                           seed=seed, system=system, **constraint)
+    typer.echo(out.text)
+    u = out.usage
+    rate = u.completion_tokens / u.latency_s if u.latency_s > 0 else 0.0
+    _err().print(f"[dim]{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens, "
+                 f"{u.latency_s:.2f} s ({rate:.1f} tok/s), finish={out.finish_reason}[/dim]")
+
+
+def _read_text(path: Path, hint: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint=hint)
+
+
+def _read_json_schema(value: str, hint: str) -> dict:
+    text = value if value.lstrip().startswith("{") else _read_text(Path(value), hint)
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint=hint)
+    if not isinstance(schema, dict):
+        raise typer.BadParameter("a JSON Schema must be a JSON object", param_hint=hint)
+    return schema
+
+
+# -- extract ------------------------------------------------------------------------
+@app.command()
+def extract(
+    ctx: typer.Context,
+    schema: Annotated[str, typer.Option(
+        help="JSON Schema file (*.json), or module:Class / file.py:Class for a pydantic "
+             "model, dataclass or TypedDict.")],
+    input: Annotated[Path, typer.Option(
+        "--input", "-i", help="JSONL: one string, or one object with a text field, a line.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL written here ('-': stdout).")],
+    text_field: Annotated[str, typer.Option(help="Field holding the text in object lines.")] = "text",
+    batch_size: Annotated[int, typer.Option(min=1, help="Texts per engine batch.")] = 16,
+    instructions: Annotated[str | None, typer.Option(help="Extra guidance for the model.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(min=1)] = None,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.0,
+    seed: int | None = None,
+    model: ModelOpt = "smollm2", device: DeviceOpt = "auto", dtype: DtypeOpt = None,
+    quantization: QuantOpt = None,
+) -> None:
+    """Extract one typed object per input text into a JSONL file.
+
+    Each output line is {"index": i, "data": {...}} or, for an item that failed,
+    {"index": i, "error": {"type": ..., "message": ...}} (plus "text", the raw
+    output, when there is one). The run goes on past failed items.
+    """
+    target = _load_schema(schema)
+    texts = _read_texts(input, text_field)
+    try:  # before loading the model, so a bad path fails fast
+        sink = sys.stdout if str(output) == "-" else output.open("w", encoding="utf-8")
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot write {output}: {exc.strerror or exc}",
+                                 param_hint="--output")
+    with _errors_to_exit_codes():
+        try:
+            llm = _load_llm(ctx, model, device, dtype, quantization)
+            failed, tokens = _extract_all(llm, texts, target, sink, batch_size=batch_size,
+                                          instructions=instructions, max_tokens=max_tokens,
+                                          temperature=temperature, seed=seed)
+        finally:
+            if sink is not sys.stdout:
+                sink.close()
+    where = "stdout" if str(output) == "-" else str(output)
+    _err().print(f"{len(texts) - failed}/{len(texts)} extracted, {failed} failed, "
+                 f"{tokens} output tokens -> {where}")
+
+
+class _RateColumn(ProgressColumn):
+    """Items/s and tokens/s over the whole run so far."""
+
+    def render(self, task: Task) -> Text:
+        elapsed = task.elapsed or 0.0
+        if elapsed <= 0:
+            return Text("-- items/s  -- tok/s", style="progress.data.speed")
+        return Text(f"{task.completed / elapsed:.2f} items/s  "
+                    f"{task.fields.get('tokens', 0) / elapsed:.1f} tok/s",
+                    style="progress.data.speed")
+
+
+def _extract_all(llm: Any, texts: list[str], target: Any, sink: Any, *, batch_size: int,
+                 **options: Any) -> tuple[int, int]:
+    """Run ``extract_batch`` chunk by chunk, writing lines as chunks finish (changes ``sink``).
+
+    Returns the number of failed items and of output tokens (the compact JSON of each
+    result re-tokenized: extract_batch returns values, not token counts).
+    """
+    from pydantic_core import to_jsonable_python
+
+    failed = tokens = 0
+    columns = (SpinnerColumn(), TextColumn("extract"), BarColumn(), MofNCompleteColumn(),
+               _RateColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=_err(), transient=False) as progress:
+        task = progress.add_task("extract", total=len(texts), tokens=0)
+        for start in range(0, len(texts), batch_size):
+            chunk = texts[start:start + batch_size]
+            seed = options["seed"]
+            results = llm.extract_batch(chunk, target, **{
+                **options, "seed": None if seed is None else seed + start})
+            for offset, value in enumerate(results):
+                line: dict[str, Any] = {"index": start + offset}
+                if isinstance(value, FormcastError):
+                    failed += 1
+                    line["error"] = {"type": type(value).__name__, "message": str(value)}
+                    raw = getattr(value, "text", None)
+                    if raw:
+                        line["error"]["text"] = raw
+                else:
+                    line["data"] = to_jsonable_python(value)
+                    compact = json.dumps(line["data"], separators=(",", ":"), ensure_ascii=False)
+                    tokens += len(llm.tokenizer.encode(compact, add_special_tokens=False))
+                sink.write(json.dumps(line, ensure_ascii=False) + "\n")
+            sink.flush()
+            progress.update(task, advance=len(chunk), tokens=tokens)
+    return failed, tokens
+
+
+def _read_texts(path: Path, field: str) -> list[str]:
+    """The texts of a JSONL file; a malformed line is a usage error naming its number."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint="--input")
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise typer.BadParameter(f"{path}:{number} is not JSON: {exc.msg}",
+                                     param_hint="--input")
+        if isinstance(item, dict) and isinstance(item.get(field), str):
+            item = item[field]
+        if not isinstance(item, str):
+            raise typer.BadParameter(f"{path}:{number} is neither a string nor an object with a "
+                                     f"string {field!r} field", param_hint="--input")
+        texts.append(item)
+    if not texts:
+        raise typer.BadParameter(f"{path} holds no texts", param_hint="--input")
+    return texts
+
+
+def _load_schema(spec: str) -> Any:
+    """A JSON Schema dict from a .json file, or a class from ``module:Class`` / ``file.py:Class``."""
+    if spec.endswith(".json") or (":" not in spec and Path(spec).exists()):
+        return _read_json_schema(str(Path(spec)), "--schema")
+    module_name, sep, attr = spec.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise typer.BadParameter(f"{spec!r} is neither a .json file nor module:Class",
+                                 param_hint="--schema")
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name))
+        else:
+            if "" not in sys.path:  # as `python -m` does, so a module next to the data imports
+                sys.path.insert(0, "")
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's module: anything it raises is their usage error
+        raise typer.BadParameter(f"cannot import {module_name}: {type(exc).__name__}: {exc}",
+                                 param_hint="--schema")
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise typer.BadParameter(f"{module_name} has no attribute {attr!r}",
+                                     param_hint="--schema")
+    if not isinstance(target, type):
+        raise typer.BadParameter(f"{spec} is not a class", param_hint="--schema")
+    return target
+
+
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"no such file {path}")
+    name = f"formcast_user_schema_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pydantic look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    """Entry point of ``python -m formcast``."""
+    app(prog_name="formcast")
+
+
+if __name__ == "__main__":
+    main()
