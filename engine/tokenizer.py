@@ -134,15 +134,12 @@ class Tokenizer:
         UnsupportedModelError
             A tokenizer kind or pre-tokenizer formcast does not reproduce.
         """
-        from gguf import GGUFReader
+        from formcast.engine.loader.gguf import open_gguf
 
         path = Path(path)
         if not path.is_file():
             raise ModelNotFoundError(f"no GGUF file at {path}")
-        try:
-            reader = GGUFReader(path, "r")
-        except (ValueError, OSError) as exc:
-            raise CorruptModelError(f"{path} is not a readable GGUF file: {exc}") from exc
+        reader = open_gguf(path)  # damage of any kind -> CorruptModelError naming the file
         meta = {name: field.contents() for name, field in reader.fields.items()
                 if name.startswith("tokenizer.")}
         return cls.from_gguf_metadata(meta, source=str(path))

@@ -233,3 +233,17 @@ def test_unknown_model_name_is_a_typed_error():
 def test_unknown_engine_option_is_a_type_error():
     with pytest.raises(TypeError, match="unknown engine option"):
         Engine.from_pretrained("smollm2", max_batch_size=3)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random"])
+def test_damaged_gguf_is_a_typed_error_naming_the_file(smollm2_gguf, tmp_path, damage):
+    from formcast.errors import CorruptModelError
+
+    bad = tmp_path / "broken.gguf"
+    if damage == "truncated":
+        with open(smollm2_gguf, "rb") as f:
+            bad.write_bytes(f.read(1 << 20))
+    else:
+        bad.write_bytes(bytes(range(256)) * 64)
+    with pytest.raises(CorruptModelError, match="broken.gguf"):
+        Engine.from_pretrained(str(bad), device="cpu")
