@@ -23,7 +23,8 @@ from formcast.engine.models.llama import LlamaForCausalLM
 from formcast.engine.sampler import Sampler
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.scheduler import ScheduledSeq, Scheduler
-from formcast.engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
+from formcast.engine.sequence import (Request, RequestOutput, Sequence, SequenceStatus,
+                                      TokenLogprob)
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
 from formcast.errors import EngineError, RequestError
 
@@ -221,7 +222,7 @@ class Engine:
             outputs.append(seq.to_output())
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         if seq.constraint is not None:
             try:
                 ok = seq.constraint.accept(token)
