@@ -166,7 +166,7 @@ def info(ctx: typer.Context,
         table = Table(title=section, title_justify="left", show_header=False, box=None,
                       padding=(0, 2))
         table.add_column(style="bold")
-        table.add_column()
+        table.add_column(overflow="fold")
         for key, value in rows.items():
             if isinstance(value, list):
                 value = "\n".join(map(str, value)) or "-"
@@ -266,7 +266,8 @@ def _read_text(path: Path, hint: str) -> str:
 
 
 def _read_json_schema(value: str, hint: str) -> dict:
-    text = value if value.lstrip().startswith("{") else _read_text(Path(value), hint)
+    inline = not Path(value).is_file() and value.lstrip()[:1] in ("{", "[")
+    text = value if inline else _read_text(Path(value), hint)
     try:
         schema = json.loads(text)
     except json.JSONDecodeError as exc:
