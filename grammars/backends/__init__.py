@@ -1,0 +1,1 @@
+"""Mask backends behind one interface (see base.py); each is imported lazily."""

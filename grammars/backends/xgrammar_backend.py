@@ -1,0 +1,135 @@
+"""xgrammar backend: the default; compiles regex, JSON Schema, EBNF and Lark."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+import re
+
+import torch
+import xgrammar as xgr
+
+from formcast.errors import ConstraintError
+from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSource
+from formcast.grammars.matcher import Matcher
+from formcast.grammars.vocab import Vocabulary
+
+# xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def library_message(exc: BaseException) -> str:
+    """xgrammar's error text without its log prefix."""
+    return _LOG_PREFIX.sub("", str(exc)).strip()
+
+
+class XGrammarBackend(Backend):
+    name = "xgrammar"
+    kinds = frozenset({"regex", "json_schema", "ebnf", "lark"})
+
+    def __init__(self, vocab: Vocabulary) -> None:
+        super().__init__(vocab)
+        self.tokenizer_info = xgr.TokenizerInfo(
+            list(vocab.token_bytes), xgr.VocabType.RAW, vocab_size=vocab.vocab_size,
+            stop_token_ids=sorted(vocab.eos_token_ids), add_prefix_space=False)
+        # formcast's compile cache is the one cache; xgrammar's own would double-count.
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info,
+                                            max_threads=min(8, os.cpu_count() or 1),
+                                            cache_enabled=False)
+        # Non-stop special tokens (and padding) are never allowed; checking them here
+        # keeps xgrammar from logging a warning for each such accept.
+        self.blocked = frozenset(vocab.special_token_ids - vocab.eos_token_ids)
+
+    def compile(self, source: GrammarSource) -> XGrammarGrammar:
+        try:
+            if source.kind == "regex":
+                compiled = self.compiler.compile_regex(source.text)
+            elif source.kind == "json_schema":
+                ws = source.max_whitespace
+                compiled = self.compiler.compile_json_schema(
+                    source.text, any_whitespace=ws > 0, separators=(",", ":"),
+                    max_whitespace_cnt=ws if ws > 0 else None, strict_mode=True)
+            elif source.kind == "ebnf":
+                grammar = xgr.Grammar.from_ebnf(source.text, root_rule_name=source.root)
+                compiled = self.compiler.compile_grammar(grammar)
+            elif source.kind == "lark":
+                compiled = self.compiler.compile_grammar(xgr.Grammar.from_lark(source.text))
+            else:
+                raise ConstraintError(f"xgrammar backend cannot compile {source.kind!r}")
+        except RuntimeError as exc:
+            raise ConstraintError(f"{source.kind}: {library_message(exc)}") from None
+        return XGrammarGrammar(compiled, self)
+
+
+class XGrammarGrammar(BackendGrammar):
+    def __init__(self, compiled: xgr.CompiledGrammar, backend: XGrammarBackend) -> None:
+        self.compiled = compiled
+        self.backend = backend
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
+
+    def matcher(self) -> XGrammarMatcher:
+        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled), self.backend.blocked,
+                               self.backend.vocab.tokenizer_size)
+
+
+class XGrammarMatcher(Matcher):
+    """A thin shell over ``xgrammar.GrammarMatcher`` (bound methods kept for the hot path)."""
+
+    __slots__ = ("_m", "_blocked", "_size", "_fill", "_accept")
+
+    def __init__(self, matcher: xgr.GrammarMatcher, blocked: frozenset[int], size: int) -> None:
+        self._m = matcher
+        self._blocked = blocked
+        self._size = size
+        self._fill = matcher.fill_next_token_bitmask
+        self._accept = matcher.accept_token
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._fill(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        if token_id in self._blocked or not 0 <= token_id < self._size:
+            return False
+        return self._accept(token_id)
+
+    def accept_text(self, text: str) -> bool:
+        return self._m.accept_string(text)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens:
+            try:
+                self._m.rollback(num_tokens)
+            except RuntimeError as exc:
+                raise ValueError(library_message(exc)) from None
+
+    def is_terminated(self) -> bool:
+        return self._m.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self._m.is_completed()
+
+    def forced_tokens(self) -> list[int]:
+        return self._m.find_jump_forward_tokens()
+
+    def fork(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self._m.fork(), self._blocked, self._size)
+
+    @property
+    def xgrammar_matcher(self) -> xgr.GrammarMatcher:
+        """The wrapped xgrammar matcher (for batch filling)."""
+        return self._m
+
+
+@cache
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    return xgr.BatchGrammarMatcher(max_threads="auto")
+
+
+def batch_fill(matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Fill the rows of several xgrammar matchers at once (threads, GIL released)."""
+    _batch_matcher().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)

@@ -1,0 +1,303 @@
+"""Compiling constraints: front end, backend choice, cache and deadline.
+
+Lifecycle (as in xgrammar): tokenizer -> :class:`Vocabulary` -> :class:`GrammarCompiler`
+(cached, thread pool) -> immutable :class:`CompiledGrammar` -> cheap per-request
+:class:`~formcast.grammars.matcher.Matcher`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+
+from formcast.errors import ConstraintError
+from formcast.grammars import regex_dialect
+from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSource
+from formcast.grammars.bitmask import allocate_bitmask
+from formcast.grammars.cache import ByteBoundedLRU, Failure
+from formcast.grammars.constraints import Choice, Constraint, Ebnf, JsonSchema, Lark, Regex
+from formcast.grammars.matcher import EndCheckedMatcher, Matcher
+from formcast.grammars.schema_coverage import SchemaCoverage
+from formcast.grammars.schema_prepare import prepare
+from formcast.grammars.vocab import TokenizerLike, Vocabulary
+
+BACKENDS = ("xgrammar", "outlines-core")
+DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_CACHE_BYTES = 512 << 20
+_FAILURE_BYTES = 1024          # what a cached failure is charged
+_MAX_BACKENDS = 8              # per-vocabulary backend instances kept
+
+
+def _backend_class(name: str) -> type[Backend]:
+    if name == "xgrammar":
+        from formcast.grammars.backends.xgrammar_backend import XGrammarBackend
+        return XGrammarBackend
+    if name == "outlines-core":
+        from formcast.grammars.backends.outlines_backend import OutlinesBackend
+        return OutlinesBackend
+    raise ValueError(f"unknown grammar backend {name!r}; choose 'auto' or one of {BACKENDS}")
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class CompiledGrammar:
+    """An immutable compiled constraint; make one matcher per request from it.
+
+    Attributes
+    ----------
+    constraint : Constraint
+    backend : str
+        The backend that compiled it.
+    vocab : Vocabulary
+    coverage : SchemaCoverage or None
+        For JSON Schemas: how each keyword is enforced (see :func:`explain`).
+    compile_seconds : float
+    """
+
+    constraint: Constraint
+    backend: str
+    vocab: Vocabulary
+    coverage: SchemaCoverage | None
+    compile_seconds: float
+    grammar: BackendGrammar
+    end_check: Any = None    # Callable[[bytes], str | None] when part is checked at the end
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.grammar.memory_bytes
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (and of the bitmask rows) this grammar is compiled for."""
+        return self.vocab.vocab_size
+
+    def matcher(self) -> Matcher:
+        """A fresh matcher at the start of the constraint (cheap). Does not change self."""
+        inner = self.grammar.matcher()
+        if self.end_check is None:
+            return inner
+        return EndCheckedMatcher(inner, self.end_check, self.vocab.token_bytes,
+                                 self.vocab.eos_token_ids)
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        """An int32 ``[rows, ceil(vocab_size/32)]`` CPU bitmask, every token allowed."""
+        return allocate_bitmask(rows, self.vocab.vocab_size)
+
+
+def grammar_source(constraint: Constraint, backend: str
+                   ) -> tuple[GrammarSource, SchemaCoverage | None, Any]:
+    """Validate a constraint and translate it for ``backend``: (source, coverage, end check)."""
+    if isinstance(constraint, Regex):
+        source = GrammarSource(kind="regex", text=regex_dialect.translate(constraint.pattern))
+        return source, None, None
+    if isinstance(constraint, Choice):
+        alts = "|".join(regex_dialect.literal(o) for o in constraint.options)
+        return GrammarSource(kind="regex", text=f"({alts})"), None, None
+    if isinstance(constraint, JsonSchema):
+        prepared = prepare(constraint, backend)
+        source = GrammarSource(kind="json_schema", text=prepared.text,
+                               max_whitespace=constraint.whitespace_bound)
+        return source, prepared.coverage, prepared.end_check
+    if isinstance(constraint, Ebnf):
+        return GrammarSource(kind="ebnf", text=constraint.text, root=constraint.root), None, None
+    if isinstance(constraint, Lark):
+        return GrammarSource(kind="lark", text=constraint.text), None, None
+    raise TypeError(f"not a formcast constraint: {type(constraint).__name__} "
+                    "(use Regex, JsonSchema, Ebnf, Lark, Choice or from_type)")
+
+
+class GrammarCompiler:
+    """Compiles constraints for tokenizers, with a byte-bounded cache and a deadline.
+
+    Compilation runs on worker threads; a compile that misses its deadline raises
+    :class:`~formcast.ConstraintError` (its result is still cached if it finishes).
+    Failures are cached too, so a repeated bad constraint fails at lookup.
+
+    Parameters
+    ----------
+    cache_bytes : int
+        Budget of the compile cache (default 512 MiB).
+    timeout_s : float
+        Default compile deadline in seconds (default 10).
+    max_workers : int
+        Compile threads.
+    """
+
+    def __init__(self, *, cache_bytes: int = DEFAULT_CACHE_BYTES,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_workers: int = 2) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.cache: ByteBoundedLRU[CompiledGrammar] = ByteBoundedLRU(cache_bytes)
+        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers,
+                                           thread_name_prefix="formcast-grammar")
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple, cf.Future] = {}
+        self._vocabs: OrderedDict[tuple[str, int], Vocabulary] = OrderedDict()
+        self._backends: OrderedDict[tuple[str, str], Backend] = OrderedDict()
+
+    def vocabulary(self, tokenizer: TokenizerLike | Vocabulary, vocab_size: int | None = None
+                   ) -> Vocabulary:
+        """The (cached) :class:`Vocabulary` of a tokenizer for a logits width."""
+        if isinstance(tokenizer, Vocabulary):
+            if vocab_size is not None and vocab_size != tokenizer.vocab_size:
+                raise ValueError(f"vocab_size {vocab_size} differs from the Vocabulary's "
+                                 f"{tokenizer.vocab_size}")
+            return tokenizer
+        width = tokenizer.vocab_size if vocab_size is None else vocab_size
+        if width < tokenizer.vocab_size:
+            raise ValueError(f"vocab_size {width} is smaller than the tokenizer's "
+                             f"{tokenizer.vocab_size} tokens")
+        key = (tokenizer.fingerprint(), width)
+        with self._lock:
+            vocab = self._vocabs.get(key)
+        if vocab is None:
+            vocab = Vocabulary.from_tokenizer(tokenizer, vocab_size=width)
+            with self._lock:
+                self._vocabs[key] = vocab
+                while len(self._vocabs) > _MAX_BACKENDS:
+                    self._vocabs.popitem(last=False)
+        return vocab
+
+    def compile(self, constraint: Constraint, tokenizer: TokenizerLike | Vocabulary, *,
+                backend: str = "auto", vocab_size: int | None = None,
+                timeout_s: float | None = None) -> CompiledGrammar:
+        """Compile ``constraint`` for ``tokenizer`` (cached). Does not change the inputs.
+
+        Parameters
+        ----------
+        constraint : Regex, JsonSchema, Ebnf, Lark or Choice
+        tokenizer : Tokenizer or Vocabulary
+        backend : {"auto", "xgrammar", "outlines-core"}
+            "auto" picks xgrammar, which compiles every constraint kind.
+        vocab_size : int or None
+            The model's logits width when it exceeds the tokenizer's (padding).
+        timeout_s : float or None
+            Deadline for this compile (default: the compiler's).
+
+        Returns
+        -------
+        CompiledGrammar
+
+        Raises
+        ------
+        ConstraintError
+            Invalid, unsatisfiable or unsupported constraint (naming the location), or
+            a compile that missed its deadline.
+        ValueError
+            Unknown backend or a vocab_size smaller than the tokenizer.
+        """
+        if not isinstance(constraint, Constraint):
+            raise TypeError(f"not a formcast constraint: {type(constraint).__name__}")
+        name = "xgrammar" if backend == "auto" else backend
+        cls = _backend_class(name)
+        if not cls.supports("regex" if constraint.kind == "choice" else constraint.kind):
+            raise ConstraintError(f"the {name} backend does not compile {constraint.kind} "
+                                  f"constraints; use backend='xgrammar'")
+        vocab = self.vocabulary(tokenizer, vocab_size)
+        key = (vocab.fingerprint, name, constraint.kind, constraint.canonical_text)
+        hit = self.cache.get(key)
+        if isinstance(hit, Failure):
+            raise ConstraintError(hit.message)
+        if hit is not None:
+            return hit
+        with self._lock:
+            future = self._inflight.get(key)
+            if future is None:
+                future = self._pool.submit(self._build, constraint, vocab, name)
+                self._inflight[key] = future
+                future.add_done_callback(lambda f, key=key: self._settle(key, f))
+        deadline = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            return future.result(timeout=deadline)
+        except cf.TimeoutError:
+            message = (f"compiling the {constraint.kind} constraint took longer than "
+                       f"{deadline:g} s; simplify it or raise the deadline")
+            if self.cache.get(key) is None:
+                self.cache.put(key, Failure(message), _FAILURE_BYTES)
+            raise ConstraintError(message) from None
+
+    def _settle(self, key: tuple, future: cf.Future) -> None:
+        # Cache first, then leave the in-flight table, so no caller finds neither.
+        exc = future.exception()
+        if exc is None:
+            grammar = future.result()
+            self.cache.put(key, grammar, max(grammar.memory_bytes, 1))
+        elif isinstance(exc, ConstraintError):
+            self.cache.put(key, Failure(str(exc)), _FAILURE_BYTES)
+        with self._lock:
+            self._inflight.pop(key, None)
+
+    def _backend(self, name: str, vocab: Vocabulary) -> Backend:
+        key = (name, vocab.fingerprint)
+        with self._lock:
+            found = self._backends.get(key)
+            if found is not None:
+                self._backends.move_to_end(key)
+                return found
+        made = _backend_class(name)(vocab)
+        with self._lock:
+            made = self._backends.setdefault(key, made)
+            while len(self._backends) > _MAX_BACKENDS:
+                self._backends.popitem(last=False)
+        return made
+
+    def _build(self, constraint: Constraint, vocab: Vocabulary, name: str) -> CompiledGrammar:
+        start = time.perf_counter()
+        source, coverage, end_check = grammar_source(constraint, name)
+        grammar = self._backend(name, vocab).compile(source)
+        return CompiledGrammar(constraint=constraint, backend=name, vocab=vocab,
+                               coverage=coverage, compile_seconds=time.perf_counter() - start,
+                               grammar=grammar, end_check=end_check)
+
+    def close(self) -> None:
+        """Stop the worker threads (pending compiles are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@cache
+def default_compiler() -> GrammarCompiler:
+    """The process-wide compiler :func:`compile` uses (created on first use)."""
+    return GrammarCompiler()
+
+
+def compile(constraint: Constraint, tokenizer: TokenizerLike | Vocabulary, *,  # noqa: A001
+            backend: str = "auto", vocab_size: int | None = None,
+            timeout_s: float | None = None) -> CompiledGrammar:
+    """Compile a constraint into token masks for ``tokenizer``, through the default compiler.
+
+    Parameters
+    ----------
+    constraint : Regex, JsonSchema, Ebnf, Lark or Choice
+        What the output must conform to (see also :func:`from_type`).
+    tokenizer : Tokenizer or Vocabulary
+        formcast's tokenizer (``formcast.engine.load_tokenizer``) or a Vocabulary.
+    backend : {"auto", "xgrammar", "outlines-core"}
+        The mask library; "auto" is xgrammar (every kind). outlines-core compiles
+        regex, Choice and JSON Schema.
+    vocab_size : int or None
+        The model's logits width if larger than the tokenizer (padded ids are never
+        allowed).
+    timeout_s : float or None
+        Compile deadline in seconds (default 10).
+
+    Returns
+    -------
+    CompiledGrammar
+        Immutable; ``.matcher()`` gives a per-request matcher.
+
+    Raises
+    ------
+    ConstraintError
+        The constraint is invalid, unsatisfiable, unsupported (the message names the
+        location: JSON pointer, regex position or grammar line:column) or too slow to
+        compile. Raised before any token is generated.
+    """
+    return default_compiler().compile(constraint, tokenizer, backend=backend,
+                                      vocab_size=vocab_size, timeout_s=timeout_s)

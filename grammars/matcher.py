@@ -1,0 +1,190 @@
+"""The per-request matcher: the engine's ``LogitsConstraint`` plus text and fork helpers.
+
+A :class:`Matcher` is cheap to create from a compiled grammar and holds one
+request's parse state. Backends subclass it directly, so the engine's per-token
+calls reach the backend with no extra layer; :class:`EndCheckedMatcher` wraps one
+when part of a JSON Schema is checked on the finished document instead of by the
+mask.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+import torch
+
+from formcast.engine.constraint import bitmask_words
+
+
+class Matcher(ABC):
+    """Grammar state of one request; implements :class:`formcast.engine.LogitsConstraint`.
+
+    ``rollback`` counts steps: one per accepted token, one per :meth:`accept_text`.
+    """
+
+    __slots__ = ()
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]``. Does not change state.
+
+        Parameters
+        ----------
+        bitmask : torch.Tensor
+            int32 ``[rows, ceil(vocab_size/32)]`` on the CPU, contiguous; bit ``t % 32``
+            of word ``t // 32`` set means token ``t`` is allowed.
+        row : int
+            The row to overwrite.
+        """
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """Advance by one token. Changes state only when it returns True.
+
+        Returns
+        -------
+        bool
+            False if the token is not allowed here (the state is left unchanged).
+        """
+
+    @abstractmethod
+    def accept_text(self, text: str) -> bool:
+        """Advance by a whole string as one step. Changes state only when it returns True."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` steps. Changes state.
+
+        Raises
+        ------
+        ValueError
+            If more steps are asked for than were taken.
+        """
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """True once a stop token was accepted. Does not change state."""
+
+    @abstractmethod
+    def is_completed(self) -> bool:
+        """True if the text so far is a complete match (a stop token is allowed now)."""
+
+    @abstractmethod
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar fixes from here (jump-forward). Does not change state.
+
+        The caller may accept and prefill them without sampling. May be empty.
+        """
+
+    @abstractmethod
+    def fork(self) -> Matcher:
+        """An independent copy of this matcher with the same state."""
+
+    def valid_prefix(self, draft: Sequence[int]) -> int:
+        """How many leading tokens of ``draft`` the grammar allows. State is unchanged.
+
+        Parameters
+        ----------
+        draft : sequence of int
+            Proposed tokens (e.g. a speculative draft).
+
+        Returns
+        -------
+        int
+            The length of the longest allowed prefix; nothing after a stop token counts.
+        """
+        n = 0
+        for token in draft:
+            if self.is_terminated() or not self.accept(token):
+                break
+            n += 1
+        if n:
+            self.rollback(n)
+        return n
+
+
+class EndCheckedMatcher(Matcher):
+    """Refuses stop tokens until the finished text passes ``check``.
+
+    Wraps a backend matcher for constraints the mask enforces only in part (JSON
+    Schema keywords the backend does not compile). When the structure is complete
+    but the check fails, the stop tokens are taken out of the mask, so generation
+    must go on or dead-ends; :attr:`last_violation` then says why.
+    """
+
+    __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict",
+                 "last_violation")
+
+    def __init__(self, inner: Matcher, check: Callable[[bytes], str | None],
+                 token_bytes: Sequence[bytes], eos_token_ids: frozenset[int],
+                 parts: list[bytes] | None = None) -> None:
+        self._inner = inner
+        self._check = check
+        self._token_bytes = token_bytes
+        self._eos = eos_token_ids
+        self._parts: list[bytes] = [] if parts is None else parts   # one entry per step
+        self._verdict: tuple[int, str | None] | None = None         # (len(parts), message)
+        self.last_violation: str | None = None
+
+    def _violation(self) -> str | None:
+        n = len(self._parts)
+        if self._verdict is None or self._verdict[0] != n:
+            self._verdict = (n, self._check(b"".join(self._parts)))
+        self.last_violation = self._verdict[1]
+        return self._verdict[1]
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._inner.fill_bitmask(bitmask, row)
+        if self._inner.is_completed() and self._violation() is not None:
+            for eos in self._eos:
+                word = eos >> 5
+                value = int(bitmask[row, word]) & ~(1 << (eos & 31)) & 0xFFFFFFFF
+                bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def accept(self, token_id: int) -> bool:
+        if token_id in self._eos and (not self._inner.is_completed()
+                                      or self._violation() is not None):
+            return False
+        if not self._inner.accept(token_id):
+            return False
+        self._parts.append(b"" if token_id in self._eos else self._token_bytes[token_id])
+        return True
+
+    def accept_text(self, text: str) -> bool:
+        if not self._inner.accept_text(text):
+            return False
+        self._parts.append(text.encode("utf-8"))
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > len(self._parts):
+            raise ValueError(f"cannot roll back {num_tokens} steps; only {len(self._parts)} taken")
+        self._inner.rollback(num_tokens)
+        if num_tokens:
+            del self._parts[-num_tokens:]
+
+    def is_terminated(self) -> bool:
+        return self._inner.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed() and self._violation() is None
+
+    def forced_tokens(self) -> list[int]:
+        return [t for t in self._inner.forced_tokens() if t not in self._eos]
+
+    def fork(self) -> EndCheckedMatcher:
+        return EndCheckedMatcher(self._inner.fork(), self._check, self._token_bytes, self._eos,
+                                 list(self._parts))
+
+
+def check_bitmask(bitmask: torch.Tensor, row: int, vocab_size: int) -> None:
+    """Raise ValueError unless ``bitmask`` is a CPU int32 contiguous mask for ``vocab_size``."""
+    if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or not bitmask.is_contiguous():
+        raise ValueError("bitmask must be a contiguous int32 CPU tensor, got "
+                         f"{bitmask.dtype} on {bitmask.device}")
+    if bitmask.dim() != 2 or bitmask.shape[1] != bitmask_words(vocab_size):
+        raise ValueError(f"bitmask must have {bitmask_words(vocab_size)} words a row for "
+                         f"vocab_size {vocab_size}, got shape {tuple(bitmask.shape)}")
+    if not 0 <= row < bitmask.shape[0]:
+        raise ValueError(f"row {row} is outside a bitmask of {bitmask.shape[0]} rows")

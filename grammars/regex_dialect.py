@@ -1,0 +1,257 @@
+"""Python regular expressions -> one portable regex both mask backends read alike.
+
+A :class:`~formcast.grammars.Regex` means what ``re.fullmatch`` means, since that is
+what a Python caller (and our test oracle) expects. The backends each read their own
+dialect (xgrammar: ECMA-like, ``.`` matches a newline and ``\\d`` is ASCII;
+outlines-core: Rust ``regex``), so the pattern is parsed with Python's own parser and
+re-emitted with every character class spelled out as explicit code point ranges:
+the language the backends see is then the language ``re.fullmatch`` accepts, except
+that ``\\d``, ``\\w`` and ``\\s`` in a positive class keep only their ASCII members (a
+subset, so every output still matches; their negations stay exact).
+
+Constructs that do not describe a regular language token masks can follow
+(lookarounds, backreferences, word boundaries, anchors away from the ends,
+possessive/atomic groups, case-insensitive or dot-all flags) are refused with a
+:class:`~formcast.ConstraintError` naming the construct.
+"""
+
+from __future__ import annotations
+
+import re
+import re._constants as sre_c
+import re._parser as sre_parse
+from functools import lru_cache
+
+from formcast.errors import ConstraintError
+
+_MAX_CODE_POINT = 0x10FFFF
+_SURROGATES = (0xD800, 0xDFFF)
+# Flags that do not change the language of a str pattern (VERBOSE is parse-time only).
+_HARMLESS_FLAGS = sre_c.SRE_FLAG_UNICODE | sre_c.SRE_FLAG_VERBOSE
+_FLAG_NAMES = {sre_c.SRE_FLAG_IGNORECASE: "(?i) case-insensitive matching",
+               sre_c.SRE_FLAG_DOTALL: "(?s) dot-all", sre_c.SRE_FLAG_MULTILINE: "(?m) multi-line",
+               sre_c.SRE_FLAG_LOCALE: "(?L) locale"}
+_CATEGORY_PATTERNS = {"DIGIT": r"\d", "WORD": r"\w", "SPACE": r"\s"}
+_ASCII_SETS = {"DIGIT": "0123456789",
+               "WORD": "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_",
+               "SPACE": " \t\n\r\f\v"}
+_META = set(".^$|?*+()[]{}\\/-\"")
+_CLASS_META = set("\\]-[^")
+
+Ranges = list[tuple[int, int]]
+
+
+def translate(pattern: str, *, where: str = "regex") -> str:
+    """Re-emit a Python regex as a portable one with the same ``fullmatch`` language.
+
+    Does not change state. Anchors at the very start/end are dropped (full matching
+    makes them redundant).
+
+    Parameters
+    ----------
+    pattern : str
+        The Python regular expression.
+    where : str
+        How errors name the pattern's origin (e.g. a JSON pointer).
+
+    Returns
+    -------
+    str
+        A regex readable by xgrammar and by outlines-core.
+
+    Raises
+    ------
+    ConstraintError
+        Invalid syntax (with the position) or a construct masks cannot follow.
+    """
+    try:
+        parsed = sre_parse.parse(pattern)
+    except re.error as exc:
+        raise ConstraintError(f"invalid {where} {pattern!r}: {exc.msg} at position {exc.pos}"
+                              ) from None
+    flags = parsed.state.flags
+    ascii_only = bool(flags & sre_c.SRE_FLAG_ASCII)
+    _check_flags(flags & ~sre_c.SRE_FLAG_ASCII, pattern, where)
+    emitter = _Emitter(pattern, where, ascii_only)
+    return emitter.sequence(list(parsed), at_start=True, at_end=True)
+
+
+def literal(text: str) -> str:
+    """A portable regex matching exactly ``text``. Does not change state."""
+    return "".join(_char(ord(c)) for c in text)
+
+
+def _check_flags(flags: int, pattern: str, where: str) -> None:
+    bad = flags & ~_HARMLESS_FLAGS
+    if bad:
+        names = [n for f, n in _FLAG_NAMES.items() if bad & f] or [f"flags {bad:#x}"]
+        raise ConstraintError(f"{where} {pattern!r} uses {', '.join(names)}, which token masks "
+                              "do not support; spell the alternatives out instead")
+
+
+class _Emitter:
+    def __init__(self, pattern: str, where: str, ascii_only: bool) -> None:
+        self.pattern, self.where, self.ascii_only = pattern, where, ascii_only
+
+    def fail(self, construct: str) -> ConstraintError:
+        return ConstraintError(f"{self.where} {self.pattern!r} uses {construct}, which token "
+                               "masks cannot enforce (only regular languages are supported)")
+
+    def sequence(self, items: list, *, at_start: bool, at_end: bool) -> str:
+        out = []
+        last = len(items) - 1
+        for i, (op, av) in enumerate(items):
+            leading = at_start and all(o is sre_c.AT for o, _ in items[:i])
+            trailing = at_end and all(o is sre_c.AT for o, _ in items[i + 1:])
+            out.append(self.node(op, av, at_start=leading, at_end=trailing and i <= last))
+        return "".join(out)
+
+    def node(self, op, av, *, at_start: bool, at_end: bool) -> str:
+        if op is sre_c.LITERAL:
+            return _char(av)
+        if op is sre_c.NOT_LITERAL:
+            return _class(_complement([(av, av)]))
+        if op is sre_c.ANY:
+            return _class(_complement([(0x0A, 0x0A)]))
+        if op is sre_c.IN:
+            return _class(self.char_set(av))
+        if op is sre_c.BRANCH:
+            alts = [self.sequence(list(p), at_start=at_start, at_end=at_end) for p in av[1]]
+            return "(" + "|".join(alts) + ")"
+        if op is sre_c.SUBPATTERN:
+            _group, add_flags, del_flags, sub = av
+            _check_flags(add_flags | del_flags, self.pattern, self.where)
+            return "(" + self.sequence(list(sub), at_start=at_start, at_end=at_end) + ")"
+        if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT):
+            lo, hi, sub = av
+            body = self.sequence(list(sub), at_start=False, at_end=False)
+            return "(" + body + ")" + _quantifier(lo, hi)
+        if op is sre_c.AT:
+            if av in (sre_c.AT_BEGINNING, sre_c.AT_BEGINNING_STRING) and at_start:
+                return ""
+            if av in (sre_c.AT_END, sre_c.AT_END_STRING) and at_end:
+                return ""
+            name = {sre_c.AT_BOUNDARY: r"a word boundary \b",
+                    sre_c.AT_NON_BOUNDARY: r"a non-boundary \B"}.get(av, "an anchor away from the ends")
+            raise self.fail(name)
+        names = {sre_c.GROUPREF: "a backreference", sre_c.GROUPREF_EXISTS: "a conditional group",
+                 sre_c.ASSERT: "a lookahead/lookbehind", sre_c.ASSERT_NOT: "a negative lookaround",
+                 sre_c.ATOMIC_GROUP: "an atomic group",
+                 sre_c.POSSESSIVE_REPEAT: "a possessive quantifier"}
+        raise self.fail(names.get(op, str(op)))
+
+    def char_set(self, items: list) -> Ranges:
+        negated = any(op is sre_c.NEGATE for op, _ in items)
+        negate = False
+        ranges: Ranges = []
+        for op, av in items:
+            if op is sre_c.NEGATE:
+                negate = True
+            elif op is sre_c.LITERAL:
+                ranges.append((av, av))
+            elif op is sre_c.RANGE:
+                ranges.append(av)
+            elif op is sre_c.CATEGORY:
+                name = str(av).removeprefix("CATEGORY_")
+                positive = name.removeprefix("NOT_")
+                if positive not in _CATEGORY_PATTERNS:
+                    raise self.fail(f"the character category {name}")
+                if name.startswith("NOT_"):
+                    ranges.extend(_complement(_category(positive, self.ascii_only)))
+                else:
+                    # Narrowing a positive class to the ASCII members keeps the language
+                    # a subset of Python's; inside a negated class it would widen it.
+                    ranges.extend(_category(positive, self.ascii_only or not negated))
+            else:
+                raise self.fail(f"the class item {op}")
+        merged = _merge(ranges)
+        return _complement(merged) if negate else merged
+
+
+def _quantifier(lo: int, hi: int) -> str:
+    if hi is sre_c.MAXREPEAT or hi == sre_c.MAXREPEAT:
+        return {0: "*", 1: "+"}.get(lo, f"{{{lo},}}")
+    if (lo, hi) == (0, 1):
+        return "?"
+    return f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}"
+
+
+def _escape(cp: int, meta: set[str]) -> str:
+    ch = chr(cp)
+    if ch in meta:
+        return "\\" + ch
+    if ch == "\n":
+        return r"\n"
+    if ch == "\t":
+        return r"\t"
+    if ch == "\r":
+        return r"\r"
+    if cp < 0x20 or cp == 0x7F:
+        return f"\\x{cp:02x}"
+    if cp < 0x7F:
+        return ch
+    return f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"
+
+
+def _char(cp: int) -> str:
+    return _escape(cp, _META)
+
+
+def _class(ranges: Ranges) -> str:
+    ranges = _without_surrogates(ranges)
+    if not ranges:
+        raise ConstraintError("a character class in the pattern matches no character")
+    parts = []
+    for lo, hi in ranges:
+        if lo == hi:
+            parts.append(_escape(lo, _CLASS_META))
+        else:
+            parts.append(_escape(lo, _CLASS_META) + "-" + _escape(hi, _CLASS_META))
+    return "[" + "".join(parts) + "]"
+
+
+def _merge(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    nxt = 0
+    for lo, hi in _merge(ranges):
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = hi + 1
+    if nxt <= _MAX_CODE_POINT:
+        out.append((nxt, _MAX_CODE_POINT))
+    return _without_surrogates(out)
+
+
+def _without_surrogates(ranges: Ranges) -> Ranges:
+    lo_s, hi_s = _SURROGATES
+    out: Ranges = []
+    for lo, hi in ranges:
+        if hi < lo_s or lo > hi_s:
+            out.append((lo, hi))
+            continue
+        if lo < lo_s:
+            out.append((lo, lo_s - 1))
+        if hi > hi_s:
+            out.append((hi_s + 1, hi))
+    return out
+
+
+@lru_cache(maxsize=8)
+def _category(name: str, ascii_only: bool) -> Ranges:
+    """The exact code points Python's ``\\d``/``\\w``/``\\s`` match, as ranges."""
+    if ascii_only:
+        return _merge([(ord(c), ord(c)) for c in _ASCII_SETS[name]])
+    everything = "".join(chr(c) for c in range(_MAX_CODE_POINT + 1)
+                         if not _SURROGATES[0] <= c <= _SURROGATES[1])
+    hits = sorted(ord(c) for c in re.findall(_CATEGORY_PATTERNS[name], everything))
+    return _merge([(c, c) for c in hits])
