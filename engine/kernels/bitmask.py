@@ -34,11 +34,16 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     rows : torch.Tensor | None
         ``[N]`` long row indices into ``logits``; None means rows ``0..N-1``.
     backend : str
-        "auto" or "torch" (a Triton kernel joins with the CUDA fast path).
+        "auto" (Triton for CUDA logits, torch otherwise), "torch" or "triton".
     """
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"unknown bitmask backend {backend!r}")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown bitmask backend {backend!r}: use 'auto', 'torch' or 'triton'")
     if bitmask.numel() == 0:
+        return
+    if backend == "triton" or (backend == "auto" and logits.is_cuda and _triton_available()):
+        from formcast.engine.kernels.bitmask_triton import apply_token_bitmask_triton_
+
+        apply_token_bitmask_triton_(logits, bitmask, rows)
         return
     allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), logits.shape[1])
     if rows is None:
@@ -46,3 +51,11 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     else:
         rows = rows.to(logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

@@ -116,3 +116,21 @@ def test_cuda_constraint_mask_applies_on_device(cuda32, tokenizer):
     out = cuda32.generate(prompts(tokenizer, 1), SamplingParams(max_tokens=8, temperature=0.0),
                           constraints=[AllowOnly(allowed, length=8)])[0]
     assert set(out.token_ids) <= allowed and len(out.token_ids) == 8
+
+
+def test_cuda_json_schema_matcher_output_validates(cuda32, tokenizer):
+    import json
+
+    grammars = pytest.importorskip("formcast.grammars")
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 8},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
+                                vocab_size=cuda32.model.config.vocab_size)
+    outs = cuda32.generate(prompts(tokenizer, 4),
+                           SamplingParams(max_tokens=200, temperature=1.0, seed=3),
+                           constraints=[compiled.matcher() for _ in range(4)])
+    for out in outs:
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), schema)
