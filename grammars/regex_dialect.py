@@ -190,7 +190,8 @@ def _escape(cp: int, meta: set[str]) -> str:
         return f"\\x{cp:02x}"
     if cp < 0x7F:
         return ch
-    return f"\\u{cp:04x}" if cp <= 0xFFFF else f"\\U{cp:08x}"
+    # Astral characters go in literally: xgrammar's JSON-pattern reader has no \U escape.
+    return f"\\u{cp:04x}" if cp <= 0xFFFF else ch
 
 
 def _char(cp: int) -> str:

@@ -140,6 +140,11 @@ def _rewrite(node: Any, root: Any, pointer: str, backend: str) -> Any:
         if merged is not None:
             node = merged
     _drop_unenforced(node, PROFILES[backend])
+    if backend == "xgrammar" and ("minLength" in node or "maxLength" in node):
+        # xgrammar's own length-bounded string lets control characters through (invalid
+        # JSON); the same bounds as a pattern do not. Escapes stay out, as in xgrammar's.
+        low, high = node.pop("minLength", 0), node.pop("maxLength", "")
+        node["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{low},{high}}}$'
     if "pattern" in node:
         node["pattern"] = regex_dialect.translate(node["pattern"],
                                                   where=f"{pointer}/pattern")
