@@ -86,17 +86,24 @@ def output_spec(*, regex: str | None = None, json_schema: dict | str | None = No
 
 
 def type_spec(tp: Any) -> OutputSpec:
-    """Spec for a Python type: JSON constrained by its schema, validated by pydantic."""
-    from pydantic import TypeAdapter
+    """Spec for a Python type: JSON constrained by its schema, validated by pydantic.
 
+    Where pydantic cannot adapt the type (``typing.TypedDict`` before Python 3.12),
+    the value is validated with jsonschema against the same schema and returned as
+    plain JSON data.
+    """
     from formcast import grammars
 
+    constraint = grammars.from_type(tp)   # TypeError naming the type if unsupported
+    schema = grammars.type_schema(tp)
     try:
+        from pydantic import TypeAdapter
+
         adapter = TypeAdapter(tp)
-        schema = adapter.json_schema()
-    except Exception as exc:
-        raise TypeError(f"cannot build a JSON Schema for {tp!r}: {exc}") from exc
-    return OutputSpec(kind="type", constraint=grammars.from_type(tp),
+    except Exception:  # pydantic refuses some types it cannot rebuild; jsonschema still can
+        return OutputSpec(kind="type", constraint=constraint,
+                          parser=lambda text: parse_json(text, schema), json_schema=schema)
+    return OutputSpec(kind="type", constraint=constraint,
                       parser=lambda text: validate_with(adapter, text), json_schema=schema)
 
 
