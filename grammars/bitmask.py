@@ -2,8 +2,8 @@
 
 Bitmask rows are int32 words, ``ceil(vocab_size/32)`` a row; bit ``t % 32`` of word
 ``t // 32`` set means token ``t`` is allowed (the engine's layout). Masks are filled
-on the CPU and applied once, in place, where the logits live: the engine's torch
-kernel on the CPU, a Triton kernel on CUDA when one is available.
+on the CPU and applied once, in place, where the logits live, by the engine's
+kernels (torch on the CPU, Triton on CUDA).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from formcast.engine.constraint import bitmask_words
 from formcast.engine.kernels.bitmask import apply_token_bitmask_
 from formcast.grammars.matcher import Matcher
 
-_BACKENDS = ("auto", "torch", "triton")
 
 
 def allocate_bitmask(rows: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
@@ -71,7 +70,10 @@ def fill_bitmasks(matchers: Sequence[Matcher], bitmask: torch.Tensor,
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
                   rows: torch.Tensor | Sequence[int] | None = None, *,
                   backend: str = "auto") -> None:
-    """Set the logits of disallowed tokens to -inf, in place.
+    """Set the logits of disallowed tokens to -inf, in place, on the logits' device.
+
+    Dispatches to the engine's kernel: torch on the CPU, Triton for CUDA logits
+    (``backend="auto"``).
 
     Parameters
     ----------
@@ -84,32 +86,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
         Logits row of each mask row; None means ``0..N-1``. Rows not listed are left
         untouched.
     backend : {"auto", "torch", "triton"}
-        "auto": Triton for CUDA logits when Triton is usable, else torch.
 
     Raises
     ------
     ValueError
-        Unknown backend, or "triton" asked for logits not on a CUDA device.
+        Unknown backend.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown bitmask backend {backend!r}; choose from {_BACKENDS}")
     if rows is not None and not isinstance(rows, torch.Tensor):
         rows = torch.tensor(list(rows), dtype=torch.long)
-    use_triton = backend == "triton" or (backend == "auto" and logits.is_cuda
-                                         and _triton_usable())
-    if use_triton:
-        if not logits.is_cuda:
-            raise ValueError("the triton bitmask kernel needs CUDA logits")
-        from formcast.engine.kernels.bitmask_triton import apply_token_bitmask_triton_
-        apply_token_bitmask_triton_(logits, bitmask, rows)
-        return
-    apply_token_bitmask_(logits, bitmask, rows)
-
-
-def _triton_usable() -> bool:
-    try:
-        import formcast.engine.kernels.bitmask_triton  # noqa: F401
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    apply_token_bitmask_(logits, bitmask, rows, backend=backend)

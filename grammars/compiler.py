@@ -209,10 +209,13 @@ class GrammarCompiler:
             return hit
         with self._lock:
             future = self._inflight.get(key)
-            if future is None:
+            submitted = future is None
+            if submitted:
                 future = self._pool.submit(self._build, constraint, vocab, name)
                 self._inflight[key] = future
-                future.add_done_callback(lambda f, key=key: self._settle(key, f))
+        if submitted:
+            # Outside the lock: a compile that already finished runs the callback here.
+            future.add_done_callback(lambda f, key=key: self._settle(key, f))
         deadline = self.timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=deadline)

@@ -128,7 +128,7 @@ def pointer_join(pointer: str, *parts: object) -> str:
 def resolve_ref(root: Any, ref: str, pointer: str) -> Any:
     """The subschema a local ``$ref`` names; ConstraintError if it is not local or missing."""
     if not ref.startswith("#"):
-        raise ConstraintError(f"{pointer}: $ref {ref!r} is not local; only '#/...' references "
+        raise ConstraintError(f"{pointer}/$ref: {ref!r} is not local; only '#/...' references "
                               "are supported (inline the referenced schema)")
     node = root
     for raw in ref[1:].split("/")[1:]:
@@ -138,7 +138,7 @@ def resolve_ref(root: Any, ref: str, pointer: str) -> Any:
         elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
             node = node[int(key)]
         else:
-            raise ConstraintError(f"{pointer}: $ref {ref!r} does not resolve")
+            raise ConstraintError(f"{pointer}/$ref: {ref!r} does not resolve")
     return node
 
 

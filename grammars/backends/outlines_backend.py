@@ -131,7 +131,7 @@ class OutlinesMatcher(Matcher):
             return False
         try:
             self._guide.advance(token_id, return_tokens=False)
-        except ValueError:
+        except (ValueError, OverflowError):     # no transition; an id outside u32
             return False
         if token_id in self._g.eos:
             self._eos_step = len(self._steps)

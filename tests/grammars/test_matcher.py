@@ -1,0 +1,177 @@
+"""Matcher operations: rollback, fork, valid_prefix, forced tokens, accept_text, batch fill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from formcast.engine import LogitsConstraint
+from formcast.grammars import Choice, JsonSchema, Regex, fill_bitmasks
+
+from .cases import PERSON
+from .conftest import EOS, PAD_SPECIAL
+
+BACKENDS = ["xgrammar", "outlines-core"]
+
+
+def _ids(vocab, text: str) -> list[int]:
+    ids = vocab.segment(text.encode("utf-8"))
+    assert ids is not None
+    return ids
+
+
+def _mask(m, compiled) -> torch.Tensor:
+    bitmask = compiled.allocate_bitmask(1)
+    m.fill_bitmask(bitmask, 0)
+    return bitmask[0].clone()
+
+
+@pytest.fixture(params=BACKENDS)
+def person(request, compiler, tiny_vocab):
+    return compiler.compile(JsonSchema(PERSON), tiny_vocab, backend=request.param)
+
+
+def test_matcher_is_an_engine_constraint(person):
+    assert isinstance(person.matcher(), LogitsConstraint)
+
+
+def test_rollback_restores_the_earlier_state(person, tiny_vocab):
+    ids = _ids(tiny_vocab, '{"name":"Al","age":3')
+    m = person.matcher()
+    masks = [_mask(m, person)]
+    for t in ids:
+        assert m.accept(t)
+        masks.append(_mask(m, person))
+    for k in (1, 3, len(ids) - 2):
+        m.rollback(k)
+        assert torch.equal(_mask(m, person), masks[len(ids) - k])
+        for t in ids[len(ids) - k:]:
+            assert m.accept(t)
+    assert torch.equal(_mask(m, person), masks[-1])
+
+
+def test_rollback_past_termination(person, tiny_vocab):
+    m = person.matcher()
+    for t in _ids(tiny_vocab, '{"name":"Al"}'):
+        assert m.accept(t)
+    assert m.accept(EOS) and m.is_terminated()
+    assert not m.accept(EOS)
+    m.rollback(1)
+    assert not m.is_terminated() and m.is_completed()
+    assert m.accept(EOS) and m.is_terminated()
+
+
+def test_rollback_bounds(person, tiny_vocab):
+    m = person.matcher()
+    m.rollback(0)
+    assert m.accept(_ids(tiny_vocab, "{")[0])
+    with pytest.raises(ValueError):
+        m.rollback(2)
+
+
+def test_fork_is_independent(person, tiny_vocab):
+    m = person.matcher()
+    for t in _ids(tiny_vocab, '{"name":"A'):
+        assert m.accept(t)
+    before = _mask(m, person)
+    f = m.fork()
+    assert torch.equal(_mask(f, person), before)
+    for t in _ids(tiny_vocab, 'l","age":1}'):
+        assert f.accept(t)
+    assert f.is_completed() and not m.is_completed()
+    assert torch.equal(_mask(m, person), before)
+    for t in _ids(tiny_vocab, '"}'):
+        assert m.accept(t)
+    assert m.is_completed()
+
+
+def test_valid_prefix_leaves_state_unchanged(person, tiny_vocab):
+    m = person.matcher()
+    good = _ids(tiny_vocab, '{"name":"Al"}')
+    before = _mask(m, person)
+    assert m.valid_prefix(good) == len(good)
+    assert m.valid_prefix(good + [EOS, EOS]) == len(good) + 1   # nothing after a stop
+    bad = _ids(tiny_vocab, '{"name":7}')
+    assert m.valid_prefix(bad) == bad.index(_ids(tiny_vocab, "7")[0])
+    assert m.valid_prefix([EOS]) == 0
+    assert m.valid_prefix([]) == 0
+    assert torch.equal(_mask(m, person), before) and not m.is_terminated()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_forced_tokens_are_accepted_and_spell_the_forced_text(backend, compiler, tiny_vocab):
+    compiled = compiler.compile(Choice(["<|im_start|>yes", "<|im_start|>no"]), tiny_vocab,
+                                backend=backend)
+    m = compiled.matcher()
+    forced = m.forced_tokens()
+    for t in forced:
+        assert m.accept(t)
+    text = b"".join(tiny_vocab.token_bytes[t] for t in forced)
+    assert b"<|im_start|>".startswith(text)
+    if backend == "xgrammar":      # xgrammar forces the whole shared prefix
+        assert text == b"<|im_start|>"
+    assert m.forced_tokens() == [] or backend == "outlines-core"
+
+
+def test_forced_tokens_of_a_json_object(compiler, tiny_vocab):
+    compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    m = compiled.matcher()
+    forced = m.forced_tokens()
+    assert b"".join(tiny_vocab.token_bytes[t] for t in forced) == b'{"name":"'
+    assert all(m.accept(t) for t in forced)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accept_text_is_one_step(backend, compiler, tiny_vocab):
+    compiled = compiler.compile(Regex(r"(ab)+c"), tiny_vocab, backend=backend)
+    m = compiled.matcher()
+    assert m.accept_text("abab")
+    assert not m.accept_text("ac")          # rejected: state unchanged
+    assert m.accept_text("c") and m.is_completed()
+    m.rollback(1)                           # undoes "c" only
+    assert not m.is_completed()
+    assert m.accept(_ids(tiny_vocab, "c")[0]) and m.accept(EOS) and m.is_terminated()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_special_padded_and_early_stop_tokens_are_refused(backend, compiler, tiny_vocab):
+    compiled = compiler.compile(Regex(r"[a-z]+"), tiny_vocab, backend=backend)
+    m = compiled.matcher()
+    assert not m.accept(EOS)                        # nothing generated yet
+    assert not m.accept(PAD_SPECIAL)
+    assert not m.accept(tiny_vocab.vocab_size - 1)   # a padded id
+    assert not m.accept(-1)
+    assert m.accept(_ids(tiny_vocab, "a")[0]) and m.accept(EOS)
+
+
+def test_end_checked_matcher_refuses_stop_until_valid(compiler, tiny_vocab):
+    schema = {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True}
+    compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    assert compiled.end_check is not None
+    m = compiled.matcher()
+    for t in _ids(tiny_vocab, "[1,1]"):
+        assert m.accept(t)
+    mask = _mask(m, compiled)
+    assert not (int(mask[EOS >> 5]) >> (EOS & 31)) & 1    # stop masked out: a dead end here
+    assert not m.accept(EOS) and not m.is_completed()
+    assert "non-unique" in (m.last_violation or "")
+    f = m.fork()
+    f.rollback(2)                                        # back to "[1,"
+    assert f.accept(_ids(tiny_vocab, "2")[0]) and f.accept(_ids(tiny_vocab, "]")[0])
+    assert f.is_completed() and f.accept(EOS) and f.is_terminated()
+    assert not m.is_terminated()
+
+
+def test_batch_fill_matches_row_by_row(compiler, tiny_vocab):
+    grammars = [compiler.compile(c, tiny_vocab) for c in
+                (JsonSchema(PERSON), Regex(r"[0-9]+"), Choice(["x", "y"]))]
+    grammars.append(compiler.compile(Regex(r"a+"), tiny_vocab, backend="outlines-core"))
+    matchers = [g.matcher() for g in grammars]
+    matchers[0].accept(_ids(tiny_vocab, "{")[0])
+    batch = grammars[0].allocate_bitmask(6)
+    fill_bitmasks(matchers, batch, rows=[5, 0, 2, 3])
+    for m, row in zip(matchers, [5, 0, 2, 3]):
+        one = grammars[0].allocate_bitmask(1)
+        m.fill_bitmask(one, 0)
+        assert torch.equal(batch[row], one[0])
+    assert torch.equal(batch[1], torch.full_like(batch[1], -1))   # untouched rows stay
