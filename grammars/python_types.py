@@ -208,8 +208,15 @@ def _dataclass_fields(tp: type) -> tuple[dict[str, Any], list[str]]:
 
 def _typeddict_fields(tp: type) -> tuple[dict[str, Any], list[str]]:
     hints = _hints(tp)
-    fields = {k: _strip_required(v) for k, v in hints.items()}
-    return fields, [k for k in hints if k in tp.__required_keys__]
+    fields, required = {}, []
+    for name, hint in hints.items():
+        marker = typing.get_origin(hint)
+        # Under `from __future__ import annotations` __required_keys__ misses the markers.
+        if marker is typing.Required or (marker is not typing.NotRequired
+                                         and name in tp.__required_keys__):
+            required.append(name)
+        fields[name] = _strip_required(hint)
+    return fields, required
 
 
 def _strip_required(tp: Any) -> Any:
@@ -220,7 +227,7 @@ def _strip_required(tp: Any) -> Any:
 
 def _hints(tp: type) -> dict[str, Any]:
     try:
-        return typing.get_type_hints(tp)
+        return typing.get_type_hints(tp, include_extras=True)
     except (NameError, TypeError) as exc:
         raise TypeError(f"from_type cannot resolve the annotations of {_name(tp)}: {exc}") from None
 

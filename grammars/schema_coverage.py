@@ -170,6 +170,11 @@ def analyze(root: Any, backend: str) -> SchemaCoverage:
         for kw, value in node.items():
             status, note = classify(kw, value, node, profile)
             items.append(KeywordCoverage(pointer=pointer, keyword=kw, status=status, note=note))
+        if "properties" in node and not any(k in node for k in (
+                "additionalProperties", "patternProperties", "unevaluatedProperties")):
+            items.append(KeywordCoverage(
+                pointer=pointer, keyword="additionalProperties", status="mask",
+                note="not given: only the listed properties are generated (a narrowing)"))
         stack.extend(reversed(list(subschemas(node, pointer))))
     return SchemaCoverage(backend=backend, items=tuple(items))
 
@@ -220,6 +225,8 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
         return "end", ""
     if kw == "required":
         return "mask", ""
+    if kw == "properties":
+        return "mask", "generated in the order listed"
     if kw == "allOf":
         return "mask", "merged into the parent schema where possible; else checked at the end"
     if kw == "$ref" and p.name == "outlines-core":

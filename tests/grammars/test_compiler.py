@@ -1,0 +1,119 @@
+"""The compile cache (keys, byte bound, failures), the deadline, padded vocabularies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from formcast import ConstraintError
+from formcast.grammars import GrammarCompiler, JsonSchema, Regex
+from formcast.grammars.cache import ByteBoundedLRU, Failure
+
+from .conftest import allowed_ids
+
+
+class CountingCompiler(GrammarCompiler):
+    """Counts real builds; optionally sleeps in them to miss deadlines."""
+
+    def __init__(self, *, delay_s: float = 0.0, **kw) -> None:
+        super().__init__(**kw)
+        self.builds = 0
+        self.delay_s = delay_s
+
+    def _build(self, *args):
+        self.builds += 1
+        time.sleep(self.delay_s)
+        return super()._build(*args)
+
+
+def test_same_constraint_compiles_once_per_key(tiny_vocab):
+    c = CountingCompiler()
+    a = c.compile(Regex("[a-c]+"), tiny_vocab)
+    assert c.compile(Regex("[a-c]+"), tiny_vocab) is a
+    assert c.builds == 1
+    c.compile(Regex("[a-c]+"), tiny_vocab, backend="outlines-core")
+    c.compile(JsonSchema({"type": "integer"}), tiny_vocab)
+    c.compile(JsonSchema({"type": "integer"}), tiny_vocab)
+    c.compile(JsonSchema('{"type":"integer"}'), tiny_vocab)        # same canonical text
+    c.compile(JsonSchema({"type": "integer"}, whitespace="flexible"), tiny_vocab)
+    assert c.builds == 4
+    c.close()
+
+
+def test_concurrent_compiles_share_one_build(tiny_vocab):
+    c = CountingCompiler(delay_s=0.2)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(
+        c.compile(Regex("x+y"), tiny_vocab))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert c.builds == 1 and len({id(r) for r in results}) == 1
+    c.close()
+
+
+def test_deadline_raises_then_fails_fast_until_the_build_lands(tiny_vocab):
+    c = CountingCompiler(delay_s=0.5, timeout_s=0.1)
+    with pytest.raises(ConstraintError, match="longer than 0.1 s"):
+        c.compile(Regex("slow+"), tiny_vocab)
+    start = time.perf_counter()
+    with pytest.raises(ConstraintError, match="longer than"):
+        c.compile(Regex("slow+"), tiny_vocab)
+    assert time.perf_counter() - start < 0.05         # the cached failure, no new build
+    time.sleep(0.6)                                   # the first build finishes...
+    assert c.compile(Regex("slow+"), tiny_vocab).constraint == Regex("slow+")
+    assert c.builds == 1                              # ...and its result replaced the failure
+    c.close()
+
+
+def test_cache_is_bounded_in_bytes(tiny_vocab):
+    c = GrammarCompiler(cache_bytes=6000)
+    sizes = []
+    for i in range(8):
+        sizes.append(c.compile(Regex(f"[a-z]{{{i + 1}}}x"), tiny_vocab).memory_bytes)
+        assert c.cache.nbytes <= 6000
+    assert 0 < len(c.cache) < 8 and all(s > 0 for s in sizes)
+    c.close()
+
+
+def test_byte_bounded_lru():
+    lru = ByteBoundedLRU(100)
+    lru.put("a", 1, 40)
+    lru.put("b", 2, 40)
+    assert lru.get("a") == 1                     # a is now the most recent
+    lru.put("c", 3, 40)                          # evicts b
+    assert lru.get("b") is None and lru.get("a") == 1 and lru.get("c") == 3
+    lru.put("huge", 4, 1000)                     # larger than the budget: not kept
+    assert lru.get("huge") is None and lru.nbytes == 80
+    lru.put("f", Failure("bad"), 10)
+    assert isinstance(lru.get("f"), Failure)
+    with pytest.raises(ValueError):
+        ByteBoundedLRU(-1)
+
+
+def test_padded_model_vocabulary(compiler, smollm2_tokenizer):
+    width = smollm2_tokenizer.vocab_size + 64
+    for backend in ("xgrammar", "outlines-core"):
+        compiled = compiler.compile(Regex(r"[^x]{1,3}"), smollm2_tokenizer, backend=backend,
+                                    vocab_size=width)
+        assert compiled.vocab_size == width
+        bitmask = compiled.allocate_bitmask(2)
+        assert bitmask.shape == (2, width // 32)
+        m = compiled.matcher()
+        m.fill_bitmask(bitmask, 1)
+        ids = allowed_ids(bitmask, 1, width)
+        assert len(ids) > 1000 and ids.max() < smollm2_tokenizer.vocab_size
+        assert not m.accept(width - 1)
+        special = sorted(smollm2_tokenizer.special_token_ids - smollm2_tokenizer.eos_token_ids)
+        assert not set(special) & set(ids.tolist())
+
+
+def test_vocabulary_of_a_tokenizer_is_cached(compiler, smollm2_tokenizer):
+    a = compiler.vocabulary(smollm2_tokenizer)
+    assert compiler.vocabulary(smollm2_tokenizer) is a
+    assert compiler.vocabulary(smollm2_tokenizer, 49216) is not a
+    assert all(a.token_bytes[i] == b"" for i in smollm2_tokenizer.special_token_ids)
+    assert a.segment("hello world".encode()) is not None
