@@ -114,12 +114,14 @@ class EndCheckedMatcher(Matcher):
     """
 
     __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict",
-                 "last_violation")
+                 "_inner_fill", "_inner_completed", "last_violation")
 
     def __init__(self, inner: Matcher, check: Callable[[bytes], str | None],
                  token_bytes: Sequence[bytes], eos_token_ids: frozenset[int],
                  parts: list[bytes] | None = None) -> None:
         self._inner = inner
+        self._inner_fill = inner.fill_bitmask           # bound once: this is the hot path
+        self._inner_completed = inner.is_completed
         self._check = check
         self._token_bytes = token_bytes
         self._eos = eos_token_ids
@@ -135,8 +137,8 @@ class EndCheckedMatcher(Matcher):
         return self._verdict[1]
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._inner.fill_bitmask(bitmask, row)
-        if self._inner.is_completed() and self._violation() is not None:
+        self._inner_fill(bitmask, row)
+        if self._inner_completed() and self._violation() is not None:
             for eos in self._eos:
                 word = eos >> 5
                 value = int(bitmask[row, word]) & ~(1 << (eos & 31)) & 0xFFFFFFFF

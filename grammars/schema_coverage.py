@@ -48,7 +48,8 @@ END_ONLY = frozenset({
     "uniqueItems", "contains", "minContains", "maxContains", "patternProperties",
     "propertyNames", "unevaluatedItems", "unevaluatedProperties",
 })
-_FORMAT_CHECKS = frozenset(jsonschema.FormatChecker().checkers)
+FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
+_FORMAT_CHECKS = frozenset(FORMAT_CHECKER.checkers)
 _INT64 = 2 ** 63
 
 
@@ -64,6 +65,7 @@ class BackendProfile:
     prefix_items_with_bounds: bool
     object_size: bool             # minProperties / maxProperties
     int64_bounds_only: bool
+    exact_formats: frozenset[str] = frozenset()   # the mask implies jsonschema's check
 
 
 _COMMON_MASK = frozenset({"type", "enum", "const", "properties", "required",
@@ -76,12 +78,16 @@ PROFILES = {
         prefix_items_with_bounds=True, object_size=True, int64_bounds_only=True,
         formats=frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4",
                            "ipv6", "uri", "uri-reference", "uri-template", "json-pointer",
-                           "relative-json-pointer", "uuid"})),
+                           "relative-json-pointer", "uuid"}),
+        # Not ipv4/ipv6 (the mask allows leading zeros), nor date (it allows 11-31).
+        exact_formats=frozenset({"email", "uuid"})),
     "outlines-core": BackendProfile(
         name="outlines-core", mask=_COMMON_MASK, numeric_bounds=False,
         integer_multiple_of=False, prefix_items_with_bounds=False, object_size=False,
         int64_bounds_only=False,
-        formats=frozenset({"date", "time", "date-time", "email", "uri", "uuid"})),
+        # Its time, email and uri regexes can emit invalid JSON (raw control characters,
+        # unescaped backslashes or quotes), so those formats are not used.
+        formats=frozenset({"date", "date-time", "uuid"}), exact_formats=frozenset({"uuid"})),
 }
 
 
@@ -191,6 +197,8 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
         return "end", note
     if kw == "format":
         known, checkable = value in p.formats, value in _FORMAT_CHECKS
+        if known and value in p.exact_formats:
+            return "mask", ""
         if known and checkable:
             return "end", "the mask enforces the shape; jsonschema checks the value at the end"
         if known:

@@ -22,7 +22,7 @@ from formcast.errors import ConstraintError
 from formcast.grammars import regex_dialect
 from formcast.grammars.constraints import JsonSchema
 from formcast.grammars.schema_coverage import (
-    ANNOTATIONS, END_ONLY, PROFILES, SUB_LIST, SUB_MAP, SUB_ONE, BackendProfile, SchemaCoverage,
+    ANNOTATIONS, END_ONLY, FORMAT_CHECKER, PROFILES, SUB_LIST, SUB_MAP, SUB_ONE, BackendProfile, SchemaCoverage,
     analyze, pointer_join, resolve_ref,
 )
 
@@ -114,7 +114,7 @@ def prepare(constraint: JsonSchema, backend: str) -> PreparedSchema:
 
 
 def _end_check(schema: Any) -> Callable[[bytes], str | None]:
-    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    validator = jsonschema.Draft202012Validator(schema, format_checker=FORMAT_CHECKER)
 
     def check(data: bytes) -> str | None:
         try:

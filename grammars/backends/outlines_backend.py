@@ -112,12 +112,16 @@ class OutlinesMatcher(Matcher):
         self._eos_step = eos_step      # the step that accepted a stop token
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        check_bitmask(bitmask, row, self._g.vocab.vocab_size)   # raw pointer write below
+        words = self._g.words
+        shape = bitmask.shape
+        # A raw pointer write follows: check the buffer (cheap attribute reads only).
+        if (bitmask.dtype is not torch.int32 or not bitmask.is_cpu or len(shape) != 2
+                or shape[1] != words or not bitmask.is_contiguous() or not 0 <= row < shape[0]):
+            check_bitmask(bitmask, row, self._g.vocab.vocab_size)   # raises, saying why
         if self._eos_step is not None:
             bitmask[row].zero_()
             return
-        ptr = bitmask.data_ptr() + row * bitmask.stride(0) * 4
-        self._guide.write_mask_into(ptr, self._g.words, 4)
+        self._guide.write_mask_into(bitmask.data_ptr() + row * words * 4, words, 4)
         if self._guide.get_state() in self._g.eos_not_final:
             for eos in self._g.eos:
                 word = eos >> 5

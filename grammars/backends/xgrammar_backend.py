@@ -76,19 +76,23 @@ class XGrammarGrammar(BackendGrammar):
 
 
 class XGrammarMatcher(Matcher):
-    """A thin shell over ``xgrammar.GrammarMatcher`` (bound methods kept for the hot path)."""
+    """A thin shell over ``xgrammar.GrammarMatcher``.
 
-    __slots__ = ("_m", "_blocked", "_size", "_fill", "_accept")
+    ``fill_bitmask`` is xgrammar's own bound method, set per instance, so the engine's
+    per-token call costs exactly what a direct xgrammar call does (it returns
+    xgrammar's "needs applying" flag, which callers may ignore).
+    """
 
     def __init__(self, matcher: xgr.GrammarMatcher, blocked: frozenset[int], size: int) -> None:
         self._m = matcher
         self._blocked = blocked
         self._size = size
-        self._fill = matcher.fill_next_token_bitmask
         self._accept = matcher.accept_token
+        self.fill_bitmask = matcher.fill_next_token_bitmask   # type: ignore[method-assign]
+        self.is_completed = matcher.is_completed              # type: ignore[method-assign]
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self._fill(bitmask, row)
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:  # replaced per instance
+        self._m.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token_id: int) -> bool:
         if token_id in self._blocked or not 0 <= token_id < self._size:

@@ -41,7 +41,8 @@ def regex_oracle(pattern: str) -> Callable[[str], bool]:
 
 def schema_oracle(schema: dict, *, max_whitespace: int = 0) -> Callable[[str], bool]:
     """jsonschema validity plus the whitespace bound (runs outside strings)."""
-    validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.FormatChecker())
+    validator = jsonschema.Draft202012Validator(
+        schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
 
     def check(text: str) -> bool:
         try:

@@ -10,7 +10,7 @@ from formcast.grammars import JsonSchema, explain
 
 from .cases import PERSON
 
-HOSTNAME_CHECKED = "hostname" in jsonschema.FormatChecker().checkers
+HOSTNAME_CHECKED = "hostname" in jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
 SCHEMA = {"title": "T", "type": "object", "additionalProperties": False, "required": ["a"],
           "properties": {
               "a": {"type": "integer", "minimum": 0, "multipleOf": 2},
