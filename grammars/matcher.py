@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -104,6 +105,23 @@ class Matcher(ABC):
         return n
 
 
+@dataclass(frozen=True)
+class EndViolation:
+    """Why a finished document failed its end check.
+
+    Attributes
+    ----------
+    message : str
+        What is wrong, with the JSON path of the offending value.
+    start : int
+        Byte offset in the document from which it must change (e.g. the offending
+        value, or a container's closing bracket when something is missing from it).
+    """
+
+    message: str
+    start: int
+
+
 class EndCheckedMatcher(Matcher):
     """Refuses stop tokens until the finished text passes ``check``.
 
@@ -113,10 +131,10 @@ class EndCheckedMatcher(Matcher):
     must go on or dead-ends; :attr:`last_violation` then says why.
     """
 
-    __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict",
+    __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict", "_version",
                  "_inner_fill", "_inner_completed", "last_violation")
 
-    def __init__(self, inner: Matcher, check: Callable[[bytes], str | None],
+    def __init__(self, inner: Matcher, check: Callable[[bytes], EndViolation | None],
                  token_bytes: Sequence[bytes], eos_token_ids: frozenset[int],
                  parts: list[bytes] | None = None) -> None:
         self._inner = inner
@@ -126,15 +144,37 @@ class EndCheckedMatcher(Matcher):
         self._token_bytes = token_bytes
         self._eos = eos_token_ids
         self._parts: list[bytes] = [] if parts is None else parts   # one entry per step
-        self._verdict: tuple[int, str | None] | None = None         # (len(parts), message)
+        self._version = 0            # bumped by every change of state
+        self._verdict: tuple[int, EndViolation | None] | None = None   # (version, verdict)
         self.last_violation: str | None = None
 
-    def _violation(self) -> str | None:
-        n = len(self._parts)
-        if self._verdict is None or self._verdict[0] != n:
-            self._verdict = (n, self._check(b"".join(self._parts)))
-        self.last_violation = self._verdict[1]
-        return self._verdict[1]
+    def _violation(self) -> EndViolation | None:
+        if self._verdict is None or self._verdict[0] != self._version:
+            self._verdict = (self._version, self._check(b"".join(self._parts)))
+        found = self._verdict[1]
+        self.last_violation = None if found is None else found.message
+        return found
+
+    def rollback_hint(self) -> int:
+        """Steps to roll back so that the value failing the end check can be redone.
+
+        Does not change state. 0 when the text so far is incomplete or passes; else the
+        number of steps back to the step holding the first byte that must change (the
+        offending value, or the closing bracket of a container missing something).
+        An engine that meets a dead end here can roll back that many tokens (matcher
+        and KV cache) and sample again instead of failing the request.
+        """
+        if not self._inner_completed():
+            return 0
+        violation = self._violation()
+        if violation is None:
+            return 0
+        offset = 0
+        for k, part in enumerate(self._parts):
+            if offset + len(part) > violation.start:
+                return len(self._parts) - k
+            offset += len(part)
+        return 0
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._inner_fill(bitmask, row)
@@ -151,12 +191,14 @@ class EndCheckedMatcher(Matcher):
         if not self._inner.accept(token_id):
             return False
         self._parts.append(b"" if token_id in self._eos else self._token_bytes[token_id])
+        self._version += 1
         return True
 
     def accept_text(self, text: str) -> bool:
         if not self._inner.accept_text(text):
             return False
         self._parts.append(text.encode("utf-8"))
+        self._version += 1
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -165,6 +207,7 @@ class EndCheckedMatcher(Matcher):
         self._inner.rollback(num_tokens)
         if num_tokens:
             del self._parts[-num_tokens:]
+            self._version += 1
 
     def is_terminated(self) -> bool:
         return self._inner.is_terminated()

@@ -21,6 +21,8 @@ from jsonschema.exceptions import best_match
 from formcast.errors import ConstraintError
 from formcast.grammars import regex_dialect
 from formcast.grammars.constraints import JsonSchema
+from formcast.grammars.json_spans import value_span
+from formcast.grammars.matcher import EndViolation
 from formcast.grammars.schema_coverage import (
     ANNOTATIONS, END_ONLY, FORMAT_CHECKER, PROFILES, SUB_LIST, SUB_MAP, SUB_ONE, BackendProfile, SchemaCoverage,
     analyze, pointer_join, resolve_ref,
@@ -37,7 +39,7 @@ class PreparedSchema:
 
     text: str                                    # the rewritten schema, JSON
     coverage: SchemaCoverage
-    end_check: Callable[[bytes], str | None] | None
+    end_check: Callable[[bytes], EndViolation | None] | None
 
 
 def load_schema(constraint: JsonSchema) -> Any:
@@ -113,18 +115,43 @@ def prepare(constraint: JsonSchema, backend: str) -> PreparedSchema:
                           end_check=end_check)
 
 
-def _end_check(schema: Any) -> Callable[[bytes], str | None]:
+# Failures fixed by adding to a container: redo only its closing bracket.
+_MISSING = frozenset({"required", "dependentRequired", "minProperties", "minItems", "contains",
+                      "minContains"})
+
+
+def _end_check(schema: Any) -> Callable[[bytes], EndViolation | None]:
     validator = jsonschema.Draft202012Validator(schema, format_checker=FORMAT_CHECKER)
 
-    def check(data: bytes) -> str | None:
+    def check(data: bytes) -> EndViolation | None:
         try:
-            value = json.loads(data)
+            text = data.decode("utf-8")
+            value = json.loads(text)
         except ValueError as exc:
-            return f"not one JSON document: {exc}"
+            return EndViolation(f"not one JSON document: {exc}", 0)
         error = best_match(validator.iter_errors(value))
-        return None if error is None else f"{error.json_path}: {error.message}"
+        if error is None:
+            return None
+        path = list(error.absolute_path)
+        if error.validator == "uniqueItems" and isinstance(error.instance, list):
+            path.append(_first_duplicate(error.instance))
+        try:
+            start, end = value_span(text, path)
+        except ValueError:
+            start, end = 0, len(text)
+        if error.validator in _MISSING and isinstance(error.instance, (dict, list)):
+            start = end - 1
+        return EndViolation(f"{error.json_path}: {error.message}",
+                            len(text[:start].encode("utf-8")))
 
     return check
+
+
+def _first_duplicate(items: list) -> int:
+    for j in range(1, len(items)):
+        if any(items[j] == items[i] and type(items[j]) is type(items[i]) for i in range(j)):
+            return j
+    return 0
 
 
 def _rewrite(node: Any, root: Any, pointer: str, backend: str) -> Any:

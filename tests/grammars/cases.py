@@ -173,6 +173,15 @@ CASES: list[Case] = [
                 {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
                 ['{ "a" : 1 }', '{"a":1}', '{\n "a": 1\n}'], ['{   "a":1}', '{"a":1', "[1]"],
                 whitespace="flexible", max_whitespace=2),
+    schema_case("json-format-email-uuid",
+                {"type": "object", "required": ["e", "u"],
+                 "properties": {"e": {"type": "string", "format": "email"},
+                                "u": {"type": "string", "format": "uuid"}}},
+                ['{"e":"a.b@example.com","u":"123e4567-e89b-12d3-a456-426614174000"}'],
+                ['{"e":"ab","u":"123e4567-e89b-12d3-a456-426614174000"}',
+                 '{"e":"a@b.co","u":"123"}'], walk=False),   # e-mails are too long to walk
+    schema_case("json-format-uuid", {"type": "string", "format": "uuid"},
+                ['"00000000-0000-0000-0000-00000000000a"'], ['"0000-0000"', '"g"']),
     # ---- JSON Schema keywords checked on the finished document
     schema_case("json-unique-items",
                 {"type": "array", "items": {"enum": [1, 2, 3]}, "maxItems": 3,

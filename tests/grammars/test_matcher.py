@@ -175,3 +175,45 @@ def test_batch_fill_matches_row_by_row(compiler, tiny_vocab):
         m.fill_bitmask(one, 0)
         assert torch.equal(batch[row], one[0])
     assert torch.equal(batch[1], torch.full_like(batch[1], -1))   # untouched rows stay
+
+
+@pytest.mark.parametrize("schema,text,redo,fix", [
+    # a duplicate item: redo from the duplicate
+    ({"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True},
+     "[1,1]", "1]", "2]"),
+    # a missing dependent property: redo only the closing brace
+    ({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+      "dependentRequired": {"a": ["b"]}}, '{"a":1}', "}", ',"b":2}'),
+    # a value the `not` forbids: redo that value
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9,
+                                             "not": {"const": 3}}}, "required": ["n"]},
+     '{"n":3}', "3}", "4}"),
+])
+def test_rollback_hint_points_at_the_offending_value(schema, text, redo, fix, compiler,
+                                                      tiny_vocab):
+    compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    m = compiled.matcher()
+    assert m.rollback_hint() == 0
+    for ch in text:                                      # one step per character
+        assert m.accept(_ids(tiny_vocab, ch)[0])
+    assert not m.is_completed()
+    hint = m.rollback_hint()
+    assert hint == len(redo)
+    m.rollback(hint)
+    assert m.accept_text(fix) and m.is_completed() and m.rollback_hint() == 0
+    assert m.accept(EOS) and m.is_terminated()
+
+
+@pytest.mark.parametrize("text,path,expect", [
+    ('{"a":[1,{"b":"x"}],"c":2}', ["a", 1, "b"], '"x"'),
+    ('{"a":[1,{"b":"x"}],"c":2}', ["c"], "2"),
+    ('{ "a" : [ 1 , 2 ] }', ["a", 1], "2"),
+    ('[[],[3]]', [1], "[3]"),
+    ('{"k\\"ey":true}', ['k"ey'], "true"),
+    ("7", [], "7"),
+])
+def test_value_span(text, path, expect):
+    from formcast.grammars.json_spans import value_span
+
+    start, end = value_span(text, path)
+    assert text[start:end] == expect
