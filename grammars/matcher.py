@@ -82,6 +82,13 @@ class Matcher(ABC):
     def fork(self) -> Matcher:
         """An independent copy of this matcher with the same state."""
 
+    def rollback_hint(self) -> int:
+        """Steps to roll back to leave a dead end the end check caused (0: none).
+
+        Only :class:`EndCheckedMatcher` ever returns more than 0. Does not change state.
+        """
+        return 0
+
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many leading tokens of ``draft`` the grammar allows. State is unchanged.
 

@@ -131,8 +131,9 @@ class _Emitter:
                 return ""
             if av in (sre_c.AT_END, sre_c.AT_END_STRING) and at_end:
                 return ""
-            name = {sre_c.AT_BOUNDARY: r"a word boundary \b",
-                    sre_c.AT_NON_BOUNDARY: r"a non-boundary \B"}.get(av, "an anchor away from the ends")
+            names = {sre_c.AT_BOUNDARY: r"a word boundary \b",
+                     sre_c.AT_NON_BOUNDARY: r"a non-boundary \B"}
+            name = names.get(av, "an anchor away from the ends")
             raise self.fail(name)
         names = {sre_c.GROUPREF: "a backreference", sre_c.GROUPREF_EXISTS: "a conditional group",
                  sre_c.ASSERT: "a lookahead/lookbehind", sre_c.ASSERT_NOT: "a negative lookaround",

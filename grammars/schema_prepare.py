@@ -24,8 +24,8 @@ from formcast.grammars.constraints import JsonSchema
 from formcast.grammars.json_spans import value_span
 from formcast.grammars.matcher import EndViolation
 from formcast.grammars.schema_coverage import (
-    ANNOTATIONS, END_ONLY, FORMAT_CHECKER, PROFILES, SUB_LIST, SUB_MAP, SUB_ONE, BackendProfile, SchemaCoverage,
-    analyze, pointer_join, resolve_ref,
+    ANNOTATIONS, END_ONLY, FORMAT_CHECKER, PROFILES, SUB_LIST, SUB_MAP, SUB_ONE, BackendProfile,
+    SchemaCoverage, analyze, pointer_join, resolve_ref,
 )
 
 MAX_SCHEMA_BYTES = 1 << 20
@@ -57,7 +57,8 @@ def load_schema(constraint: JsonSchema) -> Any:
     else:
         schema = json.loads(text)   # a plain-JSON copy of the caller's mapping
     if not isinstance(schema, (dict, bool)):
-        raise ConstraintError(f"a JSON Schema is an object or a boolean, got {type(schema).__name__}")
+        raise ConstraintError("a JSON Schema is an object or a boolean, got "
+                              f"{type(schema).__name__}")
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as exc:

@@ -38,7 +38,8 @@ def _status(coverage, pointer: str, keyword: str) -> str:
     ("#/properties/d", "oneOf", "end", "end"),
     ("#/properties/d/oneOf/0", "format", "end", "end"),
     # jsonschema checks hostnames only when the optional fqdn package is installed
-    ("#/properties/e", "format", *(("end", "end") if HOSTNAME_CHECKED else ("mask", "unsupported"))),
+    ("#/properties/e", "format",
+     *(("end", "end") if HOSTNAME_CHECKED else ("mask", "unsupported"))),
 ])
 def test_explain_statuses(pointer, keyword, xgrammar, outlines):
     assert _status(explain(SCHEMA), pointer, keyword) == xgrammar

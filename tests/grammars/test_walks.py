@@ -3,8 +3,8 @@
 Each walk samples uniformly among the tokens the mask allows until a stop token
 (or a length cap). Every finished walk must decode as UTF-8 and pass the case's
 oracle (``re.fullmatch``, ``jsonschema``, ``lark``); no walk may dead-end unless
-part of its schema is checked only at the end (``explain``'s "end" keywords); the mask never offers special or
-padded ids.
+part of its schema is checked only at the end (``explain``'s "end" keywords); the
+mask never offers special or padded ids.
 """
 
 from __future__ import annotations
