@@ -8,6 +8,7 @@ Lifecycle (as in xgrammar): tokenizer -> :class:`Vocabulary` -> :class:`GrammarC
 from __future__ import annotations
 
 import concurrent.futures as cf
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -43,6 +44,52 @@ def _backend_class(name: str) -> type[Backend]:
         from formcast.grammars.backends.outlines_backend import OutlinesBackend
         return OutlinesBackend
     raise ValueError(f"unknown grammar backend {name!r}; choose 'auto' or one of {BACKENDS}")
+
+
+class _DaemonPool:
+    """Worker threads that never keep the process alive.
+
+    A compile that misses its deadline cannot be stopped (it runs in C++); on daemon
+    threads it at least does not block interpreter exit, as a ThreadPoolExecutor's
+    joined workers would.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._workers = workers
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> cf.Future:
+        future: cf.Future = cf.Future()
+        with self._lock:
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._run, daemon=True,
+                                                  name=f"formcast-grammar-{i}")
+                                 for i in range(self._workers)]
+                for t in self._threads:
+                    t.start()
+        self._jobs.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # handed to the waiting caller
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            for _ in self._threads:
+                self._jobs.put(None)
+            self._threads = []
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -115,8 +162,9 @@ def grammar_source(constraint: Constraint, backend: str
 class GrammarCompiler:
     """Compiles constraints for tokenizers, with a byte-bounded cache and a deadline.
 
-    Compilation runs on worker threads; a compile that misses its deadline raises
-    :class:`~formcast.ConstraintError` (its result is still cached if it finishes).
+    Compilation runs on (daemon) worker threads; a compile that misses its deadline
+    raises :class:`~formcast.ConstraintError` (its result is still cached if it
+    finishes).
     Failures are cached too, so a repeated bad constraint fails at lookup.
 
     Parameters
@@ -135,8 +183,7 @@ class GrammarCompiler:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
         self.cache: ByteBoundedLRU[CompiledGrammar] = ByteBoundedLRU(cache_bytes)
-        self._pool = cf.ThreadPoolExecutor(max_workers=max_workers,
-                                           thread_name_prefix="formcast-grammar")
+        self._pool = _DaemonPool(max_workers)
         self._lock = threading.Lock()
         self._inflight: dict[tuple, cf.Future] = {}
         self._vocabs: OrderedDict[tuple[str, int], Vocabulary] = OrderedDict()
@@ -260,8 +307,8 @@ class GrammarCompiler:
                                grammar=grammar, end_check=end_check)
 
     def close(self) -> None:
-        """Stop the worker threads (pending compiles are cancelled)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Let the worker threads end once the queued compiles are done."""
+        self._pool.shutdown()
 
 
 @cache
