@@ -44,3 +44,17 @@ def test_apply_bitmask_without_rows_and_bad_backend():
     assert torch.isfinite(logits).nonzero().tolist() == [[0, 1], [1, 39]]
     with pytest.raises(ValueError):
         apply_bitmask(logits, allocate_bitmask(2, 40), backend="cuda-graphs")
+
+
+@pytest.mark.cuda
+def test_apply_bitmask_on_cuda_matches_the_cpu_path():
+    torch.manual_seed(0)
+    vocab = 49152 + 64                                     # a padded model vocabulary
+    logits = torch.randn(5, vocab)
+    mask = torch.randint(-(2 ** 31), 2 ** 31 - 1, (3, 49152 // 32), dtype=torch.int32)
+    rows = [4, 0, 2]
+    expected = logits.clone()
+    apply_bitmask(expected, mask, rows, backend="torch")
+    on_gpu = logits.cuda()
+    apply_bitmask(on_gpu, mask, rows)                      # auto: Triton for CUDA logits
+    assert torch.equal(on_gpu.cpu(), expected)
