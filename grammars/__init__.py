@@ -22,7 +22,7 @@ from formcast.grammars.compiler import (
     default_compiler,
 )
 from formcast.grammars.constraints import Choice, Constraint, Ebnf, JsonSchema, Lark, Regex
-from formcast.grammars.matcher import EndCheckedMatcher, Matcher
+from formcast.grammars.matcher import EndCheckedMatcher, EndViolation, Matcher
 from formcast.grammars.python_types import from_type, type_schema
 from formcast.grammars.schema_coverage import KeywordCoverage, SchemaCoverage
 from formcast.grammars.schema_prepare import explain
@@ -35,6 +35,7 @@ __all__ = [
     "Constraint",
     "Ebnf",
     "EndCheckedMatcher",
+    "EndViolation",
     "GrammarCompiler",
     "JsonSchema",
     "KeywordCoverage",

@@ -12,9 +12,9 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
 
 import torch
 
@@ -24,12 +24,13 @@ from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSour
 from formcast.grammars.bitmask import allocate_bitmask
 from formcast.grammars.cache import ByteBoundedLRU, Failure
 from formcast.grammars.constraints import Choice, Constraint, Ebnf, JsonSchema, Lark, Regex
-from formcast.grammars.matcher import EndCheckedMatcher, Matcher
+from formcast.grammars.matcher import EndCheckedMatcher, EndViolation, Matcher
 from formcast.grammars.schema_coverage import SchemaCoverage
 from formcast.grammars.schema_prepare import prepare
 from formcast.grammars.vocab import TokenizerLike, Vocabulary
 
 BACKENDS = ("xgrammar", "outlines-core")
+EndCheck = Callable[[bytes], EndViolation | None]
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_CACHE_BYTES = 512 << 20
 _FAILURE_BYTES = 1024          # what a cached failure is charged
@@ -113,7 +114,8 @@ class CompiledGrammar:
     coverage: SchemaCoverage | None
     compile_seconds: float
     grammar: BackendGrammar
-    end_check: Any = None    # Callable[[bytes], str | None] when part is checked at the end
+    # Validates the finished document when part of a JSON Schema is checked at the end.
+    end_check: EndCheck | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -138,7 +140,7 @@ class CompiledGrammar:
 
 
 def grammar_source(constraint: Constraint, backend: str
-                   ) -> tuple[GrammarSource, SchemaCoverage | None, Any]:
+                   ) -> tuple[GrammarSource, SchemaCoverage | None, EndCheck | None]:
     """Validate a constraint and translate it for ``backend``: (source, coverage, end check)."""
     if isinstance(constraint, Regex):
         source = GrammarSource(kind="regex", text=regex_dialect.translate(constraint.pattern))
