@@ -57,6 +57,7 @@ BAD = [
     (Ebnf('start ::= "a"', root="begin"), "auto", ['"begin"']),
     (Lark('start: "a" b'), "auto", ["line 1, column 12", "unknown name 'b'"]),
     (Ebnf('root ::= "a"'), "outlines-core", ["does not compile ebnf"]),
+    (JsonSchema({"title": "anything"}), "outlines-core", ["unconstrained"]),
     (Lark('start: "a"'), "outlines-core", ["does not compile lark"]),
 ]
 
