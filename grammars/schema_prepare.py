@@ -103,7 +103,8 @@ def prepare(constraint: JsonSchema, backend: str) -> PreparedSchema:
         Malformed, unsatisfiable, or using keywords the backend cannot enforce.
     """
     schema = load_schema(constraint)
-    if backend == "outlines-core" and (schema is True or not set(schema) - ANNOTATIONS):
+    if backend == "outlines-core" and (schema is True or (
+            isinstance(schema, dict) and not set(schema) - ANNOTATIONS)):
         # Measured: its index for "any JSON value" takes ~50 s on a 300-token vocabulary.
         raise ConstraintError("#: the outlines-core backend cannot compile an unconstrained "
                               "document ({} or true) in reasonable time; use xgrammar")
