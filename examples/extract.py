@@ -24,7 +24,7 @@ class Contact(BaseModel):
 
 
 class Person(BaseModel):
-    name: str
+    name: str = Field(description="full name")
     age: int
     city: str
     occupation: str
