@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
-	$(BIN)/python examples/quickstart.py
+	$(BIN)/python examples/extract.py
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_vs_hf.py
