@@ -40,7 +40,8 @@ def main() -> None:
     for question, options in QUESTIONS:
         best = llm.choose(question, options)
         scores = llm.score(question, options)
-        ranked = ", ".join(f"{o} {s:.1f}" for o, s in sorted(zip(options, scores), key=lambda p: -p[1]))
+        ranked = ", ".join(f"{option} {score:.1f}" for score, option
+                           in sorted(zip(scores, options), reverse=True))
         print(f"  {question} -> {best}   [log-probs: {ranked}]")
 
 

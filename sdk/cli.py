@@ -24,7 +24,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn,
-                           Task, TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+                           Task, TextColumn, TimeElapsedColumn)
 from rich.table import Table
 from rich.text import Text
 
@@ -109,7 +109,8 @@ def _load_llm(ctx: typer.Context, model: str, device: str, dtype: str | None,
 
 
 # Options shared by the commands that load a model.
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Registry name, .gguf file or HF folder.")]
+ModelOpt = Annotated[str, typer.Option("--model", "-m",
+                                       help="Registry name, .gguf file or HF folder.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 DtypeOpt = Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")]
 QuantOpt = Annotated[str | None, typer.Option(help="CPU weight quantization: int4 or int8.")]
@@ -286,8 +287,10 @@ def extract(
              "model, dataclass or TypedDict.")],
     input: Annotated[Path, typer.Option(
         "--input", "-i", help="JSONL: one string, or one object with a text field, a line.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL written here ('-': stdout).")],
-    text_field: Annotated[str, typer.Option(help="Field holding the text in object lines.")] = "text",
+    output: Annotated[Path, typer.Option("--output", "-o",
+                                         help="JSONL written here ('-': stdout).")],
+    text_field: Annotated[str, typer.Option(
+        help="Field holding the text in object lines.")] = "text",
     batch_size: Annotated[int, typer.Option(min=1, help="Texts per engine batch.")] = 16,
     instructions: Annotated[str | None, typer.Option(help="Extra guidance for the model.")] = None,
     max_tokens: Annotated[int | None, typer.Option(min=1)] = None,
@@ -329,9 +332,9 @@ class _RateColumn(ProgressColumn):
     def render(self, task: Task) -> Text:
         elapsed = task.elapsed or 0.0
         if elapsed <= 0:
-            return Text("-- items/s  -- tok/s", style="progress.data.speed")
-        return Text(f"{task.completed / elapsed:.2f} items/s  "
-                    f"{task.fields.get('tokens', 0) / elapsed:.1f} tok/s",
+            return Text("-- items/s -- tok/s", style="progress.data.speed")
+        tokens = task.fields.get("tokens", 0)
+        return Text(f"{task.completed / elapsed:.2f} items/s {tokens / elapsed:.0f} tok/s",
                     style="progress.data.speed")
 
 
@@ -345,8 +348,8 @@ def _extract_all(llm: Any, texts: list[str], target: Any, sink: Any, *, batch_si
     from pydantic_core import to_jsonable_python
 
     failed = tokens = 0
-    columns = (SpinnerColumn(), TextColumn("extract"), BarColumn(), MofNCompleteColumn(),
-               _RateColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    columns = (SpinnerColumn(), TextColumn("extract"), BarColumn(bar_width=24),
+               MofNCompleteColumn(), _RateColumn(), TimeElapsedColumn())
     with Progress(*columns, console=_err(), transient=False) as progress:
         task = progress.add_task("extract", total=len(texts), tokens=0)
         for start in range(0, len(texts), batch_size):
@@ -399,7 +402,7 @@ def _read_texts(path: Path, field: str) -> list[str]:
 
 
 def _load_schema(spec: str) -> Any:
-    """A JSON Schema dict from a .json file, or a class from ``module:Class`` / ``file.py:Class``."""
+    """A JSON Schema dict from a .json file, or a class (``module:Class``, ``file.py:Class``)."""
     if spec.endswith(".json") or (":" not in spec and Path(spec).exists()):
         return _read_json_schema(str(Path(spec)), "--schema")
     module_name, sep, attr = spec.rpartition(":")

@@ -43,7 +43,8 @@ def test_extract_prints_typed_objects():
     out = run_example("extract.py")
     for cls in ("Contact(", "Person(", "Review(", "Recipe(", "Book("):
         assert cls in out
-    assert re.search(r"stars=[1-5],", out) and re.search(r"sentiment='(positive|negative|mixed)'", out)
+    assert re.search(r"stars=[1-5],", out)
+    assert re.search(r"sentiment='(positive|negative|mixed)'", out)
     assert re.search(r"vegetarian=(True|False)", out)
     assert "5 typed objects in" in out
 
