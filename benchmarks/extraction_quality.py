@@ -6,7 +6,9 @@ gold fields, five schemas defined below):
 A  ``llm.extract(text, Model)``: formcast's extraction prompt (fields, types,
    descriptions, the null rule) + generation constrained by the model's schema.
 B  a plain user prompt, "Extract the information as JSON." + the text, with the
-   same JSON Schema constraint (``llm.generate(..., json_schema=...)``).
+   same JSON Schema constraint as A generates under (``llm.generate(...,
+   json_schema=...)`` with the schema A compiles: free strings capped at
+   ``formcast.extraction.MAX_FREE_STRING`` characters), so A - B is the prompt alone.
 C  formcast's extraction prompt without any constraint: the first ``{`` to the last
    ``}`` of the output goes through ``json.loads`` and pydantic validation. (The
    prompt is A's, so C measures what the constraint adds; a plain prompt without
@@ -187,9 +189,11 @@ def method_a(llm: Any, items: list[Item], model: type[BaseModel], max_tokens: in
 
 def method_b(llm: Any, items: list[Item], model: type[BaseModel], max_tokens: int
              ) -> list[Outcome]:
-    """A plain prompt with the same JSON Schema constraint."""
+    """A plain prompt with the same JSON Schema constraint as A."""
+    from formcast.extraction import cap_free_strings
+
     prompts = [f"{PLAIN_PROMPT}\n\n{it.text}" for it in items]
-    results = llm.generate_batch(prompts, json_schema=model.model_json_schema(),
+    results = llm.generate_batch(prompts, json_schema=cap_free_strings(model.model_json_schema()),
                                  max_tokens=max_tokens)
     return [_from_completion(llm, r, lambda c: validated(model, c.value)) for r in results]
 

@@ -90,6 +90,11 @@ class EngineConfig:
         Longest sequence (prompt + output); None takes the model's context length.
     enable_prefix_caching : bool
         Share KV blocks between requests whose prompts start alike.
+    max_constraint_rollbacks : int
+        How often one request may back out of a dead end its constraint can explain
+        (``rollback_hint()``: a finished value failed an end check) by rolling back
+        to the offending value and sampling again with the token that led there
+        banned. 0 turns recovery off: such a request ends at once with an error.
     """
 
     block_size: int = 16
@@ -99,6 +104,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    max_constraint_rollbacks: int = 8
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -114,3 +120,6 @@ class EngineConfig:
                 f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.max_constraint_rollbacks < 0:
+            raise ValueError(f"max_constraint_rollbacks must be >= 0, got "
+                             f"{self.max_constraint_rollbacks}")

@@ -57,6 +57,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
+        self.quantization: str | None = None  # "int4"/"int8" when the linears are packed
         param = next(model.parameters())
         self.device = device or param.device
         self.dtype = param.dtype
@@ -124,7 +125,9 @@ class Engine:
         ckpt = load_checkpoint(source)
         model = build_model(ckpt.config, ckpt.weights, device=dev, dtype=dtype,
                             quantization=quantization)
-        return cls(model, tokenizer, config=engine_config, device=dev, name=source.name)
+        engine = cls(model, tokenizer, config=engine_config, device=dev, name=source.name)
+        engine.quantization = quantization
+        return engine
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt: Request | SequenceABC[int], params: SamplingParams | None = None,
@@ -215,12 +218,52 @@ class Engine:
         result = self.sampler(logits, sampled)
         for i, seq in enumerate(sampled):
             if i in result.errors:
-                seq.error = result.errors[i]
+                if self._roll_back_dead_end(seq):
+                    continue  # resamples the offending value next step
+                seq.error = _dead_end_message(seq, result.errors[i])
                 self._finish(seq, "abort")
             else:
                 self._append_token(seq, result.token_ids[i], result.logprobs[i])
             outputs.append(seq.to_output())
         return outputs
+
+    def _roll_back_dead_end(self, seq: Sequence) -> bool:
+        """Back a request out of a dead end its constraint can explain; False if not.
+
+        A constraint whose finished value failed an end check (``rollback_hint() > 0``)
+        is rolled back to the step holding the offending value, and so are the
+        request's tokens, text and KV cache; the token sampled at that step is banned
+        there, so the next step samples something else. At most
+        ``config.max_constraint_rollbacks`` times per request.
+        """
+        hint = getattr(seq.constraint, "rollback_hint", None)
+        if hint is None or seq.num_rollbacks >= self.config.max_constraint_rollbacks:
+            return False
+        try:
+            k = int(hint())
+        except Exception:
+            return False
+        if not 0 < k <= seq.num_output_tokens:
+            return False
+        keep = len(seq) - k
+        try:
+            # the last kept token is fed again: its logits choose the new token at `keep`
+            self.scheduler.block_manager.truncate(seq, keep - 1)
+            seq.constraint.rollback(k)
+        except (RuntimeError, ValueError) as exc:
+            seq.error = f"rolling back failed: {exc}"
+            return False
+        banned = seq.token_ids[keep]
+        del seq.token_ids[keep:]
+        if seq.logprobs is not None:
+            del seq.logprobs[seq.num_output_tokens:]
+        seq.banned_tokens = {p: t for p, t in seq.banned_tokens.items() if p <= keep}
+        seq.banned_tokens.setdefault(keep, set()).add(banned)
+        seq.num_rollbacks += 1
+        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        seq.text = "".join(detok.feed(t) for t in seq.output_ids)
+        self._detok[seq.request_id] = detok
+        return True
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         if seq.constraint is not None:
@@ -350,3 +393,16 @@ def build_model(config: LlamaConfig, weights: dict[str, torch.Tensor], *, device
     if quantization is not None:
         quantize_linears(model, quantization)
     return model
+
+
+def _dead_end_message(seq: Sequence, error: str) -> str:
+    """The sampler's error, with why the constraint refused to end and what was tried."""
+    why = getattr(seq.constraint, "last_violation", None)
+    parts = [error]
+    if why:
+        parts.append(f"the finished value fails its end check: {why}")
+    if seq.num_rollbacks:
+        parts.append(f"after {seq.num_rollbacks} rollback(s) to resample it")
+    if seq.error:
+        parts.append(seq.error)
+    return "; ".join(parts)

@@ -50,6 +50,10 @@ class Sampler:
         if self.valid_vocab_size < self.vocab_size:
             logits[:, self.valid_vocab_size:] = float("-inf")
         self._apply_constraints(logits, seqs, errors)
+        for i, seq in enumerate(seqs):
+            banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
+            if banned:  # tokens a rollback ruled out at this position
+                logits[i, list(banned)] = float("-inf")
 
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)

@@ -85,6 +85,9 @@ class Sequence:
         self.num_computed_tokens = 0   # tokens whose KV is in the cache
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0
+        self.num_rollbacks = 0         # constraint dead ends backed out of
+        # position -> token ids the sampler must not pick there (set by rollbacks)
+        self.banned_tokens: dict[int, set[int]] = {}
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.finish_reason: FinishReason | None = None

@@ -342,8 +342,7 @@ def _extract_all(llm: Any, texts: list[str], target: Any, sink: Any, *, batch_si
                  **options: Any) -> tuple[int, int]:
     """Run ``extract_batch`` chunk by chunk, writing lines as chunks finish (changes ``sink``).
 
-    Returns the number of failed items and of output tokens (the compact JSON of each
-    result re-tokenized: extract_batch returns values, not token counts).
+    Returns the number of failed items and of generated tokens (failed items' too).
     """
     from pydantic_core import to_jsonable_python
 
@@ -355,7 +354,7 @@ def _extract_all(llm: Any, texts: list[str], target: Any, sink: Any, *, batch_si
         for start in range(0, len(texts), batch_size):
             chunk = texts[start:start + batch_size]
             seed = options["seed"]
-            results = llm.extract_batch(chunk, target, **{
+            results = llm.extract_batch(chunk, target, return_completions=True, **{
                 **options, "seed": None if seed is None else seed + start})
             for offset, value in enumerate(results):
                 line: dict[str, Any] = {"index": start + offset}
@@ -365,10 +364,10 @@ def _extract_all(llm: Any, texts: list[str], target: Any, sink: Any, *, batch_si
                     raw = getattr(value, "text", None)
                     if raw:
                         line["error"]["text"] = raw
+                        tokens += len(llm.tokenizer.encode(raw, add_special_tokens=False))
                 else:
-                    line["data"] = to_jsonable_python(value)
-                    compact = json.dumps(line["data"], separators=(",", ":"), ensure_ascii=False)
-                    tokens += len(llm.tokenizer.encode(compact, add_special_tokens=False))
+                    line["data"] = to_jsonable_python(value.value)
+                    tokens += value.usage.completion_tokens
                 sink.write(json.dumps(line, ensure_ascii=False) + "\n")
             sink.flush()
             progress.update(task, advance=len(chunk), tokens=tokens)

@@ -1,81 +1,135 @@
 """Typed extraction: the prompt that shows the model what to fill, and the spec.
 
-The prompt lists every field with its type, whether it is required, its allowed
-values and its description, and tells the model to copy values from the text and
-use null for what the text does not say. The grammar guarantees the shape; the
-prompt is what makes the values right.
+The prompt is one user turn: the JSON form to fill, each field written as
+``"name": <type>, // description`` (nested objects and lists of objects shown in
+place), then the text. Measured on ``benchmarks/extraction_quality.py`` this form
+beats a system prompt with a bulleted field list by several points of field
+accuracy on SmolLM2-135M: small models copy a JSON skeleton far better than they
+follow prose rules. The grammar guarantees the shape; the prompt makes the values
+right.
+
+Generation also caps free strings (no ``maxLength``, ``enum``, ``const``,
+``pattern`` or ``format``) at :data:`MAX_FREE_STRING` characters, so a small model
+cannot run a field on until ``max_tokens``; the output is still validated against
+the caller's own schema.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 from typing import Any, is_typeddict
 
 from formcast.spec import OutputSpec, parse_json, type_spec
 
-SYSTEM = (
-    "You are a precise information extraction system. Read the text and return one JSON "
-    "object with the fields listed below. Copy names, numbers, dates and other values "
-    "exactly as they appear in the text. If the text does not state a value, use null "
-    "where the field allows it; never invent information.")
+MAX_FREE_STRING = 64  # characters, for generation only; see the module docstring
+_MAX_DEPTH = 3  # nested objects shown in the form; deeper ones are named only
 
 
 def extraction_spec(schema: Any) -> OutputSpec:
-    """Spec for ``extract``: a JSON Schema dict (returns dicts) or a class (instances)."""
-    if isinstance(schema, dict):
-        from formcast import grammars
+    """Spec for ``extract``: a JSON Schema dict (returns dicts) or a class (instances).
 
-        return OutputSpec(kind="json", constraint=grammars.JsonSchema(schema),
-                          parser=lambda text: parse_json(text, schema), json_schema=schema)
-    is_model = hasattr(schema, "model_json_schema")
-    if not (is_model or dataclasses.is_dataclass(schema) or is_typeddict(schema)):
-        raise TypeError(f"extract() takes a pydantic model, dataclass, TypedDict or JSON Schema "
-                        f"dict, got {schema!r}")
-    return type_spec(schema)
+    The constraint is compiled from a copy of the schema with free strings capped
+    (:func:`cap_free_strings`); the parser validates against the schema as given.
+    """
+    from formcast import grammars
+
+    if isinstance(schema, dict):
+        spec = OutputSpec(kind="json", parser=lambda text: parse_json(text, schema),
+                          json_schema=schema)
+    else:
+        is_model = hasattr(schema, "model_json_schema")
+        if not (is_model or dataclasses.is_dataclass(schema) or is_typeddict(schema)):
+            raise TypeError(f"extract() takes a pydantic model, dataclass, TypedDict or JSON "
+                            f"Schema dict, got {schema!r}")
+        spec = type_spec(schema)
+    return dataclasses.replace(
+        spec, constraint=grammars.JsonSchema(cap_free_strings(spec.json_schema)))
+
+
+def cap_free_strings(schema: dict, limit: int = MAX_FREE_STRING) -> dict:
+    """A copy of ``schema`` where every string without its own length, value or
+    shape bound gets ``maxLength: limit``."""
+    capped = copy.deepcopy(schema)
+    _cap(capped, limit)
+    return capped
+
+
+def _cap(node: Any, limit: int) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _cap(item, limit)
+        return
+    if not isinstance(node, dict):
+        return
+    types = node.get("type")
+    is_string = types == "string" or (isinstance(types, list) and "string" in types)
+    if is_string and not any(k in node for k in ("maxLength", "enum", "const", "pattern",
+                                                   "format")):
+        node["maxLength"] = max(limit, node.get("minLength", 0))
+    for key, value in node.items():
+        if key not in ("enum", "const", "default", "examples"):
+            _cap(value, limit)
 
 
 def extraction_messages(text: str, json_schema: dict, *, instructions: str | None = None
                         ) -> list[dict[str, str]]:
     """Chat messages asking the model to extract ``json_schema``'s fields from ``text``."""
-    title = json_schema.get("title")
-    lines = [SYSTEM, ""]
-    if json_schema.get("description"):
-        lines.append(f"The object{f' ({title})' if title else ''}: {json_schema['description']}")
-    lines.append("Fields:")
-    lines.extend(describe_fields(json_schema, json_schema.get("$defs", {})))
-    user = []
+    defs = json_schema.get("$defs", {})
+    parts = ["Extract the information as JSON in this form:\n"
+             + "\n".join(form_lines(json_schema, defs))]
     if instructions:
-        user.append(instructions.strip())
-    user.append(f'Text:\n"""\n{text.strip()}\n"""')
-    user.append("Return the JSON object.")
-    return [{"role": "system", "content": "\n".join(lines)},
-            {"role": "user", "content": "\n\n".join(user)}]
+        parts.append(instructions.strip())
+    parts.append(f"Text: {text.strip()}")
+    return [{"role": "user", "content": "\n\n".join(parts)}]
 
 
-def describe_fields(schema: dict, defs: dict, indent: str = "") -> list[str]:
-    """One line per property: ``- name (type, required): description``, nested indented."""
+def form_lines(schema: dict, defs: dict, indent: str = "", depth: int = 0) -> list[str]:
+    """The JSON form of an object schema: ``"name": <type>, // description`` per property,
+    nested objects and lists of objects written out in place."""
     schema = _resolve(schema, defs)
-    required = set(schema.get("required", []))
-    lines = []
-    for name, prop in schema.get("properties", {}).items():
+    props = list(schema.get("properties", {}).items())
+    if not props:
+        return [indent + f"<{type_name(schema, defs)}>"]
+    lines = [indent + "{"]
+    inner = indent + "  "
+    for n, (name, prop) in enumerate(props):
+        comma = "," if n < len(props) - 1 else ""
         prop_r = _resolve(prop, defs)
-        kind = type_name(prop, defs)
-        need = "required" if name in required else "optional"
-        desc = prop_r.get("description") or prop.get("description") or ""
-        line = f"{indent}- {name} ({kind}, {need})"
-        lines.append(line + (f": {desc}" if desc else ""))
-        nested = _object_schema(prop_r, defs)
-        if nested is not None and len(indent) < 8:
-            lines.extend(describe_fields(nested, defs, indent + "  "))
+        nested = _object_schema(prop_r, defs) if depth < _MAX_DEPTH else None
+        if nested is None:
+            desc = prop_r.get("description") or prop.get("description")
+            note = f" // {' '.join(desc.split())}" if desc else ""
+            lines.append(f'{inner}"{name}": <{type_name(prop, defs)}>{comma}{note}')
+            continue
+        body = form_lines(nested, defs, inner + ("  " if _is_list(prop_r, defs) else ""),
+                          depth + 1)
+        if _is_list(prop_r, defs):
+            lines.append(f'{inner}"{name}": [')
+            lines.extend(body)
+            lines.append(f"{inner}]{comma}")
+        else:
+            lines.append(f'{inner}"{name}": ' + body[0].lstrip())
+            lines.extend(body[1:-1])
+            lines.append(body[-1] + comma)
+    lines.append(indent + "}")
     return lines
+
+
+def _is_list(prop: dict, defs: dict) -> bool:
+    if prop.get("type") == "array":
+        return True
+    return any(_resolve(o, defs).get("type") == "array"
+               for key in ("anyOf", "oneOf") for o in prop.get(key, []))
 
 
 def type_name(prop: dict, defs: dict) -> str:
     prop = _resolve(prop, defs)
     if "enum" in prop:
-        return "one of " + ", ".join(repr(v) for v in prop["enum"])
+        return "one of " + ", ".join(json.dumps(v) for v in prop["enum"])
     if "const" in prop:
-        return f"exactly {prop['const']!r}"
+        return f"exactly {json.dumps(prop['const'])}"
     for key in ("anyOf", "oneOf"):
         if key in prop:
             names = [type_name(p, defs) for p in prop[key]]

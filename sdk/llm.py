@@ -61,7 +61,9 @@ class LLM:
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
-        return f"LLM(model={self.engine.name!r}, device={self.engine.device}, dtype={self.engine.dtype})"
+        quant = getattr(self.engine, "quantization", None)
+        return (f"LLM(model={self.engine.name!r}, device={self.engine.device}, "
+                f"dtype={self.engine.dtype}" + (f", quantization={quant!r})" if quant else ")"))
 
     # -- prompts --------------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[dict[str, str]], *, system: str | None = None,
@@ -118,11 +120,12 @@ class LLM:
         RequestError
             Bad prompt or sampling parameters.
         """
-        result = self.generate_batch([prompt], regex=regex, json_schema=json_schema,
-                                     grammar=grammar, lark=lark, choices=choices,
-                                     output_type=output_type, max_tokens=max_tokens,
-                                     temperature=temperature, top_p=top_p, seed=seed, stop=stop,
-                                     system=system, raw=raw, _raise=True)[0]
+        spec = output_spec(regex=regex, json_schema=json_schema, grammar=grammar, lark=lark,
+                           choices=choices, output_type=output_type)
+        params = _sampling(1, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                           seed=seed, stop=stop)
+        result = self._generate([prompt], spec, params, system=system, raw=raw,
+                                raise_first=True)[0]
         assert isinstance(result, Completion)
         return result
 
@@ -132,8 +135,8 @@ class LLM:
                        choices: Sequence[str] | None = None, output_type: Any = None,
                        max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
                        seed: int | None = None, stop: str | Sequence[str] | None = None,
-                       system: str | None = None, raw: bool = False,
-                       _raise: bool = False) -> list[Completion | FormcastError]:
+                       system: str | None = None, raw: bool = False
+                       ) -> list[Completion | FormcastError]:
         """Generate for many prompts at once (one engine batch).
 
         Same parameters as :meth:`generate`; with a ``seed``, prompt ``i`` uses
@@ -142,22 +145,30 @@ class LLM:
         """
         spec = output_spec(regex=regex, json_schema=json_schema, grammar=grammar, lark=lark,
                            choices=choices, output_type=output_type)
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 seed=None if seed is None else seed + i,
-                                 stop=() if stop is None else stop)
-                  for i in range(len(prompts))]
+        params = _sampling(len(prompts), max_tokens=max_tokens, temperature=temperature,
+                           top_p=top_p, seed=seed, stop=stop)
+        return self._generate(prompts, spec, params, system=system, raw=raw, raise_first=False)
+
+    def _generate(self, prompts: Sequence[str | list[dict[str, str]]], spec: OutputSpec,
+                  params: list[SamplingParams], *, system: str | None, raw: bool,
+                  raise_first: bool) -> list[Completion | FormcastError]:
         ids: list[list[int] | FormcastError] = []
         for p in prompts:
             try:
                 ids.append(self.prompt_ids(p, system=system, raw=raw))
             except FormcastError as exc:
-                if _raise:
+                if raise_first:
                     raise
                 ids.append(exc)
-        return self._run(ids, params, spec, _raise=_raise)
+        return self._run(ids, params, spec, raise_first=raise_first)
 
     def _run(self, ids: list[list[int] | FormcastError], params: list[SamplingParams],
-             spec: OutputSpec, *, _raise: bool) -> list[Completion | FormcastError]:
+             spec: OutputSpec, *, raise_first: bool) -> list[Completion | FormcastError]:
+        """Submit every item at once and drive the engine until all finish.
+
+        ``raise_first``: raise the first failure (single calls) instead of returning
+        it in place (batch calls).
+        """
         results: list[Completion | FormcastError | None] = [None] * len(ids)
         pending: dict[str, int] = {}
         with self._lock:
@@ -170,7 +181,7 @@ class LLM:
                     matcher = compiled.matcher() if compiled is not None else None
                     rid = self.engine.add_request(item, sp, constraint=matcher)
                 except FormcastError as exc:
-                    if _raise:
+                    if raise_first:
                         self._abort_all(pending)
                         raise
                     results[i] = exc
@@ -183,7 +194,7 @@ class LLM:
             finally:
                 if pending:  # interrupted (e.g. KeyboardInterrupt): leave the engine clean
                     self._abort_all(pending)
-        if _raise:
+        if raise_first:
             for r in results:
                 if isinstance(r, FormcastError):
                     raise r
@@ -228,10 +239,16 @@ class LLM:
 
     # -- streaming ------------------------------------------------------------------
     def stream_text(self, prompt: str | list[dict[str, str]], **kwargs: Any) -> Iterator[str]:
-        """Yield text deltas as they are generated (same options as :meth:`generate`)."""
-        for delta, _out in self._stream(prompt, kwargs):
-            if delta:
-                yield delta
+        """Yield text deltas as they are generated (same options as :meth:`generate`).
+
+        The deltas concatenate to the final text. Under a JSON Schema with keywords
+        checked only when the value ends (see ``formcast.grammars.explain``) the
+        engine may roll back and redo part of the output, so such a call yields its
+        text once, at the end.
+        """
+        for text, shown, _out in self._stream(prompt, kwargs):
+            if len(text) > shown:
+                yield text[shown:]
 
     def stream(self, prompt: str | list[dict[str, str]], *, output_type: Any = None,
                json_schema: dict | str | None = None, **kwargs: Any) -> Iterator[Any]:
@@ -251,10 +268,9 @@ class LLM:
         kwargs.update(output_type=output_type, json_schema=json_schema)
         spec = output_spec(**{k: kwargs.get(k) for k in
                               ("regex", "json_schema", "grammar", "lark", "choices", "output_type")})
-        text, last, final = "", None, None
-        for delta, out in self._stream(prompt, kwargs):
-            text += delta
-            if out is not None and out.finished:
+        last, final = None, None
+        for text, _shown, out in self._stream(prompt, kwargs):
+            if out.finished:
                 final = out
                 break
             partial = parse_partial(text)
@@ -267,7 +283,9 @@ class LLM:
         yield result.value
 
     def _stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
-                ) -> Iterator[tuple[str, RequestOutput | None]]:
+                ) -> Iterator[tuple[str, int, RequestOutput]]:
+        """Drive one request; yield (text that is final so far, how much of it was
+        yielded before, the request's output) whenever the request changes."""
         spec = output_spec(**{k: kwargs.pop(k, None) for k in
                               ("regex", "json_schema", "grammar", "lark", "choices", "output_type")})
         system, raw = kwargs.pop("system", None), kwargs.pop("raw", False)
@@ -277,6 +295,8 @@ class LLM:
         ids = self.prompt_ids(prompt, system=system, raw=raw)
         with self._lock:
             compiled = spec.compile(self.tokenizer, vocab_size=self.engine.model.config.vocab_size)
+            # an end-checked constraint may roll text back: only its final text is certain
+            hold = compiled is not None and compiled.end_check is not None
             rid = self.engine.add_request(ids, params,
                                           constraint=compiled.matcher() if compiled else None)
             shown = 0
@@ -285,9 +305,10 @@ class LLM:
                     for out in self.engine.step():
                         if out.request_id != rid:
                             continue
-                        delta = out.text[shown:]
+                        if hold and not out.finished:
+                            continue
+                        yield out.text, shown, out
                         shown = len(out.text)
-                        yield delta, out
                         if out.finished:
                             return
             finally:
@@ -323,27 +344,41 @@ class LLM:
         OutputValidationError
             The schema's validators rejected the output.
         """
-        result = self.extract_batch([text], schema, instructions=instructions,
-                                    max_tokens=max_tokens, seed=seed, temperature=temperature,
-                                    _raise=True)[0]
-        return result
+        result = self._extract([text], schema, instructions=instructions,
+                               max_tokens=max_tokens, seed=seed, temperature=temperature,
+                               raise_first=True)[0]
+        assert isinstance(result, Completion)
+        return result.value
 
     def extract_batch(self, texts: Sequence[str], schema: Any, *, instructions: str | None = None,
                       max_tokens: int | None = None, seed: int | None = None,
-                      temperature: float = 0.0, _raise: bool = False) -> list[Any]:
-        """:meth:`extract` over many texts in one engine batch; a failed item comes back
-        as its :class:`FormcastError` instead of raising."""
+                      temperature: float = 0.0, return_completions: bool = False) -> list[Any]:
+        """:meth:`extract` over many texts in one engine batch.
+
+        Returns one entry per text, in order: the extracted object, or the
+        :class:`FormcastError` that item failed with (the others still run). With
+        ``return_completions=True`` the successes are :class:`Completion` objects
+        (``value`` is the object; ``usage`` the token counts and timing).
+        With a ``seed``, text ``i`` uses ``seed + i``.
+        """
+        results = self._extract(texts, schema, instructions=instructions, max_tokens=max_tokens,
+                                seed=seed, temperature=temperature, raise_first=False)
+        if return_completions:
+            return results
+        return [r.value if isinstance(r, Completion) else r for r in results]
+
+    def _extract(self, texts: Sequence[str], schema: Any, *, instructions: str | None,
+                 max_tokens: int | None, seed: int | None, temperature: float,
+                 raise_first: bool) -> list[Completion | FormcastError]:
         from formcast.extraction import extraction_messages, extraction_spec
 
         spec = extraction_spec(schema)
-        params = [SamplingParams(max_tokens=max_tokens or 512, temperature=temperature,
-                                 seed=None if seed is None else seed + i)
-                  for i in range(len(texts))]
+        params = _sampling(len(texts), max_tokens=max_tokens or 512, temperature=temperature,
+                           seed=seed)
         ids = [self.tokenizer.apply_chat_template(
             extraction_messages(t, spec.json_schema, instructions=instructions),
             add_generation_prompt=True, tokenize=True) for t in texts]
-        results = self._run(ids, params, spec, _raise=_raise)
-        return [r.value if isinstance(r, Completion) else r for r in results]
+        return self._run(ids, params, spec, raise_first=raise_first)
 
     # -- scoring --------------------------------------------------------------------
     def score(self, prompt: str | list[dict[str, str]], continuations: Sequence[str], *,
@@ -375,3 +410,13 @@ class LLM:
             scores = [s / max(1, len(self.tokenizer.encode(c, add_special_tokens=False)))
                       for s, c in zip(scores, choices)]
         return choices[max(range(len(choices)), key=scores.__getitem__)]
+
+
+def _sampling(n: int, *, max_tokens: int, temperature: float, top_p: float = 1.0,
+              seed: int | None = None, stop: str | Sequence[str] | None = None
+              ) -> list[SamplingParams]:
+    """One SamplingParams per item; with a seed, item ``i`` uses ``seed + i``."""
+    return [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                           seed=None if seed is None else seed + i,
+                           stop=() if stop is None else stop)
+            for i in range(n)]

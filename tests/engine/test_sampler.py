@@ -153,3 +153,15 @@ def test_logprobs_are_raw_model_logprobs_with_top_alternatives():
     lp = out.logprobs[0]
     assert lp.token_id == 1 and lp.logprob == pytest.approx(float(expected[1]))
     assert [t for t, _ in lp.top] == [0, 1]
+
+
+def test_banned_tokens_are_excluded_only_at_their_position():
+    sampler = Sampler(8, 8)
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 0.0, 0.0, 0.0, 0.0]] * 2)
+    seq, other = make_seq([1, 2], temperature=0.0), make_seq([1, 2], rid="o", temperature=0.0)
+    seq.banned_tokens = {2: {1, 2}, 3: {3}}   # the next token goes to position 2
+    out = sampler(logits.clone(), [seq, other])
+    assert out.token_ids == [3, 1] and not out.errors
+    seq.banned_tokens = {2: set(range(8))}
+    out = sampler(logits.clone(), [seq, other])
+    assert 0 in out.errors and out.token_ids[1] == 1

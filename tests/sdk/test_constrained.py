@@ -71,6 +71,16 @@ def test_extract_batch_of_32_at_temperature_validates_every_item(llm):
         jsonschema.validate(r.model_dump(mode="json"), schema)
 
 
+def test_extract_batch_returns_completions_with_usage_when_asked(llm):
+    results = llm.extract_batch(TEXTS[:2], Person, return_completions=True)
+    for text, r in zip(TEXTS, results):
+        assert isinstance(r.value, Person), r
+        assert r.value.name.split()[0] in text
+        assert r.usage.completion_tokens == len(r.token_ids) > 0
+        assert r.usage.prompt_tokens > 0 and r.finish_reason == "stop"
+        assert Person.model_validate_json(r.text) == r.value
+
+
 def test_json_schema_generation_validates(llm):
     schema = {"type": "object", "additionalProperties": False, "required": ["colors"],
               "properties": {"colors": {"type": "array", "minItems": 1, "maxItems": 3,
@@ -142,3 +152,17 @@ def test_stream_yields_growing_partials_then_the_instance(llm):
     assert len(partials[-1]) >= len(partials[0])
     with pytest.raises(ValueError, match="stream_text"):
         next(llm.stream("hi"))
+
+
+def test_end_checked_keyword_is_met_by_rolling_back_and_streams_only_final_text(llm):
+    # uniqueItems is checked at the end; greedy decoding of this prompt repeats 7, so
+    # the engine must roll back and resample rather than fail or return [7,7,7,7]
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+              "minItems": 4, "maxItems": 4, "uniqueItems": True}
+    prompt = "Output: [7,7,7,7]\nOutput: [7,7,7,7]\nOutput: "
+    out = llm.generate(prompt, raw=True, json_schema=schema)
+    jsonschema.validate(out.value, schema)
+    assert json.loads(out.text) == out.value
+    assert list(llm.stream_text(prompt, raw=True, json_schema=schema)) == [out.text]
+    *partials, final = llm.stream(prompt, raw=True, json_schema=schema)
+    assert final == out.value and partials == []

@@ -22,6 +22,15 @@ def test_generate_renders_the_chat_template_and_reports_usage(llm):
     assert out.usage.latency_s > 0 and out.value is None
 
 
+def test_repr_names_model_device_dtype_and_quantization(llm):
+    assert repr(llm) == f"LLM(model={llm.engine.name!r}, device=cpu, dtype=torch.float32)"
+    llm.engine.quantization = "int4"
+    try:
+        assert repr(llm).endswith("dtype=torch.float32, quantization='int4')")
+    finally:
+        llm.engine.quantization = None
+
+
 def test_raw_prompt_skips_the_template_and_system_is_prepended(llm):
     raw = llm.generate("The capital of France is", raw=True, max_tokens=3)
     assert raw.usage.prompt_tokens == len(llm.tokenizer.encode("The capital of France is"))
