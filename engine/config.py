@@ -90,6 +90,10 @@ class EngineConfig:
         Longest sequence (prompt + output); None takes the model's context length.
     enable_prefix_caching : bool
         Share KV blocks between requests whose prompts start alike.
+    spec : SpecConfig | str | None
+        Speculative decoding (:class:`formcast.engine.spec.SpecConfig`, or a method
+        name: "auto", "prompt_lookup", "none"). Default "auto": greedy requests
+        draft while few requests run; outputs are identical either way.
     max_constraint_rollbacks : int
         How often one request may back out of a dead end its constraint can explain
         (``rollback_hint()``: a finished value failed an end check) by rolling back
@@ -105,8 +109,13 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_constraint_rollbacks: int = 8
+    spec: Any = None  # SpecConfig after __post_init__
+
 
     def __post_init__(self) -> None:
+        from formcast.engine.spec.config import SpecConfig
+
+        object.__setattr__(self, "spec", SpecConfig.coerce(self.spec))
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

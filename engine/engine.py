@@ -25,6 +25,7 @@ from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.scheduler import ScheduledSeq, Scheduler
 from formcast.engine.sequence import (Request, RequestOutput, Sequence, SequenceStatus,
                                       TokenLogprob)
+from formcast.engine.spec import JumpForwardProposer, PromptLookupProposer, Proposer, propose
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
 from formcast.errors import EngineError, RequestError
 
@@ -75,6 +76,9 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs,
                                   device=self.device, dtype=self.dtype)
         self.sampler = Sampler(mcfg.vocab_size, tokenizer.vocab_size)
+        spec = self.config.spec
+        self.proposers: tuple[Proposer, ...] = (
+            JumpForwardProposer(), PromptLookupProposer(spec.ngram_max, spec.ngram_min))
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -206,26 +210,97 @@ class Engine:
         """
         outputs = [s.to_output() for s in self._aborted]
         self._aborted.clear()
+        self._propose_drafts()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return outputs
-        sampled = [item.seq for item in plan.scheduled if item.samples]
+        sampled = [item for item in plan.scheduled if item.samples]
         try:
             logits = self.runner.execute(plan.scheduled)
         except Exception as exc:
             raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self.scheduler.on_step_done(plan)
-        result = self.sampler(logits, sampled)
-        for i, seq in enumerate(sampled):
-            if i in result.errors:
-                if self._roll_back_dead_end(seq):
-                    continue  # resamples the offending value next step
-                seq.error = _dead_end_message(seq, result.errors[i])
-                self._finish(seq, "abort")
-            else:
-                self._append_token(seq, result.token_ids[i], result.logprobs[i])
-            outputs.append(seq.to_output())
+        # logits rows: one per sampled item, plus one per draft token after it
+        starts, plain_rows, plain = [], [], []
+        row = 0
+        for item in sampled:
+            starts.append(row)
+            if not item.num_draft:
+                plain_rows.append(row)
+                plain.append(item.seq)
+            row += 1 + item.num_draft
+        if plain:
+            rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
+            result = self.sampler(rows, plain)
+            for i, seq in enumerate(plain):
+                if i in result.errors:
+                    if self._roll_back_dead_end(seq):
+                        continue  # resamples the offending value next step
+                    seq.error = _dead_end_message(seq, result.errors[i])
+                    self._finish(seq, "abort")
+                else:
+                    self._append_token(seq, result.token_ids[i], result.logprobs[i])
+        for item, start in zip(sampled, starts):
+            if item.num_draft:
+                self._verify(item.seq, logits[start:start + 1 + item.num_draft])
+            outputs.append(item.seq.to_output())
         return outputs
+
+    # -- speculative decoding -----------------------------------------------------
+    def _propose_drafts(self) -> None:
+        """Give every running request in decode a draft to verify in this step."""
+        spec = self.config.spec
+        if not spec.enabled:
+            return
+        running = self.scheduler.running
+        auto = spec.method == "auto"
+        if auto and len(running) > spec.auto_max_batch:
+            return
+        for seq in running:
+            seq.draft = None
+            if seq.num_uncomputed_tokens != 1 or (auto and not seq.params.greedy):
+                continue
+            room = min(spec.max_draft, seq.max_total_len - len(seq) - 1)
+            if room > 0:
+                draft = propose(seq, spec, room, self.proposers)
+                seq.draft = draft if draft.tokens else None
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Accept the longest prefix of ``seq.draft`` the target agrees with, then one
+        token of the target's own; ``logits`` [1 + d, V] scores the last token and
+        each draft position. Rejected positions leave no trace: their KV is beyond
+        ``num_computed_tokens`` (overwritten later) and the matcher never saw them."""
+        draft, seq.draft = seq.draft, None
+        d = len(logits) - 1
+        seq.num_draft_tokens += d
+        seq.num_verification_tokens += d + 1
+        lookup_seen = lookup_ok = 0
+        for j in range(d + 1):
+            proposal = draft.tokens[j] if j < d else None
+            q = draft.probs[j] if draft.probs is not None and j < d else None
+            verdict = self.sampler.verify(logits[j:j + 1], seq, proposal, q)
+            if verdict.error is not None:
+                if not self._roll_back_dead_end(seq):
+                    seq.error = _dead_end_message(seq, verdict.error)
+                    self._finish(seq, "abort")
+                break
+            if j < d and j >= draft.num_forced:
+                lookup_seen += 1
+                lookup_ok += verdict.accepted
+            self._append_token(seq, verdict.token_id, verdict.logprob)
+            if verdict.accepted:
+                seq.num_accepted_draft_tokens += 1
+                seq.num_forced_tokens += j < draft.num_forced
+                if not seq.is_finished:
+                    seq.num_computed_tokens += 1  # its KV was computed in this step
+            if seq.is_finished or not verdict.accepted:
+                break
+        seq.spec_lookup_proposed += lookup_seen
+        seq.spec_lookup_accepted += lookup_ok
+        if not seq.is_finished:
+            # give back blocks that only held rejected positions; hash full blocks
+            self.block_manager.truncate(seq, seq.num_computed_tokens)
+            self.block_manager.commit(seq)
 
     def _roll_back_dead_end(self, seq: Sequence) -> bool:
         """Back a request out of a dead end its constraint can explain; False if not.

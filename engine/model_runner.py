@@ -38,7 +38,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], *, all_logits: bool = False) -> torch.Tensor:
         """Run one step. Returns float32 logits ``[N, V]``: one row per sequence whose
-        chunk reaches its end (in batch order), or every token's row if ``all_logits``."""
+        chunk reaches its end, plus one per draft token after it (in batch order), or
+        every token's row if ``all_logits``."""
         token_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(token_ids, positions, self.kv_caches, meta)   # [T, E]
         if not all_logits:
@@ -57,10 +58,12 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSpan] = []
         for item in batch:
-            seq, n = item.seq, item.num_tokens
+            seq, n, d = item.seq, item.num_tokens, item.num_draft
             start = seq.num_computed_tokens
             row0 = len(tokens)
-            tokens.extend(seq.token_ids[start:start + n])
+            tokens.extend(seq.token_ids[start:start + n - d])
+            if d:
+                tokens.extend(seq.draft.tokens[:d])
             pos = range(start, start + n)
             positions.extend(pos)
             table = seq.block_table
@@ -76,7 +79,7 @@ class ModelRunner:
                     block_table=torch.tensor(table[:nblocks], dtype=torch.long,
                                              device=self.device)))
             if item.samples:
-                sample_rows.append(row0 + n - 1)
+                sample_rows.extend(range(row0 + n - 1 - d, row0 + n))
         max_blocks = max((len(t) for t in decode_tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
         lens = torch.tensor(decode_lens, dtype=torch.long)

@@ -25,6 +25,16 @@ class SampleResult:
     errors: dict[int, str]                     # row -> why it could not be sampled
 
 
+@dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """One verified draft position: the token kept there and whether it was the draft's."""
+
+    token_id: int                              # -1 when ``error`` is set
+    accepted: bool
+    logprob: TokenLogprob | None
+    error: str | None
+
+
 class Sampler:
     """Samples one token per row of a logits batch for the given sequences."""
 
@@ -77,6 +87,64 @@ class Sampler:
                     logprobs[i] = _token_logprob(raw_logprobs[i], token_list[i], seq.params.logprobs)
         return SampleResult(token_ids=token_list, logprobs=logprobs, errors=errors)
 
+    @torch.inference_mode()
+    def verify(self, logits: torch.Tensor, seq: Sequence, proposal: int | None,
+               proposal_probs: torch.Tensor | None = None) -> Verdict:
+        """Sample one position of a speculative draft, losslessly.
+
+        ``logits`` [1, V] is the target's row for the position (modified in place);
+        ``proposal`` the draft's token there (None: the bonus position after the
+        draft). Under greedy decoding the target's argmax is taken and the proposal
+        is accepted when it is that token. Otherwise the proposal is accepted with
+        probability min(1, p/q), p the target's masked, tempered distribution and q
+        the draft's (a point mass when ``proposal_probs`` is None); on rejection the
+        token is drawn from the residual max(0, p - q). The tokens this yields are
+        distributed exactly as plain sampling from p.
+        """
+        params = seq.params
+        raw_logprobs = torch.log_softmax(logits[0], dim=-1) if params.logprobs is not None \
+            else None
+        errors: dict[int, str] = {}
+        if self.valid_vocab_size < self.vocab_size:
+            logits[:, self.valid_vocab_size:] = float("-inf")
+        self._apply_constraints(logits, [seq], errors)
+        banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
+        if banned:
+            logits[0, list(banned)] = float("-inf")
+        row = logits[0]
+        if not errors and bool(torch.isneginf(row.max())):
+            errors[0] = "the constraint allows no token at this point (dead end)"
+        if errors:
+            return Verdict(token_id=-1, accepted=False, logprob=None, error=errors[0])
+        if params.greedy:
+            token = int(row.argmax())
+            accepted = proposal is not None and token == proposal
+        else:
+            probs = _probs(row, params)
+            if proposal is None:
+                token, accepted = int(_draw(probs, seq.generator)), False
+            else:
+                q = 1.0 if proposal_probs is None else float(proposal_probs[proposal])
+                p = float(probs[proposal]) / float(probs.sum())
+                u = float(torch.rand((), generator=seq.generator))
+                accepted = q > 0 and u < min(1.0, p / q)
+                if accepted:
+                    token = proposal
+                else:
+                    residual = probs / probs.sum()
+                    if proposal_probs is None:
+                        residual = residual.clone()
+                        residual[proposal] = 0.0
+                    else:
+                        residual = (residual - proposal_probs.to(residual)).clamp_min_(0.0)
+                    if not bool(residual.sum() > 0):
+                        residual = probs
+                    token = int(_draw(residual, seq.generator))
+        logprob = None
+        if raw_logprobs is not None:
+            logprob = _token_logprob(raw_logprobs, token, params.logprobs)
+        return Verdict(token_id=token, accepted=accepted, logprob=logprob, error=None)
+
     def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence],
                            errors: dict[int, str]) -> None:
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
@@ -96,6 +164,12 @@ class Sampler:
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
                 ) -> torch.Tensor:
     # logits [V] -> scalar token id
+    return _draw(_probs(logits, params), generator)
+
+
+def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution sampling draws from: [V] logits -> [V] probabilities (not
+    renormalized after top-p / min-p cuts; draws do not need it)."""
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[0]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -109,8 +183,13 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         probs = probs.masked_fill(drop, 0.0)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax()
+    return probs
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw proportional to ``weights`` [V] (need not sum to 1): the exponential race."""
+    race = torch.empty_like(weights).exponential_(generator=generator)
+    return (weights / race).argmax()
 
 
 def _token_logprob(logprobs: torch.Tensor, token_id: int, k: int) -> TokenLogprob:

@@ -21,11 +21,12 @@ from formcast.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # new tokens computed this step, from seq.num_computed_tokens on
+    num_draft: int = 0  # of them, speculative draft tokens after the sequence's end
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the sequence (so a token is sampled)."""
-        return self.seq.num_computed_tokens + self.num_tokens == len(self.seq)
+        return self.seq.num_computed_tokens + self.num_tokens - self.num_draft == len(self.seq)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +67,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            d = self._fit_draft(seq, budget)
+            n = min(seq.num_uncomputed_tokens + d, budget)
             while not bm.can_grow(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -75,7 +77,7 @@ class Scheduler:
                     break
             else:
                 bm.grow(seq, n)
-                scheduled.append(ScheduledSeq(seq=seq, num_tokens=n))
+                scheduled.append(ScheduledSeq(seq=seq, num_tokens=n, num_draft=d))
                 budget -= n
                 i += 1
                 continue
@@ -102,10 +104,24 @@ class Scheduler:
             budget -= n
         return SchedulerOutput(scheduled=scheduled, preempted=preempted)
 
+    def _fit_draft(self, seq: Sequence, budget: int) -> int:
+        """Draft tokens of ``seq`` to verify this step: its draft, cut to the token
+        budget and the free KV blocks (a draft never preempts anyone); 0 if none."""
+        draft = seq.draft
+        if draft is None or not draft.tokens or seq.num_uncomputed_tokens != 1:
+            seq.draft = None
+            return 0
+        d = min(len(draft), budget - 1)
+        while d > 0 and not self.block_manager.can_grow(seq, 1 + d):
+            d -= 1
+        seq.draft = draft.cut(d) if d else None
+        return d
+
     def on_step_done(self, out: SchedulerOutput) -> None:
-        """Record the tokens computed by the step that ran ``out``."""
+        """Record the tokens computed by the step that ran ``out`` (draft positions
+        count once verification has accepted them)."""
         for item in out.scheduled:
-            item.seq.num_computed_tokens += item.num_tokens
+            item.seq.num_computed_tokens += item.num_tokens - item.num_draft
             self.block_manager.commit(item.seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

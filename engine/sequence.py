@@ -42,6 +42,12 @@ class RequestMetrics:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_prompt_tokens: int
+    # speculative decoding: draft tokens verified, of them accepted, of those forced
+    # by the grammar (jump-forward), and positions the target model scored to verify
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_forced_tokens: int = 0
+    num_verification_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +94,13 @@ class Sequence:
         self.num_rollbacks = 0         # constraint dead ends backed out of
         # position -> token ids the sampler must not pick there (set by rollbacks)
         self.banned_tokens: dict[int, set[int]] = {}
+        self.draft = None              # spec.Draft to verify in the next step, if any
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
+        self.num_forced_tokens = 0
+        self.num_verification_tokens = 0
+        self.spec_lookup_proposed = 0  # prompt-lookup tokens verified / accepted,
+        self.spec_lookup_accepted = 0  # for the proposer's confidence estimate
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
         self.text = ""
         self.finish_reason: FinishReason | None = None
@@ -133,6 +146,10 @@ class Sequence:
                 num_prompt_tokens=self.num_prompt_tokens,
                 num_output_tokens=self.num_output_tokens,
                 num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+                num_draft_tokens=self.num_draft_tokens,
+                num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+                num_forced_tokens=self.num_forced_tokens,
+                num_verification_tokens=self.num_verification_tokens,
             ),
             error=self.error,
         )

@@ -18,6 +18,10 @@ class Usage:
     latency_s : float
         From submission to the last token.
     time_to_first_token_s : float | None
+    draft_tokens, accepted_draft_tokens, forced_tokens, verification_tokens : int
+        Speculative decoding: draft tokens verified, how many of them were accepted
+        (they are part of ``completion_tokens``), how many of those the grammar
+        forced (jump-forward), and the positions the model scored to verify them.
     """
 
     prompt_tokens: int
@@ -25,6 +29,10 @@ class Usage:
     cached_prompt_tokens: int
     latency_s: float
     time_to_first_token_s: float | None
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    forced_tokens: int = 0
+    verification_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

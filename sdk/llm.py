@@ -37,8 +37,10 @@ def load(model: str = "smollm2", *, device: str = "auto", dtype: torch.dtype | N
     dtype : torch.dtype | None
         Default float32 on CPU, bfloat16 on CUDA.
     **engine_options
-        ``quantization="int4"|"int8"`` (CPU) and :class:`formcast.engine.EngineConfig`
-        fields (``max_num_seqs``, ``num_kv_blocks``, ...).
+        ``quantization="int4"|"int8"`` (CPU), ``spec=`` (speculative decoding: a
+        :class:`formcast.engine.spec.SpecConfig` or "auto" | "prompt_lookup" |
+        "none") and the other :class:`formcast.engine.EngineConfig` fields
+        (``max_num_seqs``, ``num_kv_blocks``, ...).
 
     Returns
     -------
@@ -221,7 +223,11 @@ class LLM:
                       cached_prompt_tokens=m.num_cached_prompt_tokens,
                       latency_s=(m.finished_time or m.arrival_time) - m.arrival_time,
                       time_to_first_token_s=None if m.first_token_time is None
-                      else m.first_token_time - m.arrival_time)
+                      else m.first_token_time - m.arrival_time,
+                      draft_tokens=m.num_draft_tokens,
+                      accepted_draft_tokens=m.num_accepted_draft_tokens,
+                      forced_tokens=m.num_forced_tokens,
+                      verification_tokens=m.num_verification_tokens)
         if out.finish_reason == "abort":
             return FormcastError(f"generation aborted: {out.error or 'no reason given'}")
         value = None

@@ -1,0 +1,144 @@
+"""Draft proposers: grammar jump-forward and prompt lookup, behind one interface.
+
+A proposer looks at a request (its tokens so far and its constraint) and returns
+a :class:`Draft`: tokens it expects next, each with a confidence (the estimated
+probability that the draft up to and including it survives verification). A
+model-based drafter (an MTP head) plugs in the same way and also fills
+``Draft.probs`` with its own distributions, which verification then uses.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from formcast.engine.sequence import Sequence
+    from formcast.engine.spec.config import SpecConfig
+
+
+@dataclass
+class Draft:
+    """Proposed next tokens of one request.
+
+    Attributes
+    ----------
+    tokens : list[int]
+    confidence : list[float]
+        Per position, the estimated probability that the draft up to there survives.
+    num_forced : int
+        Leading tokens the grammar forces (jump-forward); confidence 1.
+    probs : list[torch.Tensor] | None
+        The drafter's distribution ``[V]`` at each position, for a sampling drafter;
+        None when the tokens were chosen deterministically (verification then treats
+        the draft distribution as a point mass on the token).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+    num_forced: int = 0
+    probs: list[torch.Tensor] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def cut(self, n: int) -> "Draft":
+        """The first ``n`` positions."""
+        return Draft(self.tokens[:n], self.confidence[:n], min(self.num_forced, n),
+                     None if self.probs is None else self.probs[:n])
+
+
+class Proposer(ABC):
+    """Proposes up to ``max_tokens`` draft tokens for a request after ``context``."""
+
+    @abstractmethod
+    def propose(self, seq: "Sequence", context: list[int], max_tokens: int) -> Draft:
+        """``context`` is the request's tokens (prompt and output), possibly extended
+        by earlier proposers' tokens; nothing here changes the request."""
+
+
+class JumpForwardProposer(Proposer):
+    """The tokens the request's grammar forces from here (no model involved)."""
+
+    def propose(self, seq: "Sequence", context: list[int], max_tokens: int) -> Draft:
+        constraint = seq.constraint
+        forced_tokens = getattr(constraint, "forced_tokens", None)
+        if forced_tokens is None or max_tokens <= 0:
+            return Draft()
+        try:
+            forced = list(forced_tokens())[:max_tokens]
+        except Exception:  # a broken constraint fails later, in the sampler, on its own
+            return Draft()
+        return Draft(forced, [1.0] * len(forced), len(forced))
+
+
+class PromptLookupProposer(Proposer):
+    """Continue the longest recent n-gram that occurred earlier in the context.
+
+    The last ``n`` tokens (``ngram_max`` down to ``ngram_min``) are searched for
+    earlier in the prompt and output, most recent occurrence first; the tokens that
+    followed it are the draft. Strong for extraction, where values are copied from
+    the input. Confidence compounds the request's smoothed acceptance rate of
+    lookup tokens, ``(accepted + 1) / (proposed + 2)``, along the draft.
+    """
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+
+    def propose(self, seq: "Sequence", context: list[int], max_tokens: int) -> Draft:
+        if max_tokens <= 0:
+            return Draft()
+        start = find_continuation(context, self.ngram_max, self.ngram_min)
+        if start is None:
+            return Draft()
+        tokens = context[start:start + max_tokens]
+        rate = (seq.spec_lookup_accepted + 1) / (seq.spec_lookup_proposed + 2)
+        return Draft(tokens, [rate ** (i + 1) for i in range(len(tokens))])
+
+
+def find_continuation(context: list[int], ngram_max: int, ngram_min: int) -> int | None:
+    """Index just after the most recent earlier occurrence of the longest suffix
+    n-gram of ``context`` (``ngram_max`` down to ``ngram_min``), or None."""
+    size = len(context)
+    for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
+        suffix = context[size - n:]
+        first = suffix[0]
+        # scan right to left; a match must end before the suffix itself starts
+        for i in range(size - n - 1, -1, -1):
+            if context[i] == first and context[i:i + n] == suffix:
+                return i + n
+    return None
+
+
+def propose(seq: "Sequence", config: "SpecConfig", max_tokens: int,
+            proposers: tuple[Proposer, ...]) -> Draft:
+    """The draft for one request: each proposer extends the previous ones' tokens;
+    the result is cut at the first token the constraint rejects and where the
+    confidence falls below ``config.min_confidence``."""
+    draft = Draft()
+    context = seq.token_ids
+    for proposer in proposers:
+        room = max_tokens - len(draft)
+        if room <= 0:
+            break
+        part = proposer.propose(seq, context + draft.tokens, room)
+        if not part.tokens:
+            continue
+        base = draft.confidence[-1] if draft.confidence else 1.0
+        forced = draft.num_forced + part.num_forced if draft.num_forced == len(draft) else \
+            draft.num_forced
+        draft = Draft(draft.tokens + part.tokens,
+                      draft.confidence + [base * c for c in part.confidence], forced)
+    keep = next((i for i, c in enumerate(draft.confidence) if c < config.min_confidence),
+                len(draft))
+    draft = draft.cut(keep)
+    if draft.tokens and seq.constraint is not None:
+        try:
+            draft = draft.cut(seq.constraint.valid_prefix(draft.tokens))
+        except Exception:
+            return Draft()
+    return draft

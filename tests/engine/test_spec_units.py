@@ -1,0 +1,199 @@
+"""Speculative decoding pieces without a model: proposers, draft validation, the
+config, and the lossless verification rule (chi-square against plain sampling)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from formcast.engine.sampler import Sampler, _probs
+from formcast.engine.spec import Draft, PromptLookupProposer, SpecConfig, propose
+from formcast.engine.spec.proposers import JumpForwardProposer, find_continuation
+
+from .helpers import AllowOnly, make_seq
+
+
+# ------------------------------------------------------------------ proposers
+
+
+def test_find_continuation_prefers_the_longest_then_the_most_recent_match():
+    ctx = [1, 2, 3, 9, 1, 2, 3, 4, 7, 2, 3]
+    assert find_continuation(ctx, 3, 1) == 7   # "2 3" most recently before the suffix -> 4
+    assert find_continuation([5, 1, 2, 8, 6, 1, 2], 2, 1) == 3
+    assert find_continuation([1, 2, 3], 3, 1) is None
+    assert find_continuation([4, 4], 2, 1) == 1
+    assert find_continuation([], 3, 1) is None
+
+
+def test_prompt_lookup_proposes_the_continuation_with_compounding_confidence():
+    seq = make_seq([10, 11, 12, 13, 14, 15, 10, 11])
+    draft = PromptLookupProposer(3, 1).propose(seq, seq.token_ids, 3)
+    assert draft.tokens == [12, 13, 14] and draft.num_forced == 0
+    assert draft.confidence == pytest.approx([0.5, 0.25, 0.125])  # no history: rate 1/2
+    seq.spec_lookup_proposed, seq.spec_lookup_accepted = 8, 8
+    assert PromptLookupProposer(3, 1).propose(seq, seq.token_ids, 1).confidence == \
+        pytest.approx([0.9])
+
+
+class Forcing(AllowOnly):
+    def __init__(self, allowed, forced):
+        super().__init__(allowed)
+        self.forced = forced
+
+    def forced_tokens(self):
+        return list(self.forced)
+
+
+def test_draft_is_forced_tokens_then_lookup_cut_at_the_first_rejected_token():
+    seq = make_seq([10, 11, 12, 13, 14, 10])
+    seq.constraint = Forcing({10, 11, 12, 13}, forced=[11])
+    seq.spec_lookup_proposed = seq.spec_lookup_accepted = 100
+    cfg = SpecConfig(max_draft=5, min_confidence=0.0)
+    proposers = (JumpForwardProposer(), PromptLookupProposer(3, 1))
+    draft = propose(seq, cfg, 5, proposers)
+    # forced 11, then lookup after "10 11" -> 12 13 14 ...; 14 is not allowed
+    assert draft.tokens == [11, 12, 13] and draft.num_forced == 1
+    assert draft.confidence[0] == 1.0
+    assert seq.constraint.accepted == []  # validation left the matcher as it was
+    assert propose(seq, cfg, 1, proposers).tokens == [11]
+
+
+def test_low_confidence_positions_are_not_verified():
+    seq = make_seq([10, 11, 12, 13, 14, 10, 11])
+    draft = propose(seq, SpecConfig(min_confidence=0.2), 5, (PromptLookupProposer(),))
+    assert draft.tokens == [12, 13]  # 0.5, 0.25, then 0.125 < 0.2
+
+
+def test_spec_config_validates_and_coerces():
+    assert SpecConfig.coerce(None) == SpecConfig()
+    assert SpecConfig.coerce("none").enabled is False
+    assert SpecConfig.coerce(SpecConfig(max_draft=2)).max_draft == 2
+    with pytest.raises(ValueError, match="method"):
+        SpecConfig(method="medusa")
+    with pytest.raises(ValueError, match="max_draft"):
+        SpecConfig(max_draft=-1)
+    with pytest.raises(ValueError, match="ngram"):
+        SpecConfig(ngram_min=3, ngram_max=2)
+    with pytest.raises(TypeError, match="spec"):
+        SpecConfig.coerce(5)
+
+
+# ------------------------------------------------------------------ verification
+
+V = 8
+ALLOWED = {0, 2, 3, 5, 6}      # the grammar mask of the synthetic model
+
+
+def target_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A fixed synthetic 'model': next-token logits depend on the prefix."""
+    g = torch.Generator().manual_seed(1000 + hash(prefix) % 997)
+    return torch.randn(1, V, generator=g) * 1.5
+
+
+def draft_probs(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A synthetic drafter that disagrees with the target."""
+    g = torch.Generator().manual_seed(7 + len(prefix))
+    return torch.softmax(torch.randn(V, generator=g), dim=-1)
+
+
+def plain_sample(seq, sampler: Sampler, n: int) -> tuple[int, ...]:
+    out: list[int] = []
+    for _ in range(n):
+        res = sampler(target_logits(tuple(out)), [seq])
+        out.append(res.token_ids[0])
+        seq.token_ids.append(out[-1])
+        seq.constraint.accept(out[-1])
+    return tuple(out)
+
+
+def spec_sample(seq, sampler: Sampler, n: int, drafter: str) -> tuple[int, ...]:
+    """Draft n-1 tokens (a point mass or drafter samples), verify, bonus token."""
+    out: list[int] = []
+    g = torch.Generator().manual_seed(seq.generator.initial_seed() + 99)
+    draft, probs = [], []
+    for j in range(n - 1):
+        q = draft_probs(tuple(draft))
+        if drafter == "point":
+            draft.append(j % V)
+            probs.append(None)
+        else:
+            draft.append(int(torch.multinomial(q, 1, generator=g)))
+            probs.append(q)
+    for j in range(n):
+        proposal = draft[j] if j < n - 1 else None
+        verdict = sampler.verify(target_logits(tuple(out)), seq, proposal,
+                                 probs[j] if j < n - 1 else None)
+        out.append(verdict.token_id)
+        seq.token_ids.append(verdict.token_id)
+        seq.constraint.accept(verdict.token_id)
+        if not verdict.accepted:
+            break
+    while len(out) < n:  # after a rejection, go on plainly
+        res = sampler(target_logits(tuple(out)), [seq])
+        out.append(res.token_ids[0])
+        seq.token_ids.append(out[-1])
+        seq.constraint.accept(out[-1])
+    return tuple(out)
+
+
+def chi_square(counts_a: dict, counts_b: dict) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the union of outcomes, and its dof."""
+    keys = set(counts_a) | set(counts_b)
+    na, nb = sum(counts_a.values()), sum(counts_b.values())
+    stat = 0.0
+    for k in keys:
+        a, b = counts_a.get(k, 0), counts_b.get(k, 0)
+        stat += (a * (nb / na) ** 0.5 - b * (na / nb) ** 0.5) ** 2 / (a + b)
+    return stat, len(keys) - 1
+
+
+@pytest.mark.parametrize("drafter", ["point", "sampled"])
+def test_speculative_samples_follow_the_masked_target_distribution(drafter):
+    sampler = Sampler(V, V)
+    n, trials = 2, 4000
+    plain, spec = {}, {}
+    for seed in range(trials):
+        a = make_seq([1], seed=seed, temperature=1.0)
+        a.constraint = AllowOnly(ALLOWED)
+        b = make_seq([1], seed=seed, temperature=1.0)
+        b.constraint = AllowOnly(ALLOWED)
+        x, y = plain_sample(a, sampler, n), spec_sample(b, sampler, n, drafter)
+        assert set(x) <= ALLOWED and set(y) <= ALLOWED
+        plain[x] = plain.get(x, 0) + 1
+        spec[y] = spec.get(y, 0) + 1
+    stat, dof = chi_square(plain, spec)
+    assert dof == len(ALLOWED) ** n - 1
+    # 24 degrees of freedom: the 0.999 quantile is 51.2 (seeds are fixed: no flakes)
+    assert stat < 51.2, (stat, dof)
+
+
+def test_first_position_matches_the_exact_masked_probabilities():
+    sampler = Sampler(V, V)
+    logits = target_logits(())
+    masked = torch.full((V,), float("-inf"))
+    masked[list(ALLOWED)] = logits[0, list(ALLOWED)]
+    expected = _probs(masked, make_seq([1], temperature=1.0).params)
+    counts = torch.zeros(V)
+    trials = 6000
+    for seed in range(trials):
+        seq = make_seq([1], seed=seed, temperature=1.0)
+        seq.constraint = AllowOnly(ALLOWED)
+        counts[sampler.verify(logits.clone(), seq, 2).token_id] += 1
+    observed = counts / trials
+    assert observed[[1, 4, 7]].sum() == 0
+    assert torch.allclose(observed, expected, atol=0.025), (observed, expected)
+
+
+def test_greedy_verification_is_exact_match():
+    sampler = Sampler(V, V)
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
+    seq = make_seq([1], temperature=0.0)
+    assert sampler.verify(logits.clone(), seq, 2).accepted
+    verdict = sampler.verify(logits.clone(), seq, 3)
+    assert not verdict.accepted and verdict.token_id == 2
+    seq.constraint = AllowOnly({0, 3})
+    assert sampler.verify(logits.clone(), seq, 3).accepted
+    seq.constraint = AllowOnly(set())
+    assert "dead end" in sampler.verify(logits.clone(), seq, 3).error
