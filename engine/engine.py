@@ -26,6 +26,7 @@ from formcast.engine.scheduler import ScheduledSeq, Scheduler
 from formcast.engine.sequence import (Request, RequestOutput, Sequence, SequenceStatus,
                                       TokenLogprob)
 from formcast.engine.spec import JumpForwardProposer, PromptLookupProposer, Proposer, propose
+from formcast.engine.spec.schedule import StepCostModel, choose_lengths
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
 from formcast.errors import EngineError, RequestError
 
@@ -79,6 +80,7 @@ class Engine:
         spec = self.config.spec
         self.proposers: tuple[Proposer, ...] = (
             JumpForwardProposer(), PromptLookupProposer(spec.ngram_max, spec.ngram_min))
+        self.step_cost = StepCostModel()  # seconds per step by tokens, learned online
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -215,6 +217,7 @@ class Engine:
         if not plan.scheduled:
             return outputs
         sampled = [item for item in plan.scheduled if item.samples]
+        started = time.perf_counter()
         try:
             logits = self.runner.execute(plan.scheduled)
         except Exception as exc:
@@ -244,6 +247,7 @@ class Engine:
             if item.num_draft:
                 self._verify(item.seq, logits[start:start + 1 + item.num_draft])
             outputs.append(item.seq.to_output())
+        self.step_cost.observe(plan.num_tokens, time.perf_counter() - started)
         return outputs
 
     # -- speculative decoding -----------------------------------------------------
@@ -256,14 +260,24 @@ class Engine:
         auto = spec.method == "auto"
         if auto and len(running) > spec.auto_max_batch:
             return
+        drafting: list[Sequence] = []
+        others = 0  # tokens the step runs anyway
         for seq in running:
             seq.draft = None
+            others += min(seq.num_uncomputed_tokens, self.config.max_num_batched_tokens)
             if seq.num_uncomputed_tokens != 1 or (auto and not seq.params.greedy):
                 continue
             room = min(spec.max_draft, seq.max_total_len - len(seq) - 1)
             if room > 0:
                 draft = propose(seq, spec, room, self.proposers)
-                seq.draft = draft if draft.tokens else None
+                if draft.tokens:
+                    seq.draft = draft
+                    drafting.append(seq)
+        if drafting:
+            lengths = choose_lengths([s.draft.confidence for s in drafting], others,
+                                     self.step_cost)
+            for seq, n in zip(drafting, lengths):
+                seq.draft = seq.draft.cut(n) if n else None
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Accept the longest prefix of ``seq.draft`` the target agrees with, then one

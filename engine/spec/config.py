@@ -34,10 +34,10 @@ class SpecConfig:
     """
 
     method: str = "auto"
-    max_draft: int = 5
+    max_draft: int = 7
     ngram_max: int = 4
     ngram_min: int = 1
-    min_confidence: float = 0.2
+    min_confidence: float = 0.02
     auto_max_batch: int = 8
 
     def __post_init__(self) -> None:

@@ -85,33 +85,57 @@ class PromptLookupProposer(Proposer):
     lookup tokens, ``(accepted + 1) / (proposed + 2)``, along the draft.
     """
 
-    def __init__(self, ngram_max: int = 4, ngram_min: int = 1) -> None:
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_candidates: int = 8) -> None:
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
+        self.max_candidates = max_candidates
 
     def propose(self, seq: "Sequence", context: list[int], max_tokens: int) -> Draft:
+        found = self.candidates(seq, context, max_tokens)
+        return found[0] if found else Draft()
+
+    def candidates(self, seq: "Sequence", context: list[int], max_tokens: int) -> list[Draft]:
+        """Continuations of up to ``max_candidates`` earlier matches, best first
+        (longer n-gram, then more recent); distinct continuations only. A
+        constrained request takes the first its grammar allows a token of."""
         if max_tokens <= 0:
-            return Draft()
-        start = find_continuation(context, self.ngram_max, self.ngram_min)
-        if start is None:
-            return Draft()
-        tokens = context[start:start + max_tokens]
+            return []
         rate = (seq.spec_lookup_accepted + 1) / (seq.spec_lookup_proposed + 2)
-        return Draft(tokens, [rate ** (i + 1) for i in range(len(tokens))])
+        out: list[Draft] = []
+        seen: set[tuple[int, ...]] = set()
+        for start in find_continuations(context, self.ngram_max, self.ngram_min,
+                                        self.max_candidates):
+            tokens = context[start:start + max_tokens]
+            key = tuple(tokens)
+            if tokens and key not in seen:
+                seen.add(key)
+                out.append(Draft(tokens, [rate ** (i + 1) for i in range(len(tokens))]))
+        return out
 
 
 def find_continuation(context: list[int], ngram_max: int, ngram_min: int) -> int | None:
     """Index just after the most recent earlier occurrence of the longest suffix
     n-gram of ``context`` (``ngram_max`` down to ``ngram_min``), or None."""
+    found = find_continuations(context, ngram_max, ngram_min, 1)
+    return found[0] if found else None
+
+
+def find_continuations(context: list[int], ngram_max: int, ngram_min: int,
+                       limit: int) -> list[int]:
+    """Up to ``limit`` indices just after earlier occurrences of suffix n-grams of
+    ``context``: longest n-gram first, most recent occurrence first within one."""
     size = len(context)
+    found: list[int] = []
     for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
         suffix = context[size - n:]
         first = suffix[0]
         # scan right to left; a match must end before the suffix itself starts
         for i in range(size - n - 1, -1, -1):
-            if context[i] == first and context[i:i + n] == suffix:
-                return i + n
-    return None
+            if context[i] == first and context[i:i + n] == suffix and i + n not in found:
+                found.append(i + n)
+                if len(found) >= limit:
+                    return found
+    return found
 
 
 def propose(seq: "Sequence", config: "SpecConfig", max_tokens: int,
@@ -125,8 +149,11 @@ def propose(seq: "Sequence", config: "SpecConfig", max_tokens: int,
         room = max_tokens - len(draft)
         if room <= 0:
             break
-        part = proposer.propose(seq, context + draft.tokens, room)
-        if not part.tokens:
+        many = getattr(proposer, "candidates", None)
+        parts = many(seq, context + draft.tokens, room) if many is not None else \
+            [proposer.propose(seq, context + draft.tokens, room)]
+        part = _best_candidate(seq, draft, [p for p in parts if p.tokens])
+        if part is None:
             continue
         base = draft.confidence[-1] if draft.confidence else 1.0
         forced = draft.num_forced + part.num_forced if draft.num_forced == len(draft) else \
@@ -142,3 +169,20 @@ def propose(seq: "Sequence", config: "SpecConfig", max_tokens: int,
         except Exception:
             return Draft()
     return draft
+
+
+def _best_candidate(seq: "Sequence", before: Draft, parts: list[Draft]) -> Draft | None:
+    """The first candidate (the best match) whose first token the request's constraint
+    allows after ``before``, cut where the constraint stops allowing it."""
+    if not parts:
+        return None
+    if seq.constraint is None:
+        return parts[0]
+    for part in parts:
+        try:
+            n = seq.constraint.valid_prefix(before.tokens + part.tokens) - len(before)
+        except Exception:
+            return None
+        if n > 0:
+            return part.cut(n)
+    return None

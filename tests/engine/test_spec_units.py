@@ -197,3 +197,47 @@ def test_greedy_verification_is_exact_match():
     assert sampler.verify(logits.clone(), seq, 3).accepted
     seq.constraint = AllowOnly(set())
     assert "dead end" in sampler.verify(logits.clone(), seq, 3).error
+
+
+def test_a_constrained_request_skips_lookup_candidates_its_grammar_rejects():
+    # "7 8" occurs twice: most recently followed by 3 (not allowed), earlier by 5
+    seq = make_seq([7, 8, 5, 6, 1, 7, 8, 3, 2, 7, 8])
+    seq.constraint = AllowOnly({5, 6, 7, 8})
+    seq.spec_lookup_proposed = seq.spec_lookup_accepted = 100
+    cfg = SpecConfig(min_confidence=0.0)
+    draft = propose(seq, cfg, 4, (PromptLookupProposer(2, 1),))
+    assert draft.tokens == [5, 6]   # cut before 1, which the grammar rejects
+    seq.constraint = None
+    assert propose(seq, cfg, 2, (PromptLookupProposer(2, 1),)).tokens == [3, 2]
+
+
+def test_step_cost_model_interpolates_and_averages():
+    from formcast.engine.spec.schedule import StepCostModel
+
+    cost = StepCostModel(decay=0.5)
+    assert cost.cost(3) is None
+    cost.observe(1, 0.05)
+    cost.observe(9, 0.09)
+    assert cost.cost(1) == 0.05 and cost.cost(5) == pytest.approx(0.07)
+    assert cost.cost(20) == 0.09   # flat beyond what was seen
+    cost.observe(1, 0.07)
+    assert cost.cost(1) == pytest.approx(0.06)
+
+
+def test_verification_length_follows_confidence_and_step_cost():
+    from formcast.engine.spec.schedule import StepCostModel, choose_lengths
+
+    flat = StepCostModel()
+    flat.observe(1, 0.05)
+    flat.observe(2, 0.07)
+    flat.observe(8, 0.07)
+    # a memory-bound step: once one extra position is paid for, more are free
+    assert choose_lengths([[0.9, 0.8, 0.5, 0.2]], 1, flat) == [4]
+    # a weak first position is not worth the jump from 1 to 2 tokens
+    assert choose_lengths([[0.3, 0.1]], 1, flat) == [0]
+    steep = StepCostModel()
+    for n in range(1, 10):
+        steep.observe(n, 0.05 + 0.045 * (n - 1))
+    # each position costs nearly a full step: only near-certain ones pay
+    assert choose_lengths([[1.0, 1.0, 0.6], [0.9]], 2, steep) == [2, 0]
+    assert choose_lengths([[0.5], []], 2, StepCostModel()) == [1, 0]  # nothing measured yet
