@@ -258,7 +258,9 @@ class Engine:
             return
         running = self.scheduler.running
         auto = spec.method == "auto"
-        if auto and len(running) > spec.auto_max_batch:
+        # "auto" only drafts where outputs cannot change: greedy requests, float32
+        # (bfloat16 GEMMs round differently for 1 and 1 + draft rows)
+        if auto and (len(running) > spec.auto_max_batch or self.dtype != torch.float32):
             return
         drafting: list[Sequence] = []
         others = 0  # tokens the step runs anyway

@@ -134,3 +134,36 @@ def test_cuda_json_schema_matcher_output_validates(cuda32, tokenizer):
     for out in outs:
         assert out.finish_reason == "stop", out
         jsonschema.validate(json.loads(out.text), schema)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_speculation_gives_identical_greedy_outputs(weights, tokenizer, dtype):
+    import re
+
+    grammars = pytest.importorskip("formcast.grammars")
+    engines = {spec: make_engine(weights, tokenizer, "cuda", dtype, num_kv_blocks=512,
+                                 spec=spec) for spec in ("none", "prompt_lookup")}
+    # the regex forces long runs (jump-forward drafts); the prompts repeat themselves
+    # (prompt-lookup drafts)
+    pattern = r"Answer: (weather|climate) report, (sunny|rainy|cloudy) all day\."
+    regex = grammars.Regex(pattern)
+    for batch in (1, 8):
+        results = {}
+        for spec, eng in engines.items():
+            compiled = grammars.compile(regex, tokenizer, vocab_size=eng.model.config.vocab_size)
+            ps = prompts(tokenizer, batch)
+            params = SamplingParams(max_tokens=32, temperature=0.0)
+            free = eng.generate(ps, params)
+            constrained = eng.generate(ps, params,
+                                       constraints=[compiled.matcher() for _ in ps])
+            results[spec] = (free, constrained)
+        constrained = results["prompt_lookup"][1]
+        assert sum(o.metrics.num_forced_tokens for o in constrained) > 0
+        for out in constrained:
+            assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), out
+        if dtype == torch.float32:
+            # bfloat16 GEMMs round differently for 1 and 1 + draft rows, so argmax
+            # near-ties may flip; float32 must agree exactly (speculation "auto" is
+            # float32-only for that reason)
+            for plain, spec in zip(results["none"], results["prompt_lookup"]):
+                assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
