@@ -2,8 +2,8 @@
 
 A decode step must at least run every linear layer of the model once for the batch
 (30 x [qkv, o, gate_up, down] + the 49152-row head). This script times exactly that,
-with distinct weight tensors per layer (as in the model, so nothing stays in cache),
-for each weight format formcast's CPU path offers (float32, bfloat16, int8, int4 with
+with distinct weight tensors per layer (as in the model, so nothing stays in cache)
+and the engine's own layer classes, for each weight format formcast's CPU path offers (float32, bfloat16, int8, int4 with
 the head in bfloat16, as ``quantization="int4"`` builds it), and runs transformers'
 ``generate`` on the real model in the same run. ``floor tok/s`` is batch / step time:
 the speed of an engine whose attention, norms, sampling and Python cost nothing.
@@ -25,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from formcast.engine.layers.linear import Linear
 from formcast.engine.layers.quant import Bf16Linear, Int4Linear, Int8Linear
 from formcast.engine.models.shapes import SHAPES
 
@@ -51,7 +52,7 @@ def build(fmt: str, cfg, seed: int = 0) -> tuple[list[list[nn.Module]], nn.Modul
         return Int8Linear(lin) if fmt == "int8" else Int4Linear(lin)
 
     def linear(i: int, o: int) -> nn.Linear:
-        lin = nn.Linear(i, o, bias=False)
+        lin = Linear(i, o, bias=False)  # the engine's own, with its CPU float32 paths
         nn.init.normal_(lin.weight, std=0.02)
         return lin
 

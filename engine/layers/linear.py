@@ -3,13 +3,14 @@
 Measured here (MKL sgemm, AVX-512, SmolLM2's linears for one step, distinct
 weights so nothing stays in cache):
 
-- 1 or 2 rows run fastest against the weight stored transposed, ``x @ W^T`` with
-  ``W^T`` contiguous: 30 ms instead of 44 at 1 row, 47 instead of 76 at 2. So a
+- 1 to 3 rows run fastest against the weight stored transposed, ``x @ W^T`` with
+  ``W^T`` contiguous: 30 ms instead of 44 at 1 row, 47 instead of 76 at 2, 61
+  instead of 99 at 3 (from 4 rows on ``F.linear`` wins: 63 ms at 4). So a
   transposed copy of the weight is kept (made on first use, remade if the weight
   changes) and used for those.
-- 3, 6, 7, 10 or 11 rows take up to 2.5x as long as the next multiple of 4 rows
-  through ``F.linear`` (63 ms at 4 rows), so they are padded with zero rows and
-  the extra outputs dropped.
+- 6, 7, 10, 11, 14 or 15 rows take up to 2x as long as the next multiple of 4
+  rows through ``F.linear``, so they are padded with zero rows and the extra
+  outputs dropped.
 
 Results per row are unchanged up to float rounding; other devices and dtypes pass
 straight through.
@@ -24,7 +25,7 @@ from torch.nn import functional as F
 _PAD_BELOW = 16  # from 12 rows on, every count runs at full speed
 
 
-_TRANSPOSED_UP_TO = 2  # rows that run against the transposed copy
+_TRANSPOSED_UP_TO = 3  # rows that run against the transposed copy
 
 
 def pad_rows(m: int) -> int:

@@ -22,7 +22,7 @@ def test_every_row_count_matches_f_linear(bias):
 
 def test_padding_rule():
     assert [pad_rows(m) for m in range(1, 17)] == \
-        [1, 2, 4, 4, 5, 8, 8, 8, 9, 12, 12, 12, 13, 16, 16, 16]
+        [1, 2, 3, 4, 5, 8, 8, 8, 9, 12, 12, 12, 13, 16, 16, 16]
 
 
 def test_transposed_copy_is_remade_when_the_weight_changes():
