@@ -52,3 +52,16 @@ class AllowOnly:
                 break
             n += 1
         return n
+
+
+def assert_logprobs_match_a_fresh_forward(engine, prompt_ids: list[int], out) -> None:
+    """Each output token's logprob (asked with ``logprobs=0``) equals the one a full
+    forward over prompt + output gives: the KV cache behind the run was clean."""
+    import pytest
+
+    assert len(out.logprobs) == len(out.token_ids)
+    full = engine.forward_logits(list(prompt_ids) + list(out.token_ids))
+    expected = torch.log_softmax(full[len(prompt_ids) - 1:-1], dim=-1)
+    for k, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp.token_id == tok
+        assert lp.logprob == pytest.approx(float(expected[k, tok]), abs=1e-3), k

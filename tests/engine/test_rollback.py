@@ -9,10 +9,11 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
 from formcast import grammars
 from formcast.engine import SamplingParams
+
+from .helpers import assert_logprobs_match_a_fresh_forward
 
 pytestmark = pytest.mark.slow
 
@@ -70,12 +71,8 @@ def test_rolled_back_kv_cache_gives_the_logprobs_of_a_fresh_forward(engine):
     ids = prompt_ids(eng)
     out, = eng.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, logprobs=0),
                         constraints=[matcher(eng)])
-    assert out.finish_reason == "stop" and len(out.logprobs) == len(out.token_ids)
-    full = eng.forward_logits(ids + list(out.token_ids))
-    expected = torch.log_softmax(full[len(ids) - 1:-1], dim=-1)
-    for k, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert lp.token_id == tok
-        assert lp.logprob == pytest.approx(float(expected[k, tok]), abs=1e-3), k
+    assert out.finish_reason == "stop"
+    assert_logprobs_match_a_fresh_forward(eng, ids, out)
 
 
 def test_a_rollback_leaves_the_rest_of_the_batch_untouched(engine):

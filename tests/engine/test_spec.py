@@ -12,6 +12,8 @@ import torch
 from formcast import grammars
 from formcast.engine import Engine, EngineConfig, SamplingParams
 
+from .helpers import assert_logprobs_match_a_fresh_forward
+
 pytestmark = pytest.mark.slow
 
 TEXTS = [
@@ -95,11 +97,7 @@ def test_rejected_drafts_leave_the_kv_cache_as_a_fresh_forward(engine):
                         constraints=[constraint(eng, "json")])
     m = out.metrics
     assert m.num_accepted_draft_tokens < m.num_draft_tokens  # some drafts were rejected
-    full = eng.forward_logits(ids + list(out.token_ids))
-    expected = torch.log_softmax(full[len(ids) - 1:-1], dim=-1)
-    for k, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert lp.token_id == tok
-        assert lp.logprob == pytest.approx(float(expected[k, tok]), abs=1e-3), k
+    assert_logprobs_match_a_fresh_forward(eng, ids, out)
 
 
 def test_rejected_drafts_leave_the_matcher_as_if_never_proposed(engine):
