@@ -26,6 +26,7 @@ from formcast.engine.scheduler import ScheduledSeq, Scheduler
 from formcast.engine.sequence import (Request, RequestOutput, Sequence, SequenceStatus,
                                       TokenLogprob)
 from formcast.engine.spec import JumpForwardProposer, PromptLookupProposer, Proposer, propose
+from formcast.engine.spec.proposers import fill_draft_masks
 from formcast.engine.spec.schedule import StepCostModel, choose_lengths
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
 from formcast.errors import EngineError, RequestError
@@ -280,6 +281,9 @@ class Engine:
                                      self.step_cost)
             for seq, n in zip(drafting, lengths):
                 seq.draft = seq.draft.cut(n) if n else None
+                if seq.draft is not None and seq.constraint is not None:
+                    seq.draft.masks = fill_draft_masks(seq.constraint, seq.draft.tokens,
+                                                       self.sampler.bitmask_width)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Accept the longest prefix of ``seq.draft`` the target agrees with, then one
@@ -294,7 +298,9 @@ class Engine:
         for j in range(d + 1):
             proposal = draft.tokens[j] if j < d else None
             q = draft.probs[j] if draft.probs is not None and j < d else None
-            verdict = self.sampler.verify(logits[j:j + 1], seq, proposal, q)
+            mask = draft.masks[j:j + 1] if draft.masks is not None and j < len(draft.masks) \
+                else None
+            verdict = self.sampler.verify(logits[j:j + 1], seq, proposal, q, mask)
             if verdict.error is not None:
                 if not self._roll_back_dead_end(seq):
                     seq.error = _dead_end_message(seq, verdict.error)

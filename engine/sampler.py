@@ -42,7 +42,8 @@ class Sampler:
         # vocab_size: the model's (logits width); valid_vocab_size: the tokenizer's
         self.vocab_size = vocab_size
         self.valid_vocab_size = min(valid_vocab_size, vocab_size)
-        self._bitmask = torch.zeros(0, bitmask_words(vocab_size), dtype=torch.int32)
+        self.bitmask_width = bitmask_words(vocab_size)  # int32 words per mask row
+        self._bitmask = torch.zeros(0, self.bitmask_width, dtype=torch.int32)
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
         if self._bitmask.shape[0] < n:
@@ -89,7 +90,8 @@ class Sampler:
 
     @torch.inference_mode()
     def verify(self, logits: torch.Tensor, seq: Sequence, proposal: int | None,
-               proposal_probs: torch.Tensor | None = None) -> Verdict:
+               proposal_probs: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None) -> Verdict:
         """Sample one position of a speculative draft, losslessly.
 
         ``logits`` [1, V] is the target's row for the position (modified in place);
@@ -99,7 +101,9 @@ class Sampler:
         probability min(1, p/q), p the target's masked, tempered distribution and q
         the draft's (a point mass when ``proposal_probs`` is None); on rejection the
         token is drawn from the residual max(0, p - q). The tokens this yields are
-        distributed exactly as plain sampling from p.
+        distributed exactly as plain sampling from p. ``mask`` [1, words] is the
+        grammar's bitmask for the position when it was filled ahead (else the
+        request's constraint fills it now).
         """
         params = seq.params
         raw_logprobs = torch.log_softmax(logits[0], dim=-1) if params.logprobs is not None \
@@ -107,7 +111,10 @@ class Sampler:
         errors: dict[int, str] = {}
         if self.valid_vocab_size < self.vocab_size:
             logits[:, self.valid_vocab_size:] = float("-inf")
-        self._apply_constraints(logits, [seq], errors)
+        if mask is not None:
+            apply_token_bitmask_(logits, mask)
+        else:
+            self._apply_constraints(logits, [seq], errors)
         banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
         if banned:
             logits[0, list(banned)] = float("-inf")

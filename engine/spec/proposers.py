@@ -35,12 +35,18 @@ class Draft:
         The drafter's distribution ``[V]`` at each position, for a sampling drafter;
         None when the tokens were chosen deterministically (verification then treats
         the draft distribution as a point mass on the token).
+    masks : torch.Tensor | None
+        ``[len + 1, words]`` int32 token bitmasks of the request's grammar at every
+        position the verification pass scores (after the last token, then after
+        each draft token), filled before the pass by walking a fork of the matcher
+        along the draft (:func:`fill_draft_masks`); None when unconstrained.
     """
 
     tokens: list[int] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
     num_forced: int = 0
     probs: list[torch.Tensor] | None = None
+    masks: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -48,7 +54,8 @@ class Draft:
     def cut(self, n: int) -> "Draft":
         """The first ``n`` positions."""
         return Draft(self.tokens[:n], self.confidence[:n], min(self.num_forced, n),
-                     None if self.probs is None else self.probs[:n])
+                     None if self.probs is None else self.probs[:n],
+                     None if self.masks is None else self.masks[:n + 1])
 
 
 class Proposer(ABC):
@@ -186,3 +193,20 @@ def _best_candidate(seq: "Sequence", before: Draft, parts: list[Draft]) -> Draft
         if n > 0:
             return part.cut(n)
     return None
+
+
+def fill_draft_masks(constraint, tokens: list[int], words: int) -> torch.Tensor | None:
+    """Bitmasks for verifying ``tokens``: row ``j`` is the grammar's mask after the
+    first ``j`` draft tokens, made on a fork so the request's matcher is untouched.
+    None when the constraint cannot fork (its masks are then filled in place, one
+    position at a time, during verification)."""
+    fork = getattr(constraint, "fork", None)
+    if fork is None:
+        return None
+    walker = fork()
+    masks = torch.zeros(len(tokens) + 1, words, dtype=torch.int32)
+    for j in range(len(tokens) + 1):
+        walker.fill_bitmask(masks, j)
+        if j < len(tokens) and not walker.accept(tokens[j]):
+            return masks[:j + 1]  # validated drafts never get here
+    return masks

@@ -241,3 +241,27 @@ def test_verification_length_follows_confidence_and_step_cost():
     # each position costs nearly a full step: only near-certain ones pay
     assert choose_lengths([[1.0, 1.0, 0.6], [0.9]], 2, steep) == [2, 0]
     assert choose_lengths([[0.5], []], 2, StepCostModel()) == [1, 0]  # nothing measured yet
+
+
+def test_draft_masks_are_filled_on_a_fork_position_by_position():
+    from formcast.engine.spec.proposers import fill_draft_masks
+
+    class Narrowing(AllowOnly):
+        """Allows tokens >= the last accepted one; forks."""
+
+        def fill_bitmask(self, bitmask, row):
+            self.allowed = set(range(self.accepted[-1] if self.accepted else 0, V))
+            super().fill_bitmask(bitmask, row)
+
+        def fork(self):
+            twin = Narrowing(self.allowed)
+            twin.accepted = list(self.accepted)
+            return twin
+
+    c = Narrowing(set())
+    masks = fill_draft_masks(c, [2, 5], 1)
+    assert c.accepted == []                       # the request's matcher is untouched
+    bits = [[(int(masks[j, 0]) >> t) & 1 for t in range(V)] for j in range(3)]
+    assert bits == [[1] * 8, [0, 0, 1, 1, 1, 1, 1, 1], [0] * 5 + [1, 1, 1]]
+    assert fill_draft_masks(AllowOnly({1}), [1], 1) is None   # no fork: filled in place
+    assert masks[:2].shape == Draft([2, 5], [1.0, 1.0], masks=masks).cut(1).masks.shape
