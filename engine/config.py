@@ -111,7 +111,6 @@ class EngineConfig:
     max_constraint_rollbacks: int = 8
     spec: Any = None  # SpecConfig after __post_init__
 
-
     def __post_init__(self) -> None:
         from formcast.engine.spec.config import SpecConfig
 

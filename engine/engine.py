@@ -25,7 +25,7 @@ from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.scheduler import ScheduledSeq, Scheduler
 from formcast.engine.sequence import (Request, RequestOutput, Sequence, SequenceStatus,
                                       TokenLogprob)
-from formcast.engine.spec import JumpForwardProposer, PromptLookupProposer, Proposer, propose
+from formcast.engine.spec import JumpForwardProposer, PromptLookupProposer, propose
 from formcast.engine.spec.proposers import fill_draft_masks
 from formcast.engine.spec.schedule import StepCostModel, choose_lengths
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
@@ -78,9 +78,6 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs,
                                   device=self.device, dtype=self.dtype)
         self.sampler = Sampler(mcfg.vocab_size, tokenizer.vocab_size)
-        spec = self.config.spec
-        self.proposers: tuple[Proposer, ...] = (
-            JumpForwardProposer(), PromptLookupProposer(spec.ngram_max, spec.ngram_min))
         self.step_cost = StepCostModel()  # seconds per step by tokens, learned online
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -263,6 +260,7 @@ class Engine:
         # (bfloat16 GEMMs round differently for 1 and 1 + draft rows)
         if auto and (len(running) > spec.auto_max_batch or self.dtype != torch.float32):
             return
+        proposers = (JumpForwardProposer(), PromptLookupProposer(spec.ngram_max, spec.ngram_min))
         drafting: list[Sequence] = []
         others = 0  # tokens the step runs anyway
         for seq in running:
@@ -272,7 +270,7 @@ class Engine:
                 continue
             room = min(spec.max_draft, seq.max_total_len - len(seq) - 1)
             if room > 0:
-                draft = propose(seq, spec, room, self.proposers)
+                draft = propose(seq, spec, room, proposers)
                 if draft.tokens:
                     seq.draft = draft
                     drafting.append(seq)
@@ -345,7 +343,7 @@ class Engine:
         keep = len(seq) - k
         try:
             # the last kept token is fed again: its logits choose the new token at `keep`
-            self.scheduler.block_manager.truncate(seq, keep - 1)
+            self.block_manager.truncate(seq, keep - 1)
             seq.constraint.rollback(k)
         except (RuntimeError, ValueError) as exc:
             seq.error = f"rolling back failed: {exc}"

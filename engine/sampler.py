@@ -58,13 +58,7 @@ class Sampler:
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        if self.valid_vocab_size < self.vocab_size:
-            logits[:, self.valid_vocab_size:] = float("-inf")
-        self._apply_constraints(logits, seqs, errors)
-        for i, seq in enumerate(seqs):
-            banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
-            if banned:  # tokens a rollback ruled out at this position
-                logits[i, list(banned)] = float("-inf")
+        self._restrict(logits, seqs, errors)
 
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
@@ -109,15 +103,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[0], dim=-1) if params.logprobs is not None \
             else None
         errors: dict[int, str] = {}
-        if self.valid_vocab_size < self.vocab_size:
-            logits[:, self.valid_vocab_size:] = float("-inf")
-        if mask is not None:
-            apply_token_bitmask_(logits, mask)
-        else:
-            self._apply_constraints(logits, [seq], errors)
-        banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
-        if banned:
-            logits[0, list(banned)] = float("-inf")
+        self._restrict(logits, [seq], errors, mask)
         row = logits[0]
         if not errors and bool(torch.isneginf(row.max())):
             errors[0] = "the constraint allows no token at this point (dead end)"
@@ -151,6 +137,22 @@ class Sampler:
         if raw_logprobs is not None:
             logprob = _token_logprob(raw_logprobs, token, params.logprobs)
         return Verdict(token_id=token, accepted=accepted, logprob=logprob, error=None)
+
+    def _restrict(self, logits: torch.Tensor, seqs: list[Sequence], errors: dict[int, str],
+                  mask: torch.Tensor | None = None) -> None:
+        """Set to -inf, in place, what row ``i`` may not sample: ids past the
+        tokenizer's vocabulary, what ``seqs[i]``'s constraint forbids (``mask``: the
+        rows' bitmasks when filled ahead) and tokens a rollback banned there."""
+        if self.valid_vocab_size < self.vocab_size:
+            logits[:, self.valid_vocab_size:] = float("-inf")
+        if mask is not None:
+            apply_token_bitmask_(logits, mask)
+        else:
+            self._apply_constraints(logits, seqs, errors)
+        for i, seq in enumerate(seqs):
+            banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
+            if banned:
+                logits[i, list(banned)] = float("-inf")
 
     def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence],
                            errors: dict[int, str]) -> None:

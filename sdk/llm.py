@@ -63,7 +63,7 @@ class LLM:
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
-        quant = getattr(self.engine, "quantization", None)
+        quant = self.engine.quantization
         return (f"LLM(model={self.engine.name!r}, device={self.engine.device}, "
                 f"dtype={self.engine.dtype}" + (f", quantization={quant!r})" if quant else ")"))
 
@@ -252,7 +252,7 @@ class LLM:
         engine may roll back and redo part of the output, so such a call yields its
         text once, at the end.
         """
-        for text, shown, _out in self._stream(prompt, kwargs):
+        for text, shown, _out in self._stream(prompt, kwargs, _pop_spec(kwargs)):
             if len(text) > shown:
                 yield text[shown:]
 
@@ -272,10 +272,9 @@ class LLM:
             raise ValueError("stream() needs output_type= or json_schema=; "
                              "use stream_text() for free text")
         kwargs.update(output_type=output_type, json_schema=json_schema)
-        spec = output_spec(**{k: kwargs.get(k) for k in
-                              ("regex", "json_schema", "grammar", "lark", "choices", "output_type")})
+        spec = _pop_spec(kwargs)
         last, final = None, None
-        for text, _shown, out in self._stream(prompt, kwargs):
+        for text, _shown, out in self._stream(prompt, kwargs, spec):
             if out.finished:
                 final = out
                 break
@@ -288,12 +287,10 @@ class LLM:
             raise result
         yield result.value
 
-    def _stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
-                ) -> Iterator[tuple[str, int, RequestOutput]]:
+    def _stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any],
+                spec: OutputSpec) -> Iterator[tuple[str, int, RequestOutput]]:
         """Drive one request; yield (text that is final so far, how much of it was
         yielded before, the request's output) whenever the request changes."""
-        spec = output_spec(**{k: kwargs.pop(k, None) for k in
-                              ("regex", "json_schema", "grammar", "lark", "choices", "output_type")})
         system, raw = kwargs.pop("system", None), kwargs.pop("raw", False)
         stop = kwargs.pop("stop", None)
         params = SamplingParams(stop=() if stop is None else stop, **{
@@ -426,3 +423,9 @@ def _sampling(n: int, *, max_tokens: int, temperature: float, top_p: float = 1.0
                            seed=None if seed is None else seed + i,
                            stop=() if stop is None else stop)
             for i in range(n)]
+
+
+def _pop_spec(kwargs: dict[str, Any]) -> OutputSpec:
+    """The output spec of a call's constraint keywords, taken out of ``kwargs``."""
+    return output_spec(**{k: kwargs.pop(k, None) for k in
+                          ("regex", "json_schema", "grammar", "lark", "choices", "output_type")})

@@ -22,10 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-_PAD_BELOW = 16  # from 12 rows on, every count runs at full speed
-
-
 _TRANSPOSED_UP_TO = 3  # rows that run against the transposed copy
+_PAD_BELOW = 16  # from 16 rows on, every count runs at full speed
 
 
 def pad_rows(m: int) -> int:

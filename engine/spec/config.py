@@ -17,9 +17,10 @@ class SpecConfig:
         "prompt_lookup" drafts for every request in decode. "auto" drafts for
         greedy requests of float32 engines only (bfloat16 GEMMs round differently
         for 1 and 1 + draft rows, which can flip near-tied argmaxes), and only while
-        at most ``auto_max_batch`` requests run (a memory-bound step scores extra positions almost for free; a full
-        batch is compute-bound and gains little); greedy outputs are the same with
-        or without drafts, so "auto" never changes a result. Sampled requests
+        at most ``auto_max_batch`` requests run (a memory-bound step scores extra
+        positions almost for free; a full batch is compute-bound and gains little);
+        greedy outputs are the same with or without drafts, so "auto" does not
+        change a result. Sampled requests
         under "prompt_lookup" keep their exact distribution, but a seed's tokens
         differ from a run without speculation. "none" turns speculation off.
     max_draft : int

@@ -167,15 +167,10 @@ def propose(seq: "Sequence", config: "SpecConfig", max_tokens: int,
             draft.num_forced
         draft = Draft(draft.tokens + part.tokens,
                       draft.confidence + [base * c for c in part.confidence], forced)
+    # every part was cut where the constraint stops allowing it (_best_candidate)
     keep = next((i for i, c in enumerate(draft.confidence) if c < config.min_confidence),
                 len(draft))
-    draft = draft.cut(keep)
-    if draft.tokens and seq.constraint is not None:
-        try:
-            draft = draft.cut(seq.constraint.valid_prefix(draft.tokens))
-        except Exception:
-            return Draft()
-    return draft
+    return draft.cut(keep)
 
 
 def _best_candidate(seq: "Sequence", before: Draft, parts: list[Draft]) -> Draft | None:
