@@ -139,7 +139,7 @@ class EndCheckedMatcher(Matcher):
     """
 
     __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict", "_version",
-                 "_inner_fill", "_inner_completed", "last_violation")
+                 "_inner_fill", "_inner_completed")
 
     def __init__(self, inner: Matcher, check: Callable[[bytes], EndViolation | None],
                  token_bytes: Sequence[bytes], eos_token_ids: frozenset[int],
@@ -153,14 +153,20 @@ class EndCheckedMatcher(Matcher):
         self._parts: list[bytes] = [] if parts is None else parts   # one entry per step
         self._version = 0            # bumped by every change of state
         self._verdict: tuple[int, EndViolation | None] | None = None   # (version, verdict)
-        self.last_violation: str | None = None
 
     def _violation(self) -> EndViolation | None:
         if self._verdict is None or self._verdict[0] != self._version:
             self._verdict = (self._version, self._check(b"".join(self._parts)))
-        found = self._verdict[1]
-        self.last_violation = None if found is None else found.message
-        return found
+        return self._verdict[1]
+
+    @property
+    def last_violation(self) -> str | None:
+        """Why the finished document fails its end check; None while it is
+        incomplete or passes. (Computed from the current state, cached.)"""
+        if not self._inner_completed():
+            return None
+        found = self._violation()
+        return None if found is None else found.message
 
     def rollback_hint(self) -> int:
         """Steps to roll back so that the value failing the end check can be redone.

@@ -26,9 +26,9 @@ PROMPT = "Output: [7,7,7,7]\nOutput: [7,7,7,7]\nOutput: "
 
 @pytest.fixture
 def engine(smollm2_engine, monkeypatch):
-    def with_rollbacks(n: int):
-        monkeypatch.setattr(smollm2_engine, "config",
-                            dataclasses.replace(smollm2_engine.config, max_constraint_rollbacks=n))
+    def with_rollbacks(n: int, spec: str = "auto"):
+        monkeypatch.setattr(smollm2_engine, "config", dataclasses.replace(
+            smollm2_engine.config, max_constraint_rollbacks=n, spec=spec))
         return smollm2_engine
     return with_rollbacks
 
@@ -44,8 +44,11 @@ def prompt_ids(engine) -> list[int]:
     return engine.tokenizer.encode(PROMPT)
 
 
-def test_without_rollbacks_the_end_check_dead_end_fails_with_the_reason(engine):
-    eng = engine(0)
+# "none" samples every position with the request's own matcher; "prompt_lookup"
+# verifies drafts against masks filled ahead on a fork, and must still say why
+@pytest.mark.parametrize("spec", ["none", "prompt_lookup"])
+def test_without_rollbacks_the_end_check_dead_end_fails_with_the_reason(engine, spec):
+    eng = engine(0, spec)
     out, = eng.generate([prompt_ids(eng)], SamplingParams(max_tokens=32, temperature=0.0),
                         constraints=[matcher(eng)])
     assert out.finish_reason == "abort"

@@ -162,6 +162,21 @@ def test_end_checked_matcher_refuses_stop_until_valid(compiler, tiny_vocab):
     assert not m.is_terminated()
 
 
+def test_end_check_violation_is_known_without_a_mask_fill(compiler, tiny_vocab):
+    # the engine may fill masks on a fork (speculative verification) and still has
+    # to say why the request's own matcher refuses to end
+    schema = {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True}
+    m = compiler.compile(JsonSchema(schema), tiny_vocab).matcher()
+    for t in _ids(tiny_vocab, "[1,"):
+        assert m.accept(t)
+    assert m.last_violation is None                      # incomplete: nothing to judge
+    for t in _ids(tiny_vocab, "1]"):
+        assert m.accept(t)
+    assert "non-unique" in (m.last_violation or "")
+    m.rollback(2)
+    assert m.last_violation is None
+
+
 def test_batch_fill_matches_row_by_row(compiler, tiny_vocab):
     grammars = [compiler.compile(c, tiny_vocab) for c in
                 (JsonSchema(PERSON), Regex(r"[0-9]+"), Choice(["x", "y"]))]
