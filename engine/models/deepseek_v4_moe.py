@@ -1,0 +1,122 @@
+"""DeepSeek-V4 mixture of experts: routed experts (hash or score routing) plus one
+shared expert, all SwiGLU with clamped pre-activations.
+
+Legend: ``T`` tokens, ``E`` hidden size, ``I`` expert width, ``X`` routed experts,
+``K`` experts per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from formcast.engine.config import DeepseekV4Config
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    """Picks ``K`` experts per token and their weights.
+
+    Scores are ``score_fn(x W^T)`` (sqrt(softplus), sigmoid or softmax). Score routing
+    picks the top ``K`` of ``scores + e_score_correction_bias`` (the bias only steers
+    the choice); hash routing reads the choice from ``tid2eid[token_id]``. The chosen
+    scores are normalized to sum to one (when ``norm_topk_prob``) and multiplied by
+    ``routed_scaling_factor``.
+    """
+
+    def __init__(self, config: DeepseekV4Config, *, hashed: bool) -> None:
+        super().__init__()
+        self.hashed = hashed
+        self.top_k = config.num_experts_per_tok
+        self.scoring_func = config.scoring_func
+        self.normalize = config.norm_topk_prob
+        self.scaling = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(config.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x ``[T, E]``, token_ids ``[T]`` -> expert ids ``[T, K]``, weights ``[T, K]``."""
+        logits = F.linear(x, self.weight)
+        if self.scoring_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = logits.softmax(dim=-1)
+        if self.hashed:
+            experts = self.tid2eid[token_ids].long()
+        else:
+            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scaling
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert: a dense clamped-SwiGLU MLP."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        self.limit = config.swiglu_limit
+        self.gate_proj = nn.Linear(config.hidden_size, config.moe_intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.moe_intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.moe_intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: ``gate_up_proj [X, 2I, E]`` (gate rows first),
+    ``down_proj [X, E, I]``."""
+
+    def __init__(self, config: DeepseekV4Config) -> None:
+        super().__init__()
+        self.limit = config.swiglu_limit
+        x, i, e = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(x, 2 * i, e))
+        self.down_proj = nn.Parameter(torch.zeros(x, e, i))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x ``[T, E]``, experts/weights ``[T, K]`` -> ``[T, E]``."""
+        out = torch.zeros_like(x)
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)  # token-slot pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        tokens = order // experts.shape[1]
+        slot_weights = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = tokens[start:start + count]
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
+            out.index_add_(0, rows, (y * slot_weights[start:start + count, None]).to(out.dtype))
+            start += count
+        return out
+
+
+class DeepseekV4MoE(nn.Module):
+    """Routed experts plus the shared expert."""
+
+    def __init__(self, config: DeepseekV4Config, *, hashed: bool) -> None:
+        super().__init__()
+        self.gate = Router(config, hashed=hashed)
+        self.experts = Experts(config)
+        self.shared_experts = SharedExpert(config)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """x ``[T, E]``, token_ids ``[T]`` -> ``[T, E]``."""
+        experts, weights = self.gate(x, token_ids)
+        return self.experts(x, experts, weights) + self.shared_experts(x)
