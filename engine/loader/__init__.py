@@ -97,3 +97,17 @@ __all__ = [
     "read_gguf_config",
     "read_hf_config",
 ]
+
+from formcast.engine.loader.deepseek_v4 import (  # noqa: E402  (appended: DeepSeek-V4 loading)
+    DeepseekV4Checkpoint,
+    load_deepseek_v4,
+    original_to_hf_name,
+    read_deepseek_v4_config,
+)
+
+__all__ += [
+    "DeepseekV4Checkpoint",
+    "load_deepseek_v4",
+    "original_to_hf_name",
+    "read_deepseek_v4_config",
+]
