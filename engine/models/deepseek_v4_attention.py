@@ -232,7 +232,11 @@ class DeepseekV4Attention(nn.Module):
                         state.indexer, raw_index[0][rows], raw_index[1][rows], chunk.past,
                         self.rotary, max_rollback)
                     selected = self.indexer.select(index_q[rows], index_w[rows], indexer.entries, visible)
-            outputs.append(self._attend(q[rows], window, chunk, extra_keys, selected))
+            # Exactly the rows these queries can reach, however many spare rows the
+            # state holds for rollback: the result must not depend on them, bit for bit.
+            reach = min(chunk.past, self.sliding_window - 1) + chunk.length
+            outputs.append(self._attend(q[rows], window[window.shape[0] - reach:], chunk,
+                                        extra_keys, selected))
             keep = self.sliding_window - 1 + max_rollback
             window = window[max(0, window.shape[0] - keep):]
             new_states.append(LayerState(window=window, compressor=compressor, indexer=indexer))

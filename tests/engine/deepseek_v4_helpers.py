@@ -51,13 +51,13 @@ def randomize(weights: dict[str, torch.Tensor], seed: int, n_experts: int) -> No
                 w.copy_(0.5 * torch.randn(w.shape, generator=gen))
 
 
-def our_model(reference, *, with_mtp: bool = False):
+def our_model(reference):
     """Our model built from the reference's config.json dict and state dict."""
     from formcast.engine.config import DeepseekV4Config
     from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     config = DeepseekV4Config.from_dict(reference.config.to_dict())
-    model = DeepseekV4ForCausalLM(config, with_mtp=with_mtp).eval()
+    model = DeepseekV4ForCausalLM(config).eval()
     model.load_weights(dict(reference.state_dict()))
     return model
 
