@@ -1,16 +1,21 @@
 """Load a DeepSeek-V4 folder: ``config.json`` plus safetensors, into float32 weights
 under transformers' ``DeepseekV4ForCausalLM`` names (``mtp.0.*`` for the MTP layer).
 
-Two naming schemes are read:
+Names are read per tensor, so every mix of these works:
 
-- transformers' (what ``DeepseekV4ForCausalLM.save_pretrained`` writes), FP8 ones
-  with ``<name>_scale_inv`` / ``<module>.weight_scale_inv`` companions;
+- transformers' module names (``model.layers.0.self_attn.q_a_proj.weight``), FP8
+  ones with ``<name>_scale_inv`` / ``<module>.weight_scale_inv`` companions;
 - DeepSeek's original release names (``embed.weight``, ``layers.0.attn.wq_a.weight``,
   ``layers.0.ffn.experts.3.w1.weight``, ``mtp.0.e_proj.weight``, scales as
-  ``<module>.scale``). The renames are those of transformers' ``deepseek_v4``
-  conversion mapping (``conversion_mapping.py``, written here as our own table), plus
-  the MTP layer's names, which transformers drops; per-expert ``w1``/``w3``/``w2`` are
-  stacked into ``gate_up_proj``/``down_proj``.
+  ``<module>.scale``), with or without a leading ``model.``: transformers 5's
+  ``save_pretrained`` runs its conversion mapping backwards and writes
+  ``model.layers.0.attn.wq_a.weight``, ``head.weight`` and the like.
+
+The renames are those of transformers' ``deepseek_v4`` conversion mapping
+(``conversion_mapping.py``, written here as our own table), plus the MTP layer's names,
+which transformers drops; per-expert ``w1``/``w3``/``w2`` are stacked into
+``gate_up_proj``/``down_proj``. A name in neither scheme is passed through, and the
+model's ``load_weights`` rejects it.
 
 Quantized tensors (FP8 128x128 blocks, FP4 experts) are dequantized at load
 (:mod:`formcast.engine.loader.blockquant`).
@@ -49,6 +54,7 @@ _BLOCK_RULES: tuple[tuple[re.Pattern[str], Any], ...] = tuple((re.compile(p), r)
     (r"attn\.compressor\.(.+)", lambda m: f"self_attn.compressor.{_COMPRESSOR_LEAVES[m[1]]}"),
     (r"attn\.indexer\.wq_b\.weight", "self_attn.compressor.indexer.q_b_proj.weight"),
     (r"attn\.indexer\.weights_proj\.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight"),
+    (r"attn\.norm\.weight", "self_attn.kv_norm.weight"),  # as save_pretrained writes kv_norm
     (r"attn\.(\w+)\.weight", lambda m: f"self_attn.{_ATTN_LEAVES[m[1]]}.weight"),
     (r"ffn\.gate\.weight", "mlp.gate.weight"),
     (r"ffn\.gate\.bias", "mlp.gate.e_score_correction_bias"),
@@ -143,7 +149,7 @@ def load_deepseek_v4(folder: str | Path) -> DeepseekV4Checkpoint:
         No such folder.
     CorruptModelError
         Missing/unreadable files, a quantized tensor without its scales (or scales of
-        the wrong shape), unknown tensor names, or an incomplete set of experts.
+        the wrong shape), or an incomplete set of experts.
     UnsupportedModelError
         Not a DeepSeek-V4 config, or weights not in safetensors.
     """
@@ -159,9 +165,7 @@ def load_deepseek_v4(folder: str | Path) -> DeepseekV4Checkpoint:
                 raw.update((name, f.get_tensor(name)) for name in f.keys())
         except (SafetensorError, OSError, ValueError) as exc:
             raise CorruptModelError(f"{file}: not a readable safetensors file ({exc})") from exc
-    weights = _dequantize_all(raw, block, folder)
-    if any(n.startswith(("layers.", "mtp.")) or n == "embed.weight" for n in weights):
-        weights = _rename_original(weights, config, folder)
+    weights = _to_hf_names(_dequantize_all(raw, block, folder), config, folder)
     weights = {n: w for n, w in weights.items() if not n.startswith("mtp.") or n.startswith("mtp.0.")}
     return DeepseekV4Checkpoint(config=config, weights=weights,
                                 with_mtp=any(n.startswith("mtp.0.") for n in weights))
@@ -207,21 +211,22 @@ def _dequantize_all(raw: dict[str, torch.Tensor], block: tuple[int, int],
     return out
 
 
-def _rename_original(weights: dict[str, torch.Tensor], config: DeepseekV4Config,
-                     folder: Path) -> dict[str, torch.Tensor]:
+def _to_hf_names(weights: dict[str, torch.Tensor], config: DeepseekV4Config,
+                 folder: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
     for name, tensor in weights.items():
-        m = re.fullmatch(r"(layers|mtp)\.(\d+)\.(.+)", name)
+        bare = name.removeprefix("model.")
+        m = re.fullmatch(r"(layers|mtp)\.(\d+)\.(.+)", bare)
         hit = _EXPERT.fullmatch(m[3]) if m else None
         if hit:
             prefix = f"model.layers.{m[2]}." if m[1] == "layers" else f"mtp.{m[2]}."
             experts.setdefault(prefix, {})[(int(hit[1]), hit[2])] = tensor
             continue
         try:
-            out[original_to_hf_name(name)] = tensor
-        except KeyError:
-            raise CorruptModelError(f"{folder}: unknown tensor {name!r} in a DeepSeek-V4 checkpoint") from None
+            out[original_to_hf_name(bare)] = tensor
+        except KeyError:  # already transformers' name
+            out[name] = tensor
     for prefix, parts in experts.items():
         want = {(j, w) for j in range(config.n_routed_experts) for w in ("w1", "w2", "w3")}
         if set(parts) != want:
