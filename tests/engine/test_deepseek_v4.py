@@ -246,6 +246,7 @@ def test_config_reads_original_layout():
     assert config.rope_compress.factor == 16 and config.rope_compress.attention_factor == 1.0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_bf16_close_to_cpu_float32(models, tokens, reference_logits):
     from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
