@@ -3,6 +3,7 @@
 from formcast.errors import (
     ConstraintError,
     CorruptModelError,
+    DatasetError,
     EngineError,
     FormcastError,
     IncompleteOutputError,
@@ -11,6 +12,7 @@ from formcast.errors import (
     ModelNotFoundError,
     OutputValidationError,
     RequestError,
+    ResumeMismatchError,
     UnsupportedModelError,
 )
 
@@ -19,13 +21,19 @@ __version__ = "0.1.0"
 # The model API is imported lazily: formcast.engine imports formcast.errors, so
 # importing the engine from here at import time would be circular (and slow).
 _LAZY = {"load": "formcast.llm", "LLM": "formcast.llm", "Completion": "formcast.completion",
-         "Usage": "formcast.completion"}
+         "Usage": "formcast.completion", "evaluate": "formcast.evaluation"}
+# Submodules reached as attributes (``formcast.dataset.generate``), imported on first use.
+# (evaluate() lives in formcast.evaluation: a module named evaluate would replace the
+# function attribute as soon as it was imported.)
+_LAZY_MODULES = ("dataset",)
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"formcast.{name}")
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'formcast' has no attribute {name!r}")
 
@@ -36,8 +44,11 @@ __all__ = [
     "LLM",
     "Completion",
     "Usage",
+    "dataset",
+    "evaluate",
     "ConstraintError",
     "CorruptModelError",
+    "DatasetError",
     "EngineError",
     "FormcastError",
     "IncompleteOutputError",
@@ -46,5 +57,6 @@ __all__ = [
     "ModelNotFoundError",
     "OutputValidationError",
     "RequestError",
+    "ResumeMismatchError",
     "UnsupportedModelError",
 ]

@@ -76,6 +76,25 @@ class EngineError(FormcastError):
     """The engine failed while running (not caused by one request's input)."""
 
 
+class DatasetError(FormcastError):
+    """A dataset run cannot go on: its output file is damaged or not formcast's, or a
+    record could not be generated within its attempts."""
+
+
+class ResumeMismatchError(DatasetError, ValueError):
+    """A dataset run was asked to resume an output made with different parameters.
+
+    Attributes
+    ----------
+    differences : dict[str, tuple]
+        Parameter name -> (value recorded in the manifest, value asked for now).
+    """
+
+    def __init__(self, message: str, *, differences: dict[str, tuple]) -> None:
+        super().__init__(message)
+        self.differences = differences
+
+
 __all__ = [
     "FormcastError",
     "ModelError",
@@ -88,4 +107,6 @@ __all__ = [
     "IncompleteOutputError",
     "OutputValidationError",
     "EngineError",
+    "DatasetError",
+    "ResumeMismatchError",
 ]

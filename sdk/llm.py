@@ -136,13 +136,14 @@ class LLM:
                        grammar: str | None = None, lark: str | None = None,
                        choices: Sequence[str] | None = None, output_type: Any = None,
                        max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-                       seed: int | None = None, stop: str | Sequence[str] | None = None,
+                       seed: int | Sequence[int] | None = None,
+                       stop: str | Sequence[str] | None = None,
                        system: str | None = None, raw: bool = False
                        ) -> list[Completion | FormcastError]:
         """Generate for many prompts at once (one engine batch).
 
         Same parameters as :meth:`generate`; with a ``seed``, prompt ``i`` uses
-        ``seed + i``. Returns one entry per prompt, in order: a :class:`Completion`,
+        ``seed + i``, or ``seed[i]`` when a sequence of one seed per prompt is given. Returns one entry per prompt, in order: a :class:`Completion`,
         or the :class:`FormcastError` that item failed with (the others still run).
         """
         spec = output_spec(regex=regex, json_schema=json_schema, grammar=grammar, lark=lark,
@@ -416,13 +417,19 @@ class LLM:
 
 
 def _sampling(n: int, *, max_tokens: int, temperature: float, top_p: float = 1.0,
-              seed: int | None = None, stop: str | Sequence[str] | None = None
-              ) -> list[SamplingParams]:
-    """One SamplingParams per item; with a seed, item ``i`` uses ``seed + i``."""
+              seed: int | Sequence[int] | None = None,
+              stop: str | Sequence[str] | None = None) -> list[SamplingParams]:
+    """One SamplingParams per item; with a seed, item ``i`` uses ``seed + i`` (or
+    ``seed[i]`` when one seed per item is given)."""
+    if seed is None or isinstance(seed, int):
+        seeds = [None if seed is None else seed + i for i in range(n)]
+    else:
+        seeds = list(seed)
+        if len(seeds) != n:
+            raise RequestError(f"got {len(seeds)} seeds for {n} prompts; give one per prompt")
     return [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                           seed=None if seed is None else seed + i,
-                           stop=() if stop is None else stop)
-            for i in range(n)]
+                           seed=s, stop=() if stop is None else stop)
+            for s in seeds]
 
 
 def _pop_spec(kwargs: dict[str, Any]) -> OutputSpec:
