@@ -1,4 +1,4 @@
-"""The ``formcast`` command line: pull, info, generate, extract.
+"""The ``formcast`` command line: pull, info, generate, extract, dataset, eval.
 
 Exit codes: 0 success, 1 a runtime failure (fetch, engine, output cut short),
 2 a usage error (bad option, unreadable file, invalid schema or constraint,
@@ -439,6 +439,203 @@ def _import_file(path: Path) -> Any:
     sys.modules[name] = module  # dataclasses and pydantic look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+# -- dataset ------------------------------------------------------------------------
+@app.command()
+def dataset(
+    ctx: typer.Context,
+    schema: Annotated[str, typer.Option(
+        help="JSON Schema file (*.json), or module:Class / file.py:Class.")],
+    n: Annotated[int, typer.Option("--n", "-n", min=1, help="Records to generate.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="JSONL written (or resumed).")],
+    prompts: Annotated[Path | None, typer.Option(
+        help="JSONL of prompts: strings, or objects with prompt (and id).")] = None,
+    template: Annotated[str | None, typer.Option(
+        help="Jinja template (text, or a file holding it) filled from --vars.")] = None,
+    vars: Annotated[Path | None, typer.Option(
+        "--vars", help="JSON object of name -> list of values (every combination), or a "
+                       "JSON list / JSONL of objects (one prompt each).")] = None,
+    seed: int = 0,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 256,
+    batch_size: Annotated[int, typer.Option(min=1, help="Records per engine batch.")] = 8,
+    dedupe: Annotated[bool, typer.Option(help="Redraw records equal to an earlier one.")] = True,
+    max_attempts: Annotated[int, typer.Option(min=1, help="Draws per record.")] = 10,
+    overwrite: Annotated[bool, typer.Option(
+        help="Start over instead of resuming an existing output.")] = False,
+    system: Annotated[str | None, typer.Option(help="System message.")] = None,
+    model: ModelOpt = "smollm2", device: DeviceOpt = "auto", dtype: DtypeOpt = None,
+    quantization: QuantOpt = None,
+) -> None:
+    """Generate N schema-valid records into a JSONL file; rerun the same command to resume.
+
+    Each line is {"id", "data", "prompt_id", "seed", "model", "formcast_version"}.
+    A manifest (out.manifest.json) refuses a resume with other parameters; the summary
+    (out.summary.json) has counts and per-field distributions.
+    """
+    from formcast import dataset as ds
+
+    target = _load_schema(schema)
+    if template is not None and Path(template).is_file():
+        template = _read_text(Path(template), "--template")
+    variables = _read_vars(vars) if vars is not None else None
+    try:  # fail on bad prompts before loading the model
+        ds.build_prompts(prompts=prompts, template=template, variables=variables)
+    except (ValueError, OSError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--prompts/--template/--vars")
+    with _errors_to_exit_codes():
+        llm = _load_llm(ctx, model, device, dtype, quantization)
+        columns = (SpinnerColumn(), TextColumn("dataset"), BarColumn(bar_width=20),
+                   MofNCompleteColumn(), _DatasetColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=_err(), transient=False) as bar:
+            task = bar.add_task("dataset", total=n, progress=None)
+            summary = ds.generate(
+                llm, target, n=n, output=output, prompts=prompts, template=template,
+                variables=variables, seed=seed, temperature=temperature, top_p=top_p,
+                max_tokens=max_tokens, dedupe=dedupe, batch_size=batch_size,
+                resume=not overwrite, max_attempts=max_attempts, system=system,
+                progress=lambda p: bar.update(task, completed=p.done, progress=p))
+    _print_dataset_summary(summary)
+
+
+def _read_vars(path: Path) -> Any:
+    text = _read_text(path, "--vars")
+    try:
+        if path.suffix == ".jsonl":
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"{path} is not valid JSON: {exc}", param_hint="--vars")
+
+
+class _DatasetColumn(ProgressColumn):
+    """Records/s, tokens/s, valid share and duplicates of this run."""
+
+    def render(self, task: Task) -> Text:
+        p = task.fields.get("progress")
+        if p is None or p.elapsed_s <= 0:
+            return Text("-- rec/s -- tok/s", style="progress.data.speed")
+        drawn = p.valid + p.invalid + p.duplicates
+        valid = f"{(drawn - p.invalid) / drawn:.0%}" if drawn else "--"
+        return Text(f"{p.valid / p.elapsed_s:.2f} rec/s {p.tokens / p.elapsed_s:.0f} tok/s "
+                    f"valid {valid} dup {p.duplicates}", style="progress.data.speed")
+
+
+def _print_dataset_summary(summary: Any) -> None:
+    err = _err()
+    resumed = f" ({summary.resumed} found, resumed)" if summary.resumed else ""
+    err.print(f"{summary.n} records in {summary.output}{resumed}: {summary.generated} "
+              f"generated, {summary.duplicates} duplicates and {summary.invalid} invalid "
+              f"draws redrawn, {summary.completion_tokens} tokens, {summary.elapsed_s:.1f} s")
+    table = Table(title="fields", title_justify="left", box=None, padding=(0, 2))
+    for column in ("field", "type", "distribution"):
+        table.add_column(column, overflow="fold")
+    for path, entry in summary.fields.items():
+        for kind in ("boolean", "integer", "number", "string", "array"):
+            if kind in entry:
+                table.add_row(path, kind, _describe_field(entry[kind]))
+        if entry.get("null"):
+            table.add_row(path, "null", f"{entry['null']} of {entry['count']}")
+    err.print(table)
+    err.print(f"summary -> {summary.summary}")
+
+
+def _describe_field(section: dict[str, Any]) -> str:
+    if "counts" in section and "length" not in section and "mean" not in section:
+        return _counts_text(section["counts"])
+    parts = []
+    if "mean" in section:
+        parts.append(f"min {section['min']} max {section['max']} mean {section['mean']:.4g}")
+    if "length" in section:
+        length = section["length"]
+        parts.append(f"{section['distinct']} distinct, length {length['min']}-{length['max']} "
+                     f"(mean {length['mean']:.3g})")
+    if "counts" in section:
+        parts.append(_counts_text(section["counts"]))
+    return "; ".join(parts)
+
+
+def _counts_text(counts: dict[str, int], limit: int = 6) -> str:
+    shown = ", ".join(f"{k}: {v}" for k, v in list(counts.items())[:limit])
+    return shown + (", ..." if len(counts) > limit else "")
+
+
+# -- eval ---------------------------------------------------------------------------
+@app.command("eval")
+def eval_command(
+    ctx: typer.Context,
+    task: Annotated[Path, typer.Argument(help="Task JSONL: prompt, answer and one of choices, "
+                                              "regex, json_schema, grammar, lark per line.")],
+    report: Annotated[Path, typer.Option(help="JSON report written here.")],
+    plot: Annotated[Path | None, typer.Option(
+        help="PNG of accuracy by mode and confusion matrices (needs formcast[plot]).")] = None,
+    modes: Annotated[str, typer.Option(
+        help="Comma-separated: constrained, score, unconstrained.")] = "constrained,score,"
+                                                                      "unconstrained",
+    max_tokens: Annotated[int, typer.Option(min=1, help="For items without their own.")] = 48,
+    length_normalize: Annotated[bool, typer.Option(
+        help="Score mode ranks choices by log-probability per token.")] = False,
+    batch_size: Annotated[int, typer.Option(min=1)] = 16,
+    model: ModelOpt = "smollm2", device: DeviceOpt = "auto", dtype: DtypeOpt = None,
+    quantization: QuantOpt = None,
+) -> None:
+    """Evaluate a model on a task: constrained, choice-scored and unconstrained accuracy."""
+    from formcast.eval_plot import plot_report, require_matplotlib
+    from formcast.eval_task import load_task
+    from formcast.evaluation import MODES, evaluate
+
+    chosen = [m.strip() for m in modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in MODES]
+    if unknown or not chosen:
+        raise typer.BadParameter(f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose "
+                                 f"from {', '.join(MODES)}", param_hint="--modes")
+    if plot is not None:
+        try:
+            require_matplotlib()
+        except ModuleNotFoundError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--plot")
+    try:
+        load_task(task)  # a malformed task fails before the model loads
+    except (ValueError, OSError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="TASK")
+    with _errors_to_exit_codes():
+        llm = _load_llm(ctx, model, device, dtype, quantization)
+        columns = (SpinnerColumn(), TextColumn("{task.description:13s}"), BarColumn(bar_width=20),
+                   MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, console=_err(), transient=False) as bar:
+            tasks: dict[str, Any] = {}
+
+            def advance(mode: str, done: int, total: int) -> None:
+                if mode not in tasks:
+                    tasks[mode] = bar.add_task(mode, total=total)
+                bar.update(tasks[mode], completed=done)
+
+            result = evaluate(llm, task, modes=chosen, max_tokens=max_tokens,
+                              length_normalize=length_normalize, batch_size=batch_size,
+                              progress=advance)
+        data = result.to_dict()
+        report.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n",
+                          encoding="utf-8")
+        if plot is not None:
+            plot_report(data, plot)
+    _print_eval_summary(data, report, plot)
+
+
+def _print_eval_summary(data: dict[str, Any], report: Path, plot: Path | None) -> None:
+    table = Table(title=f"{data['num_items']} items", title_justify="left", box=None,
+                  padding=(0, 2))
+    for column in ("mode", "items", "accuracy", "95% CI", "exact", "invalid", "tokens", "time"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for mode, m in data["modes"].items():
+        table.add_row(mode, str(m["items"]), f"{m['accuracy']:.1%}",
+                      f"{m['ci95'][0]:.0%}-{m['ci95'][1]:.0%}", f"{m['exact_accuracy']:.1%}",
+                      f"{m['invalid_rate']:.1%}",
+                      f"{m['prompt_tokens'] + m['completion_tokens']}", f"{m['time_s']:.1f} s")
+    Console(highlight=False).print(table)
+    where = f"report -> {report}" + (f", plot -> {plot}" if plot else "")
+    _err().print(where)
 
 
 def main() -> None:
