@@ -624,10 +624,10 @@ def eval_command(
 
 
 def _print_eval_summary(data: dict[str, Any], report: Path, plot: Path | None) -> None:
-    table = Table(title=f"{data['num_items']} items", title_justify="left", box=None,
-                  padding=(0, 2))
-    for column in ("mode", "items", "accuracy", "95% CI", "exact", "invalid", "tokens", "time"):
-        table.add_column(column, justify="left" if column == "mode" else "right")
+    table = Table(title=f"{data['num_items']} items (acc: normalized match; exact: exact match)",
+                  title_justify="left", box=None, padding=(0, 1))
+    for column in ("mode", "items", "acc", "95% CI", "exact", "invalid", "tokens", "time"):
+        table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=True)
     for mode, m in data["modes"].items():
         table.add_row(mode, str(m["items"]), f"{m['accuracy']:.1%}",
                       f"{m['ci95'][0]:.0%}-{m['ci95'][1]:.0%}", f"{m['exact_accuracy']:.1%}",
