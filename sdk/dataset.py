@@ -191,6 +191,7 @@ def generate(llm: Any, schema: Any, *, n: int, output: str | Path,
               "system": system, "show_schema": show_schema, "model": model}
 
     output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
     manifest, summary_path = side_path(output, "manifest"), side_path(output, "summary")
     records = RecordFile(output)
     fresh = not resume or not output.exists() or output.stat().st_size == 0
