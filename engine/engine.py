@@ -276,7 +276,8 @@ class Engine:
                     drafting.append(seq)
         if drafting:
             lengths = choose_lengths([s.draft.confidence for s in drafting], others,
-                                     self.step_cost)
+                                     self.step_cost) if spec.scheduled \
+                else [len(s.draft.tokens) for s in drafting]
             for seq, n in zip(drafting, lengths):
                 seq.draft = seq.draft.cut(n) if n else None
                 if seq.draft is not None and seq.constraint is not None:

@@ -74,8 +74,10 @@ class ModelRunner:
                 decode_lens.append(start + 1)
             else:
                 nblocks = -(-(start + n) // bs)
+                # a decode with its draft positions is attended row by row, each as
+                # a decode of its own (see PrefillSpan.rowwise)
                 prefills.append(PrefillSpan(
-                    start=row0, length=n, context_len=start + n,
+                    start=row0, length=n, context_len=start + n, rowwise=n == d + 1,
                     block_table=torch.tensor(table[:nblocks], dtype=torch.long,
                                              device=self.device)))
             if item.samples:

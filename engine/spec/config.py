@@ -33,6 +33,11 @@ class SpecConfig:
         below this are not verified. Forced tokens have confidence 1.
     auto_max_batch : int
         Running requests above which ``method="auto"`` stops drafting.
+    scheduled : bool
+        True: each step verifies the draft positions worth their cost under the
+        engine's measured step times (confidence-scheduled). False: every draft
+        position above ``min_confidence`` is verified (for tests and for measuring
+        drafts by themselves).
     """
 
     method: str = "auto"
@@ -41,6 +46,7 @@ class SpecConfig:
     ngram_min: int = 1
     min_confidence: float = 0.02
     auto_max_batch: int = 8
+    scheduled: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

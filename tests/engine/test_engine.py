@@ -48,7 +48,8 @@ def test_forward_logits_match_transformers(smollm2_engine, hf_smollm2, text):
 def test_forward_logits_in_chunks_equals_one_pass(smollm2_engine):
     ids = chat(smollm2_engine, PROMPTS[3])
     chunked = variant(smollm2_engine, max_num_batched_tokens=7, num_kv_blocks=64)
-    assert (chunked.forward_logits(ids) - smollm2_engine.forward_logits(ids)).abs().max() <= 1e-4
+    # float32 rounding only (logits are O(10); attention sums in a different order)
+    assert (chunked.forward_logits(ids) - smollm2_engine.forward_logits(ids)).abs().max() <= 3e-4
 
 
 def test_step_by_step_decode_matches_prefill(smollm2_engine):
