@@ -28,6 +28,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.table import Table
 from rich.text import Text
 
+from formcast.cli_reports import DatasetRateColumn, print_dataset_summary, print_eval_summary
 from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
                              ModelNotFoundError, OutputValidationError, RequestError)
 
@@ -488,7 +489,7 @@ def dataset(
     with _errors_to_exit_codes():
         llm = _load_llm(ctx, model, device, dtype, quantization)
         columns = (SpinnerColumn(), TextColumn("dataset"), BarColumn(bar_width=20),
-                   MofNCompleteColumn(), _DatasetColumn(), TimeElapsedColumn())
+                   MofNCompleteColumn(), DatasetRateColumn(), TimeElapsedColumn())
         with Progress(*columns, console=_err(), transient=False) as bar:
             task = bar.add_task("dataset", total=n, progress=None)
             summary = ds.generate(
@@ -497,7 +498,7 @@ def dataset(
                 max_tokens=max_tokens, dedupe=dedupe, batch_size=batch_size,
                 resume=not overwrite, max_attempts=max_attempts, system=system,
                 progress=lambda p: bar.update(task, completed=p.done, progress=p))
-    _print_dataset_summary(summary)
+    print_dataset_summary(_err(), summary)
 
 
 def _read_vars(path: Path) -> Any:
@@ -508,58 +509,6 @@ def _read_vars(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise typer.BadParameter(f"{path} is not valid JSON: {exc}", param_hint="--vars")
-
-
-class _DatasetColumn(ProgressColumn):
-    """Records/s, tokens/s, valid share and duplicates of this run."""
-
-    def render(self, task: Task) -> Text:
-        p = task.fields.get("progress")
-        if p is None or p.elapsed_s <= 0:
-            return Text("-- rec/s -- tok/s", style="progress.data.speed")
-        drawn = p.valid + p.invalid + p.duplicates
-        valid = f"{(drawn - p.invalid) / drawn:.0%}" if drawn else "--"
-        return Text(f"{p.valid / p.elapsed_s:.2f} rec/s {p.tokens / p.elapsed_s:.0f} tok/s "
-                    f"valid {valid} dup {p.duplicates}", style="progress.data.speed")
-
-
-def _print_dataset_summary(summary: Any) -> None:
-    err = _err()
-    resumed = f" ({summary.resumed} found, resumed)" if summary.resumed else ""
-    err.print(f"{summary.n} records in {summary.output}{resumed}: {summary.generated} "
-              f"generated, {summary.duplicates} duplicates and {summary.invalid} invalid "
-              f"draws redrawn, {summary.completion_tokens} tokens, {summary.elapsed_s:.1f} s")
-    table = Table(title="fields", title_justify="left", box=None, padding=(0, 2))
-    for column in ("field", "type", "distribution"):
-        table.add_column(column, overflow="fold")
-    for path, entry in summary.fields.items():
-        for kind in ("boolean", "integer", "number", "string", "array"):
-            if kind in entry:
-                table.add_row(path, kind, _describe_field(entry[kind]))
-        if entry.get("null"):
-            table.add_row(path, "null", f"{entry['null']} of {entry['count']}")
-    err.print(table)
-    err.print(f"summary -> {summary.summary}")
-
-
-def _describe_field(section: dict[str, Any]) -> str:
-    if "counts" in section and "length" not in section and "mean" not in section:
-        return _counts_text(section["counts"])
-    parts = []
-    if "mean" in section:
-        parts.append(f"min {section['min']} max {section['max']} mean {section['mean']:.4g}")
-    if "length" in section:
-        length = section["length"]
-        parts.append(f"{section['distinct']} distinct, length {length['min']}-{length['max']} "
-                     f"(mean {length['mean']:.3g})")
-    if "counts" in section:
-        parts.append(_counts_text(section["counts"]))
-    return "; ".join(parts)
-
-
-def _counts_text(counts: dict[str, int], limit: int = 6) -> str:
-    shown = ", ".join(f"{k}: {v}" for k, v in list(counts.items())[:limit])
-    return shown + (", ..." if len(counts) > limit else "")
 
 
 # -- eval ---------------------------------------------------------------------------
@@ -620,22 +569,7 @@ def eval_command(
                           encoding="utf-8")
         if plot is not None:
             plot_report(data, plot)
-    _print_eval_summary(data, report, plot)
-
-
-def _print_eval_summary(data: dict[str, Any], report: Path, plot: Path | None) -> None:
-    table = Table(title=f"{data['num_items']} items (acc: normalized match; exact: exact match)",
-                  title_justify="left", box=None, padding=(0, 1))
-    for column in ("mode", "items", "acc", "95% CI", "exact", "invalid", "tokens", "time"):
-        table.add_column(column, justify="left" if column == "mode" else "right", no_wrap=True)
-    for mode, m in data["modes"].items():
-        table.add_row(mode, str(m["items"]), f"{m['accuracy']:.1%}",
-                      f"{m['ci95'][0]:.0%}-{m['ci95'][1]:.0%}", f"{m['exact_accuracy']:.1%}",
-                      f"{m['invalid_rate']:.1%}",
-                      f"{m['prompt_tokens'] + m['completion_tokens']}", f"{m['time_s']:.1f} s")
-    Console(highlight=False).print(table)
-    where = f"report -> {report}" + (f", plot -> {plot}" if plot else "")
-    _err().print(where)
+    print_eval_summary(Console(highlight=False), _err(), data, report, plot)
 
 
 def main() -> None:
