@@ -15,10 +15,13 @@ from collections.abc import Sequence as SequenceABC
 import torch
 
 from formcast.engine.block_manager import BlockManager
-from formcast.engine.config import EngineConfig, LlamaConfig
+from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.constraint import LogitsConstraint
 from formcast.engine.layers.quant import quantize_linears
 from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
+from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from formcast.engine.models.deepseek_v4_runner import (DeepseekV4Runner, state_bytes_per_sequence,
+                                                        state_bytes_per_token)
 from formcast.engine.models.llama import LlamaForCausalLM
 from formcast.engine.sampler import Sampler
 from formcast.engine.sampling_params import SamplingParams
@@ -26,6 +29,7 @@ from formcast.engine.scheduler import ScheduledSeq, Scheduler
 from formcast.engine.sequence import (Request, RequestOutput, Sequence, SequenceStatus,
                                       TokenLogprob)
 from formcast.engine.spec import JumpForwardProposer, PromptLookupProposer, propose
+from formcast.engine.spec.mtp import MTPProposer
 from formcast.engine.spec.proposers import fill_draft_masks
 from formcast.engine.spec.schedule import StepCostModel, choose_lengths
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
@@ -53,7 +57,7 @@ class Engine:
     drive it with :meth:`step`, or use :meth:`generate` for a whole batch.
     """
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: Tokenizer, *,
+    def __init__(self, model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tokenizer, *,
                  config: EngineConfig | None = None, device: torch.device | None = None,
                  name: str = "model") -> None:
         self.config = config or EngineConfig()
@@ -61,22 +65,37 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name
         self.quantization: str | None = None  # "int4"/"int8" when the linears are packed
-        param = next(model.parameters())
+        param = model.model.embed_tokens.weight
         self.device = device or param.device
         self.dtype = param.dtype
-        mcfg: LlamaConfig = model.config
+        mcfg = model.config
         bs = self.config.block_size
-        num_blocks = self.config.num_kv_blocks or max(
-            1, self.config.kv_cache_memory // kv_bytes_per_block(mcfg, bs, self.dtype))
+        spec = self.config.spec
+        self._mtp: MTPProposer | None = None
+        if isinstance(model, DeepseekV4ForCausalLM):
+            num_blocks = self.config.num_kv_blocks or _state_blocks(self.config, mcfg, self.dtype)
+            uses_mtp = len(model.mtp) > 0 and spec.enabled and spec.method in ("mtp", "auto")
+            # per-request states, not paged KV: blocks only admit requests, nothing is shared
+            self.prefix_caching = False
+            self.runner: ModelRunner | DeepseekV4Runner = DeepseekV4Runner(
+                model, max_rollback=max(16, spec.max_draft + 1), keep_hidden=uses_mtp)
+            if uses_mtp:
+                self._mtp = MTPProposer(self.runner, valid_vocab_size=tokenizer.vocab_size)
+        else:
+            num_blocks = self.config.num_kv_blocks or max(
+                1, self.config.kv_cache_memory // kv_bytes_per_block(mcfg, bs, self.dtype))
+            self.prefix_caching = self.config.enable_prefix_caching
+            self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs,
+                                      device=self.device, dtype=self.dtype)
+        if spec.enabled and spec.method == "mtp" and self._mtp is None:
+            raise ValueError("spec method 'mtp' needs a model with an MTP layer (a DeepSeek-V4 "
+                             "checkpoint with mtp.0.* weights); use 'prompt_lookup' or 'auto'")
         # a sequence must always fit alone in the cache, so cap the context there
         self.max_model_len = min(self.config.max_model_len or mcfg.max_position_embeddings,
                                  mcfg.max_position_embeddings, num_blocks * bs)
-        self.block_manager = BlockManager(num_blocks, bs,
-                                          enable_prefix_caching=self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs,
-                                  device=self.device, dtype=self.dtype)
         self.sampler = Sampler(mcfg.vocab_size, tokenizer.vocab_size)
         self.step_cost = StepCostModel()  # seconds per step by tokens, learned online
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
@@ -95,7 +114,11 @@ class Engine:
         Parameters
         ----------
         name_or_path : str
-            ``"smollm2"`` (fetched on first use), a ``.gguf`` file, or an HF-layout folder.
+            ``"smollm2"`` (fetched on first use), a ``.gguf`` file, or an HF-layout folder:
+            Llama, or DeepSeek-V4 (``model_type`` "deepseek_v4"; transformers' or the
+            original release's tensor names; FP8/FP4 weights dequantized at load; its
+            MTP layer, when the folder has ``mtp.0.*`` weights, drafts under spec
+            "auto" or "mtp"; prefix caching is always off for it).
         device : str or torch.device
             "auto" (CUDA when available), "cpu" or "cuda[:N]".
         dtype : torch.dtype | None
@@ -212,6 +235,8 @@ class Engine:
         self._aborted.clear()
         self._propose_drafts()
         plan = self.scheduler.schedule()
+        for seq in plan.preempted:
+            self.runner.release(seq)  # recomputed from scratch when readmitted
         if not plan.scheduled:
             return outputs
         sampled = [item for item in plan.scheduled if item.samples]
@@ -261,7 +286,10 @@ class Engine:
         if auto and (len(running) > spec.auto_max_batch or self.dtype != torch.float32):
             return
         proposers = (JumpForwardProposer(), PromptLookupProposer(spec.ngram_max, spec.ngram_min))
+        if self._mtp is not None:  # grammar-forced tokens where there are any, else its draft
+            proposers = proposers[:1]
         drafting: list[Sequence] = []
+        for_mtp: list[Sequence] = []
         others = 0  # tokens the step runs anyway
         for seq in running:
             seq.draft = None
@@ -272,6 +300,13 @@ class Engine:
             if room > 0:
                 draft = propose(seq, spec, room, proposers)
                 if draft.tokens:
+                    seq.draft = draft
+                    drafting.append(seq)
+                elif self._mtp is not None:
+                    for_mtp.append(seq)
+        if for_mtp:
+            for seq, draft in zip(for_mtp, self._mtp.propose_batch(for_mtp)):
+                if draft.tokens and draft.confidence[0] >= spec.min_confidence:
                     seq.draft = draft
                     drafting.append(seq)
         if drafting:
@@ -411,6 +446,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
+        self.runner.release(seq)
         self._seqs.pop(seq.request_id, None)
         detok = self._detok.pop(seq.request_id, None)
         if detok is not None and reason != "stop":
@@ -471,15 +507,30 @@ class Engine:
             return torch.cat(chunks)
         finally:
             bm.free(seq)
+            self.runner.release(seq)
 
 
-def build_model(config: LlamaConfig, weights: dict[str, torch.Tensor], *, device: torch.device,
-                dtype: torch.dtype, quantization: str | None = None) -> LlamaForCausalLM:
+def build_model(config: LlamaConfig | DeepseekV4Config, weights: dict[str, torch.Tensor], *,
+                device: torch.device, dtype: torch.dtype, quantization: str | None = None
+                ) -> LlamaForCausalLM | DeepseekV4ForCausalLM:
     """Instantiate the model without random init, load weights, move to device/dtype,
-    and optionally quantize its linear layers ("int4" or "int8", CPU only)."""
+    and optionally quantize its linear layers ("int4" or "int8", CPU only, Llama only).
+
+    A DeepSeek-V4 model gets its MTP layer when ``weights`` hold ``mtp.0.*`` tensors,
+    and keeps in float32 what DeepSeek keeps there (norms, hyper-connection maps, sinks).
+    """
     if quantization is not None and device.type != "cpu":
         raise ValueError(f"quantization={quantization!r} runs on the CPU only; "
                          f"use quantization=None on {device.type}")
+    if isinstance(config, DeepseekV4Config):
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} is not available for DeepSeek-V4; "
+                             "use quantization=None")
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(config, with_mtp=any(n.startswith("mtp.0.") for n in weights))
+        model.to_empty(device="cpu")
+        model.load_weights(weights)
+        return model.cast_(dtype).to(device).eval()
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.to_empty(device="cpu")
@@ -489,6 +540,19 @@ def build_model(config: LlamaConfig, weights: dict[str, torch.Tensor], *, device
     if quantization is not None:
         quantize_linears(model, quantization)
     return model
+
+
+def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: torch.dtype) -> int:
+    """Admission blocks for a DeepSeek-V4 engine: the tokens whose growing state fits
+    in ``kv_cache_memory`` after every request's fixed part (windows, raw rows), capped
+    at what ``max_num_seqs`` full-length requests could use and at 2**16 blocks."""
+    bs = config.block_size
+    fixed = config.max_num_seqs * state_bytes_per_sequence(model_config, dtype, 16)
+    free = max(config.kv_cache_memory - fixed, config.kv_cache_memory // 4)
+    fit = free // (bs * state_bytes_per_token(model_config, dtype))
+    longest = -(-min(config.max_model_len or model_config.max_position_embeddings,
+                     model_config.max_position_embeddings) // bs)
+    return max(1, min(fit, config.max_num_seqs * longest, 2 ** 16))
 
 
 def _dead_end_message(seq: Sequence, error: str) -> str:

@@ -12,6 +12,7 @@ from formcast.engine.config import LlamaConfig
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
 from formcast.engine.models.llama import LlamaForCausalLM
 from formcast.engine.scheduler import ScheduledSeq
+from formcast.engine.sequence import Sequence
 
 
 def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -45,6 +46,9 @@ class ModelRunner:
         if not all_logits:
             hidden = hidden[sample_rows]
         return self.model.logits(hidden)
+
+    def release(self, seq: Sequence) -> None:
+        """Nothing to free: a sequence's KV blocks belong to the block manager."""
 
     def _prepare(self, batch: list[ScheduledSeq]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

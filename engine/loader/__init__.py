@@ -1,7 +1,8 @@
 """formcast.engine.loader: checkpoints (GGUF files, HF-layout folders) to named weights.
 
-Whatever the source, weights come out under transformers' ``LlamaForCausalLM``
-state-dict names and shapes, so the model code and the tests can compare against
+Whatever the source, weights come out under transformers' state-dict names and
+shapes (``LlamaForCausalLM``, or ``DeepseekV4ForCausalLM`` plus ``mtp.0.*`` for a
+DeepSeek-V4 folder), so the model code and the tests can compare against
 transformers directly.
 """
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from formcast.engine.config import LlamaConfig
+from formcast.engine.config import DeepseekV4Config, LlamaConfig
 from formcast.engine.hub import ModelSource
 from formcast.engine.loader.gguf import load_gguf, read_cache, read_gguf_config, write_cache
 from formcast.engine.loader.hf import expected_shapes, load_hf, read_hf_config
@@ -23,18 +24,20 @@ class Checkpoint:
 
     Attributes
     ----------
-    config : LlamaConfig
-        Shape of the model.
+    config : LlamaConfig or DeepseekV4Config
+        Shape of the model (its type says which model to build).
     weights : dict[str, torch.Tensor]
         CPU tensors under transformers' ``LlamaForCausalLM`` names (see
-        :func:`expected_shapes`); ``lm_head.weight`` only when the head is untied.
+        :func:`expected_shapes`; ``lm_head.weight`` only when the head is untied) or
+        ``DeepseekV4ForCausalLM`` names (``mtp.0.*`` when the folder has the MTP
+        layer; integer routing tables stay integer).
     source : ModelSource
         Where the weights came from.
     from_cache : bool
         True when a GGUF's weights were served from the float32 cache next to it.
     """
 
-    config: LlamaConfig
+    config: LlamaConfig | DeepseekV4Config
     weights: dict[str, torch.Tensor]
     source: ModelSource
     from_cache: bool = False
@@ -81,12 +84,15 @@ def load_checkpoint(source: ModelSource, *, dtype: torch.dtype = torch.float32,
             loaded = load_gguf(source.path)
             if cache:
                 write_cache(source.path, *loaded)
+    elif source.kind == "hf" and is_deepseek_v4_folder(source.path):
+        v4 = load_deepseek_v4(source.path)
+        loaded = v4.config, v4.weights
     elif source.kind == "hf":
         loaded = load_hf(source.path)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r} (expected 'gguf' or 'hf')")
     config, weights = loaded
-    weights = {name: w.to(dtype) for name, w in weights.items()}
+    weights = {name: w.to(dtype) if w.is_floating_point() else w for name, w in weights.items()}
     return Checkpoint(config=config, weights=weights, source=source, from_cache=from_cache)
 
 
@@ -100,6 +106,7 @@ __all__ = [
 
 from formcast.engine.loader.deepseek_v4 import (  # noqa: E402  (appended: DeepSeek-V4 loading)
     DeepseekV4Checkpoint,
+    is_deepseek_v4_folder,
     load_deepseek_v4,
     original_to_hf_name,
     read_deepseek_v4_config,
@@ -107,6 +114,7 @@ from formcast.engine.loader.deepseek_v4 import (  # noqa: E402  (appended: DeepS
 
 __all__ += [
     "DeepseekV4Checkpoint",
+    "is_deepseek_v4_folder",
     "load_deepseek_v4",
     "original_to_hf_name",
     "read_deepseek_v4_config",

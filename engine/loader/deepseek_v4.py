@@ -113,6 +113,22 @@ def original_to_hf_name(name: str) -> str:
     raise KeyError(name)
 
 
+def is_deepseek_v4_folder(folder: str | Path) -> bool:
+    """Whether ``folder/config.json`` describes a DeepSeek-V4 model: ``model_type``
+    "deepseek_v4", a ``DeepseekV4ForCausalLM`` architecture, or (no model type given)
+    the original release's V4-only fields (``compress_ratios`` with ``hc_mult``).
+    False for anything unreadable; the loader that takes it says what is wrong."""
+    try:
+        raw = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(raw, dict):
+        return False
+    if raw.get("model_type") == "deepseek_v4" or "DeepseekV4ForCausalLM" in (raw.get("architectures") or ()):
+        return True
+    return "model_type" not in raw and "compress_ratios" in raw and "hc_mult" in raw
+
+
 def read_deepseek_v4_config(folder: str | Path) -> DeepseekV4Config:
     """Read ``config.json`` of a DeepSeek-V4 folder.
 

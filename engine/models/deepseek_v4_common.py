@@ -40,7 +40,9 @@ def rope_inv_freq(spec: RopeSpec, rotary_dim: int) -> torch.Tensor:
     are the pair indices that turn ``beta_fast`` and ``beta_slow`` times over the
     original context.
     """
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+    # on the CPU explicitly: models are built under torch.device("meta"), and this
+    # table is no parameter that load_weights would fill in afterwards
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim
     base_freq = spec.theta ** exponents
     inv_freq = 1.0 / base_freq
     if spec.factor is None:
@@ -56,7 +58,7 @@ def rope_inv_freq(spec: RopeSpec, rotary_dim: int) -> torch.Tensor:
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # weight of the unscaled frequency
     return (1.0 / (spec.factor * base_freq)) * (1 - keep) + inv_freq * keep
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("auto", "prompt_lookup", "none")
+METHODS = ("auto", "prompt_lookup", "mtp", "none")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -13,15 +13,19 @@ class SpecConfig:
 
     Parameters
     ----------
-    method : {"auto", "prompt_lookup", "none"}
-        "prompt_lookup" drafts for every request in decode. "auto" drafts for
+    method : {"auto", "prompt_lookup", "mtp", "none"}
+        "prompt_lookup" drafts for every request in decode. "mtp" drafts one
+        token per step with the model's MTP layer (DeepSeek-V4 checkpoints that
+        carry ``mtp.0.*`` weights), with its distribution for rejection sampling;
+        grammar-forced tokens go first where there are any. "auto" uses the MTP
+        layer when the model has one, prompt lookup otherwise, and drafts for
         greedy requests of float32 engines only (bfloat16 GEMMs round differently
         for 1 and 1 + draft rows, which can flip near-tied argmaxes), and only while
         at most ``auto_max_batch`` requests run (a memory-bound step scores extra
         positions almost for free; a full batch is compute-bound and gains little);
         greedy outputs are the same with or without drafts, so "auto" does not
         change a result. Sampled requests
-        under "prompt_lookup" keep their exact distribution, but a seed's tokens
+        under "prompt_lookup" or "mtp" keep their exact distribution, but a seed's tokens
         differ from a run without speculation. "none" turns speculation off.
     max_draft : int
         Most draft tokens verified per request and step (forced tokens included).
