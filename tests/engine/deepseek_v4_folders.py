@@ -90,7 +90,7 @@ def mtp_weights(name: str, seed: int) -> dict[str, torch.Tensor]:
 
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
     """A byte-level BPE tokenizer of exactly ``vocab_size`` tokens: printable ASCII,
-    EOS, then merges for JSON punctuation and a few words."""
+    EOS, then merges for JSON punctuation and a few words; a plain chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     # byte-level symbols: printable ASCII map to themselves, the space to "Ġ"
@@ -106,7 +106,10 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(EOS, special=True, normalized=False)])
     backend.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS,
+                                                              "chat_template": template}))
 
 
 def write_folder(folder: Path, name: str, seed: int):

@@ -198,24 +198,97 @@ def test_speculative_greedy_output_is_identical(folders, name, method, constrain
         assert stats.mtp_positions > 0
 
 
-def test_mtp_state_follows_rollbacks(folders):
-    """After many rejected drafts, the MTP layer's draft equals a from-scratch MTP pass
-    over the sequence (its window state never kept a rolled-back token)."""
+def test_mtp_state_follows_accepts_and_rollbacks(folders, monkeypatch):
+    """Drafts accepted (an oracle swaps in the target's own token at 2 of 3 steps)
+    and rejected alike leave the MTP layer where a from-scratch MTP pass over the
+    sequence puts it: its window never keeps a rolled-back token, and accepted
+    positions are read in order."""
     name = "all_layers_mtp"
+    ids = prompt(name, 11, 40)
+    target = engine(folders, name).generate([ids], GREEDY)[0].token_ids
     eng = engine(folders, name, spec=SpecConfig(method="mtp", scheduled=False, min_confidence=0.0))
-    rid = eng.add_request(prompt(name, 11, 40), GREEDY)
+    mtp_drafts = eng._mtp.propose_batch
+
+    def oracle(seqs):
+        drafts = mtp_drafts(seqs)  # the MTP layer runs (and advances) as ever
+        for seq, draft in zip(seqs, drafts):
+            j = seq.num_output_tokens
+            if draft.tokens and j % 3 and j < len(target):
+                draft.tokens[0] = target[j]
+        return drafts
+
+    monkeypatch.setattr(eng._mtp, "propose_batch", oracle)
+    rid = eng.add_request(ids, GREEDY)
     seq = eng._seqs[rid]
     while seq.num_output_tokens < 17:
         eng.step()
-    assert seq.num_uncomputed_tokens == 1 and eng.runner.stats.truncations > 0
+    assert tuple(seq.output_ids) == target[:seq.num_output_tokens]
+    assert seq.num_uncomputed_tokens == 1
+    assert seq.num_accepted_draft_tokens >= 4 and eng.runner.stats.truncations >= 2
     got = eng.runner.mtp_logits([seq])[0]
-    model, ids = eng.model, torch.tensor(seq.token_ids)
-    k = len(ids) - 1
+    model, tokens = eng.model, torch.tensor(seq.token_ids)
+    k = len(tokens) - 1
     with torch.no_grad():
         state = model.new_state()
-        hidden = model(ids[:k], torch.arange(k), [state], [k])
-        want = model.mtp_logits(hidden, ids[1:], torch.arange(k), [state], [k])[-1]
+        hidden = model(tokens[:k], torch.arange(k), [state], [k])
+        want = model.mtp_logits(hidden, tokens[1:], torch.arange(k), [state], [k])[-1]
     assert (got - want).abs().max().item() <= 1e-5
+
+
+class DeadEndOnce:
+    """A LogitsConstraint that allows every token, meets a dead end after ``length``
+    tokens and asks to roll ``back`` tokens back (as an end check that fails does);
+    the second time there, it ends."""
+
+    def __init__(self, length: int, back: int) -> None:
+        self.length, self.back = length, back
+        self.accepted: list[int] = []
+        self.rolled_back = False
+
+    def _at_end(self) -> bool:
+        return len(self.accepted) >= self.length
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0 if self._at_end() and not self.rolled_back else -1
+
+    def accept(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        del self.accepted[len(self.accepted) - num_tokens:]
+        self.rolled_back = True
+
+    def rollback_hint(self) -> int:
+        return self.back if self._at_end() and not self.rolled_back else 0
+
+    def is_terminated(self) -> bool:
+        return self._at_end() and self.rolled_back
+
+    def forced_tokens(self) -> list[int]:
+        return []
+
+    def valid_prefix(self, draft: list[int]) -> int:
+        return len(draft)
+
+
+def test_constraint_rollback_past_max_rollback_restores_the_state(folders):
+    """A dead end backed out of 20 tokens deep (more than the state can truncate):
+    the runner restores its snapshot and recomputes; the output's logprobs are
+    transformers' full forward over it."""
+    name = "all_layers_mtp"
+    ids = prompt(name, 70, 60)  # a snapshot is taken at 70 (every 64 committed tokens)
+    eng = engine(folders, name)
+    out, = eng.generate([ids], SamplingParams(max_tokens=40, temperature=0.0, logprobs=0,
+                                              ignore_eos=True),
+                        constraints=[DeadEndOnce(length=24, back=20)])
+    assert out.finish_reason == "stop" and len(out.token_ids) == 24
+    stats = eng.runner.stats
+    assert stats.restores == 1 and stats.recomputed_tokens == 3  # snapshot at 70, back to 73
+    full = torch.log_softmax(reference_logits(folders[name][1], ids + list(out.token_ids)), dim=-1)
+    want = full[len(ids) - 1:-1].gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    got = torch.tensor([lp.logprob for lp in out.logprobs])
+    assert (got - want).abs().max().item() <= ATOL
 
 
 def test_rollback_past_max_rollback_restores_a_snapshot(folders):
@@ -242,3 +315,21 @@ def test_rollback_past_max_rollback_restores_a_snapshot(folders):
     assert runner.stats.restores == 2 and runner.stats.recomputed_tokens == 6
     runner.release(seq)
     assert runner.num_states == 0
+
+
+def test_formcast_load_extracts_a_valid_object(folders):
+    """The SDK on a DeepSeek-V4 folder: chat template, grammar, engine, validation."""
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    import formcast
+
+    class Person(BaseModel):
+        name: Annotated[str, Field(max_length=6)]
+        age: Annotated[int, Field(ge=0, le=99)]
+        ok: bool
+
+    llm = formcast.load(str(folders["hca_hc4"][0]), device="cpu")
+    person = llm.extract("Ada, 36, is ok", Person, max_tokens=60)
+    assert isinstance(person, Person) and len(person.name) <= 6

@@ -229,3 +229,97 @@ def test_original_layout_fp8_fp4_round_trip(tmp_path):
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(CorruptModelError, match="no scales"):
         load_deepseek_v4(tmp_path)
+
+
+# -- dequantizers against decoders written from the formats' definitions ---------------------
+
+
+def _e4m3(code: int) -> float:
+    """OCP FP8 E4M3 (``float8_e4m3fn``): sign, 4 exponent bits (bias 7), 3 mantissa
+    bits; exponent 0 is subnormal; S.1111.111 is NaN; no infinities."""
+    sign = -1.0 if code & 0x80 else 1.0
+    exp, man = (code >> 3) & 0xF, code & 0x7
+    if exp == 0xF and man == 0x7:
+        return float("nan")
+    if exp == 0:
+        return sign * man / 8 * 2.0 ** -6
+    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+def _e2m1(code: int) -> float:
+    """OCP FP4 E2M1: sign, 2 exponent bits (bias 1), 1 mantissa bit; exponent 0 is
+    subnormal (0 or 0.5)."""
+    sign = -1.0 if code & 0x8 else 1.0
+    exp, man = (code >> 1) & 0x3, code & 0x1
+    return sign * (man * 0.5 if exp == 0 else (1 + man / 2) * 2.0 ** (exp - 1))
+
+
+def test_fp8_every_code_matches_the_e4m3_definition():
+    codes = torch.arange(256, dtype=torch.uint8).view(1, 256)
+    got = dequantize_fp8(codes.view(torch.float8_e4m3fn), torch.ones(1, 1), (1, 256))[0]
+    want = torch.tensor([_e4m3(c) for c in range(256)])
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
+def test_fp4_every_code_matches_the_e2m1_definition():
+    assert [_e2m1(c) for c in range(16)] == list(E2M1_VALUES)
+    packed = torch.tensor([[lo | hi << 4 for lo in range(16) for hi in (lo, 15 - lo)]],
+                          dtype=torch.uint8)  # 32 bytes: 64 values, two groups of 32
+    got = dequantize_fp4(packed.view(torch.int8), torch.ones(1, 2))[0]
+    want = [_e2m1(b & 0xF) if i % 2 == 0 else _e2m1(b >> 4)
+            for b in packed[0].tolist() for i in range(2)]
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("shape, block", [((200, 300), (128, 128)), ((2, 70, 33), (16, 8))])
+def test_fp8_round_trip_against_a_blockwise_reference(shape, block):
+    """Quantize seeded weights per block (UE8M0 power-of-two scales, amax -> 448),
+    dequantize, and compare with a loop over blocks decoding every byte by hand."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(shape, generator=gen) * torch.logspace(-3, 1, shape[-1])
+    rows, cols = shape[-2:]
+    grid = (-(-rows // block[0]), -(-cols // block[1]))
+    exps = torch.zeros(shape[:-2] + grid, dtype=torch.uint8)
+    quant = torch.empty(shape, dtype=torch.float8_e4m3fn)
+    flat_w, flat_q, flat_e = weight.view(-1, rows, cols), quant.view(-1, rows, cols), exps.view(-1, *grid)
+    for m in range(flat_w.shape[0]):
+        for i in range(grid[0]):
+            for j in range(grid[1]):
+                tile = (slice(i * block[0], (i + 1) * block[0]), slice(j * block[1], (j + 1) * block[1]))
+                amax = float(flat_w[m][tile].abs().max())
+                e = int(torch.ceil(torch.log2(torch.tensor(amax / 448.0))))
+                flat_e[m, i, j] = e + 127
+                flat_q[m][tile] = (flat_w[m][tile] / 2.0 ** e).to(torch.float8_e4m3fn)
+    got = dequantize_fp8(quant, exps.view(E8M0), block)
+    codes = quant.view(torch.uint8).view(-1, rows, cols)
+    want, scales = torch.empty(flat_w.shape), torch.empty(flat_w.shape)
+    for m in range(flat_w.shape[0]):
+        for r in range(rows):
+            for c in range(cols):
+                scales[m, r, c] = 2.0 ** (int(flat_e[m, r // block[0], c // block[1]]) - 127)
+                want[m, r, c] = _e4m3(int(codes[m, r, c])) * scales[m, r, c]
+    assert torch.equal(got.view(-1, rows, cols), want)
+    # and the round trip is as close as 3 mantissa bits allow (subnormals aside)
+    normal = flat_w.abs() >= 2.0 ** -6 * scales
+    assert normal.float().mean() > 0.9
+    ratio = want[normal] / flat_w[normal]
+    assert ((ratio - 1).abs() <= 2.0 ** -4).all()
+
+
+def test_fp4_round_trip_against_a_reference():
+    """Random E2M1 codes and UE8M0 group scales: every value is its code's value
+    (low nibble = even column) times its group's scale."""
+    gen = torch.Generator().manual_seed(8)
+    packed = torch.randint(0, 256, (3, 5, 48), generator=gen, dtype=torch.uint8)  # 96 columns
+    exps = torch.randint(120, 135, (3, 5, 3), generator=gen, dtype=torch.uint8)
+    got = dequantize_fp4(packed.view(torch.int8), exps.view(E8M0))
+    assert got.shape == (3, 5, 96)
+    want = torch.empty(3, 5, 96)
+    for a in range(3):
+        for r in range(5):
+            for c in range(96):
+                byte = int(packed[a, r, c // 2])
+                code = byte & 0xF if c % 2 == 0 else byte >> 4
+                want[a, r, c] = _e2m1(code) * 2.0 ** (int(exps[a, r, c // 32]) - 127)
+    assert torch.equal(got, want)
