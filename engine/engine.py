@@ -74,7 +74,9 @@ class Engine:
         self._mtp: MTPProposer | None = None
         if isinstance(model, DeepseekV4ForCausalLM):
             num_blocks = self.config.num_kv_blocks or _state_blocks(self.config, mcfg, self.dtype)
-            uses_mtp = len(model.mtp) > 0 and spec.enabled and spec.method in ("mtp", "auto")
+            # "auto" drafts on float32 engines only (see _propose_drafts)
+            uses_mtp = len(model.mtp) > 0 and spec.enabled and (
+                spec.method == "mtp" or (spec.method == "auto" and self.dtype == torch.float32))
             # per-request states, not paged KV: blocks only admit requests, nothing is shared
             self.prefix_caching = False
             self.runner: ModelRunner | DeepseekV4Runner = DeepseekV4Runner(

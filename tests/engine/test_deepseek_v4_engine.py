@@ -162,13 +162,17 @@ def _json_run(eng: Engine, spec_seed: int | None) -> list:
     return eng.generate(prompts, params, constraints=[compiled.matcher() for _ in prompts])
 
 
-@pytest.mark.parametrize("name", ["all_layers_mtp", "hca_hc4"])
-def test_json_schema_constrained_generation(folders, name):
-    eng = engine(folders, name)
+@pytest.mark.parametrize("name, spec", [("all_layers_mtp", "none"), ("hca_hc4", "none"),
+                                        ("all_layers_mtp", "mtp")])
+def test_json_schema_constrained_generation(folders, name, spec):
+    # greedy and sampled; under "mtp" sampled drafts come from the masked MTP distribution
+    eng = engine(folders, name, spec=SpecConfig(method=spec, scheduled=False, min_confidence=0.0))
     outs = _json_run(eng, None) + _json_run(eng, 3)
     for out in outs:
         assert out.finish_reason == "stop", out
         jsonschema.validate(json.loads(out.text), SCHEMA)
+    if spec == "mtp":
+        assert eng.runner.stats.mtp_positions > 0 and sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
 def _spec_case(folders, name: str, method: str, constrained: bool):
