@@ -30,7 +30,7 @@ from formcast.engine.sequence import (Request, RequestOutput, Sequence, Sequence
                                       TokenLogprob)
 from formcast.engine.spec import JumpForwardProposer, PromptLookupProposer, propose
 from formcast.engine.spec.mtp import MTPProposer
-from formcast.engine.spec.proposers import fill_draft_masks
+from formcast.engine.spec.proposers import DraftMemory, fill_draft_masks
 from formcast.engine.spec.schedule import StepCostModel, choose_lengths
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
 from formcast.errors import EngineError, RequestError
@@ -100,6 +100,7 @@ class Engine:
                                    max_num_batched_tokens=self.config.max_num_batched_tokens)
         self.sampler = Sampler(mcfg.vocab_size, tokenizer.vocab_size)
         self.step_cost = StepCostModel()  # seconds per step by tokens, learned online
+        self._draft_memory: DraftMemory | None = None  # the model's habits, for drafting
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -287,7 +288,11 @@ class Engine:
         # (bfloat16 GEMMs round differently for 1 and 1 + draft rows)
         if auto and (len(running) > spec.auto_max_batch or self.dtype != torch.float32):
             return
-        proposers = (JumpForwardProposer(), PromptLookupProposer(spec.ngram_max, spec.ngram_min))
+        if self._draft_memory is None:
+            self._draft_memory = DraftMemory(self.tokenizer.token_bytes())
+        memory = self._draft_memory
+        proposers = (JumpForwardProposer(memory),
+                     PromptLookupProposer(spec.ngram_max, spec.ngram_min, memory=memory))
         if self._mtp is not None:  # grammar-forced tokens where there are any, else its draft
             proposers = proposers[:1]
         drafting: list[Sequence] = []
@@ -331,6 +336,7 @@ class Engine:
         seq.num_draft_tokens += d
         seq.num_verification_tokens += d + 1
         lookup_seen = lookup_ok = 0
+        accepted, chosen = 0, None
         for j in range(d + 1):
             proposal = draft.tokens[j] if j < d else None
             q = draft.probs[j] if draft.probs is not None and j < d else None
@@ -342,19 +348,24 @@ class Engine:
                     seq.error = _dead_end_message(seq, verdict.error)
                     self._finish(seq, "abort")
                 break
-            if j < d and j >= draft.num_forced:
+            if j < d and draft.source(j) == "lookup":
                 lookup_seen += 1
                 lookup_ok += verdict.accepted
             self._append_token(seq, verdict.token_id, verdict.logprob)
             if verdict.accepted:
+                accepted += 1
                 seq.num_accepted_draft_tokens += 1
-                seq.num_forced_tokens += j < draft.num_forced
+                seq.num_forced_tokens += draft.source(j) == "forced"
                 if not seq.is_finished:
                     seq.num_computed_tokens += 1  # its KV was computed in this step
+            elif j < d:
+                chosen = verdict.token_id
             if seq.is_finished or not verdict.accepted:
                 break
         seq.spec_lookup_proposed += lookup_seen
         seq.spec_lookup_accepted += lookup_ok
+        if self._draft_memory is not None and not seq.is_finished:
+            self._draft_memory.observe(seq, draft, accepted, chosen)
         if not seq.is_finished:
             # give back blocks that only held rejected positions; hash full blocks
             self.block_manager.truncate(seq, seq.num_computed_tokens)

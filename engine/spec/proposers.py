@@ -29,8 +29,11 @@ class Draft:
     tokens : list[int]
     confidence : list[float]
         Per position, the estimated probability that the draft up to there survives.
-    num_forced : int
-        Leading tokens the grammar forces (jump-forward); confidence 1.
+    sources : list[str]
+        Per position, what proposed it: ``"forced"`` (grammar jump-forward),
+        ``"lookup"`` (prompt lookup), ``"closer"`` (the token the model ends a copied
+        span with, from :class:`DraftMemory`), or a drafter's own name. Positions
+        beyond the list count as ``"draft"``.
     probs : list[torch.Tensor] | None
         The drafter's distribution ``[V]`` at each position, for a sampling drafter;
         None when the tokens were chosen deterministically (verification then treats
@@ -44,16 +47,24 @@ class Draft:
 
     tokens: list[int] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
-    num_forced: int = 0
+    sources: list[str] = field(default_factory=list)
     probs: list[torch.Tensor] | None = None
     masks: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def source(self, j: int) -> str:
+        return self.sources[j] if j < len(self.sources) else "draft"
+
+    @property
+    def num_forced(self) -> int:
+        """Positions the grammar forced (jump-forward)."""
+        return self.sources.count("forced")
+
     def cut(self, n: int) -> "Draft":
         """The first ``n`` positions."""
-        return Draft(self.tokens[:n], self.confidence[:n], min(self.num_forced, n),
+        return Draft(self.tokens[:n], self.confidence[:n], self.sources[:n],
                      None if self.probs is None else self.probs[:n],
                      None if self.masks is None else self.masks[:n + 1])
 
@@ -67,19 +78,123 @@ class Proposer(ABC):
         by earlier proposers' tokens; nothing here changes the request."""
 
 
+class DraftMemory:
+    """What verification has taught about the model's own choices, to shape drafts.
+
+    One per engine (these are habits of the model and its tokenizer, not of one
+    request), fed by :meth:`observe` after every verification.
+
+    - **Segmentations.** Jump-forward proposes the grammar's tokenization of a
+      forced string, e.g. ``":"`` as one token, where the model writes ``":`` and
+      then ``"``, and so rejects it every time. When a forced token is rejected for
+      a token whose text is a proper prefix of it, that token is proposed instead
+      from then on (the grammar forces the rest after it).
+    - **Closers.** A value copied from the text ends where the text goes on with a
+      delimiter (``,`` ``.``): the model writes a token that closes the value
+      (``",``) where prompt lookup proposed the delimiter. When a lookup token is
+      rejected for a token after which the grammar forces tokens again, the pair is
+      counted; a lookup continuation that meets such a delimiter then proposes the
+      closer in its place (followed by the forced tokens), with the pair's observed
+      rate as its confidence.
+    """
+
+    def __init__(self, token_bytes: list[bytes]) -> None:
+        self._bytes = token_bytes
+        self.segmentations: dict[int, int] = {}
+        self._closed: dict[int, dict[int, int]] = {}   # delimiter -> closer -> times
+        self._copied: dict[int, int] = {}              # delimiter -> times copied past
+
+    def observe(self, seq: "Sequence", draft: Draft, accepted: int, token: int | None) -> None:
+        """Verification of ``draft`` accepted its first ``accepted`` positions, then
+        the model chose ``token`` (None: no position was rejected). Call after the
+        request's matcher took the accepted tokens and ``token``."""
+        for j in range(accepted):
+            if draft.source(j) == "lookup":
+                t = draft.tokens[j]
+                if t in self._closed:
+                    self._copied[t] = self._copied.get(t, 0) + 1
+        if token is None or accepted >= len(draft):
+            return
+        proposed, kind = draft.tokens[accepted], draft.source(accepted)
+        if kind == "forced":
+            mine, theirs = self._text(token), self._text(proposed)
+            if mine and len(mine) < len(theirs) and theirs.startswith(mine):
+                self.segmentations[proposed] = token
+        elif kind in ("lookup", "closer") and _forces_next(seq.constraint):
+            if kind == "closer":
+                return  # a closer was proposed and the model closed differently
+            counts = self._closed.setdefault(proposed, {})
+            counts[token] = counts.get(token, 0) + 1
+
+    def closer(self, delimiter: int) -> tuple[int, float] | None:
+        """The token the model closes a copied value with where the text has
+        ``delimiter``, and how often it did so (smoothed); None if never seen."""
+        counts = self._closed.get(delimiter)
+        if not counts:
+            return None
+        token, times = max(counts.items(), key=lambda kv: kv[1])
+        total = sum(counts.values()) + self._copied.get(delimiter, 0)
+        return token, (times + 1) / (total + 2)
+
+    def _text(self, token: int) -> bytes:
+        return self._bytes[token] if 0 <= token < len(self._bytes) else b""
+
+
+def _forces_next(constraint) -> bool:
+    forced_tokens = getattr(constraint, "forced_tokens", None)
+    try:
+        return bool(forced_tokens and forced_tokens())
+    except Exception:
+        return False
+
+
 class JumpForwardProposer(Proposer):
-    """The tokens the request's grammar forces from here (no model involved)."""
+    """The tokens the request's grammar forces after ``context`` (no model involved),
+    segmented the way the model writes them where :class:`DraftMemory` knows."""
+
+    def __init__(self, memory: DraftMemory | None = None) -> None:
+        self.memory = memory
 
     def propose(self, seq: "Sequence", context: list[int], max_tokens: int) -> Draft:
         constraint = seq.constraint
-        forced_tokens = getattr(constraint, "forced_tokens", None)
-        if forced_tokens is None or max_tokens <= 0:
+        if getattr(constraint, "forced_tokens", None) is None or max_tokens <= 0:
             return Draft()
+        ahead = context[len(seq.token_ids):]  # earlier proposers' tokens
+        tokens: list[int] = []
         try:
-            forced = list(forced_tokens())[:max_tokens]
+            if ahead and constraint.valid_prefix(ahead) < len(ahead):
+                return Draft()
+            while len(tokens) < max_tokens:
+                forced = _forced_after(constraint, ahead + tokens)
+                if not forced:
+                    break
+                segment = self.memory.segmentations if self.memory is not None else {}
+                for i, t in enumerate(forced):
+                    if t in segment:  # the model's own, shorter first piece of it
+                        tokens += forced[:i] + [segment[t]]
+                        break
+                else:
+                    tokens += forced
+                    break
         except Exception:  # a broken constraint fails later, in the sampler, on its own
             return Draft()
-        return Draft(forced, [1.0] * len(forced), len(forced))
+        tokens = tokens[:max_tokens]
+        return Draft(tokens, [1.0] * len(tokens), ["forced"] * len(tokens))
+
+
+def _forced_after(constraint, tokens: list[int]) -> list[int]:
+    """The constraint's forced tokens after accepting ``tokens`` (state unchanged;
+    ``tokens`` must be allowed)."""
+    taken = 0
+    try:
+        for t in tokens:
+            if not constraint.accept(t):
+                return []
+            taken += 1
+        return [] if constraint.is_terminated() else list(constraint.forced_tokens())
+    finally:
+        if taken:
+            constraint.rollback(taken)
 
 
 class PromptLookupProposer(Proposer):
@@ -92,10 +207,12 @@ class PromptLookupProposer(Proposer):
     lookup tokens, ``(accepted + 1) / (proposed + 2)``, along the draft.
     """
 
-    def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_candidates: int = 8) -> None:
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_candidates: int = 8,
+                 memory: DraftMemory | None = None) -> None:
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.max_candidates = max_candidates
+        self.memory = memory
 
     def propose(self, seq: "Sequence", context: list[int], max_tokens: int) -> Draft:
         found = self.candidates(seq, context, max_tokens)
@@ -116,8 +233,23 @@ class PromptLookupProposer(Proposer):
             key = tuple(tokens)
             if tokens and key not in seen:
                 seen.add(key)
-                out.append(Draft(tokens, [rate ** (i + 1) for i in range(len(tokens))]))
+                out.append(self._with_closer(tokens, rate, seq.constraint is not None))
         return out
+
+    def _with_closer(self, tokens: list[int], rate: float, constrained: bool) -> Draft:
+        """The continuation as a draft; for a constrained request, cut at the first
+        delimiter the model is known to close a copied value at, with the closer in
+        its place."""
+        confidence = [rate ** (i + 1) for i in range(len(tokens))]
+        sources = ["lookup"] * len(tokens)
+        if constrained and self.memory is not None:
+            for i, t in enumerate(tokens):
+                found = self.memory.closer(t)
+                if found is not None and found[1] >= 0.5:
+                    base = confidence[i - 1] if i else 1.0
+                    return Draft(tokens[:i] + [found[0]], confidence[:i] + [base * found[1]],
+                                 sources[:i] + ["closer"])
+        return Draft(tokens, confidence, sources)
 
 
 def find_continuation(context: list[int], ngram_max: int, ngram_min: int) -> int | None:
@@ -146,27 +278,35 @@ def find_continuations(context: list[int], ngram_max: int, ngram_min: int,
 
 
 def propose(seq: "Sequence", config: "SpecConfig", max_tokens: int,
-            proposers: tuple[Proposer, ...]) -> Draft:
-    """The draft for one request: each proposer extends the previous ones' tokens;
-    the result is cut at the first token the constraint rejects and where the
-    confidence falls below ``config.min_confidence``."""
+            proposers: tuple[Proposer, ...], *, rounds: int = 3) -> Draft:
+    """The draft for one request: each proposer extends the previous ones' tokens,
+    in turn, for up to ``rounds`` passes while the draft grows (forced key, copied
+    value and its closer, the next forced key, ...); the result is cut at the first
+    token the constraint rejects and where the confidence falls below
+    ``config.min_confidence``."""
     draft = Draft()
     context = seq.token_ids
-    for proposer in proposers:
-        room = max_tokens - len(draft)
-        if room <= 0:
+    for _ in range(rounds):
+        size = len(draft)
+        for proposer in proposers:
+            room = max_tokens - len(draft)
+            if room <= 0:
+                break
+            many = getattr(proposer, "candidates", None)
+            parts = many(seq, context + draft.tokens, room) if many is not None else \
+                [proposer.propose(seq, context + draft.tokens, room)]
+            part = _best_candidate(seq, draft, [p for p in parts if p.tokens])
+            if part is None:
+                continue
+            base = draft.confidence[-1] if draft.confidence else 1.0
+            sources = part.sources + ["draft"] * (len(part) - len(part.sources))
+            draft = Draft(draft.tokens + part.tokens,
+                          draft.confidence + [base * c for c in part.confidence],
+                          draft.sources + sources)
+            if part.source(len(part) - 1) == "lookup":
+                break  # a copy runs on to max_tokens or a rejected token: nothing follows
+        if len(draft) == size or len(draft) >= max_tokens:
             break
-        many = getattr(proposer, "candidates", None)
-        parts = many(seq, context + draft.tokens, room) if many is not None else \
-            [proposer.propose(seq, context + draft.tokens, room)]
-        part = _best_candidate(seq, draft, [p for p in parts if p.tokens])
-        if part is None:
-            continue
-        base = draft.confidence[-1] if draft.confidence else 1.0
-        forced = draft.num_forced + part.num_forced if draft.num_forced == len(draft) else \
-            draft.num_forced
-        draft = Draft(draft.tokens + part.tokens,
-                      draft.confidence + [base * c for c in part.confidence], forced)
     # every part was cut where the constraint stops allowing it (_best_candidate)
     keep = next((i for i, c in enumerate(draft.confidence) if c < config.min_confidence),
                 len(draft))

@@ -10,7 +10,7 @@ import torch
 
 from formcast.engine.sampler import Sampler, _probs
 from formcast.engine.spec import Draft, PromptLookupProposer, SpecConfig, propose
-from formcast.engine.spec.proposers import JumpForwardProposer, find_continuation
+from formcast.engine.spec.proposers import DraftMemory, JumpForwardProposer, find_continuation
 
 from .helpers import AllowOnly, make_seq
 
@@ -43,7 +43,7 @@ class Forcing(AllowOnly):
         self.forced = forced
 
     def forced_tokens(self):
-        return list(self.forced)
+        return list(self.forced) if not self.accepted else []  # forced at the start only
 
 
 def test_draft_is_forced_tokens_then_lookup_cut_at_the_first_rejected_token():
@@ -265,3 +265,93 @@ def test_draft_masks_are_filled_on_a_fork_position_by_position():
     assert bits == [[1] * 8, [0, 0, 1, 1, 1, 1, 1, 1], [0] * 5 + [1, 1, 1]]
     assert fill_draft_masks(AllowOnly({1}), [1], 1) is None   # no fork: filled in place
     assert masks[:2].shape == Draft([2, 5], [1.0, 1.0], masks=masks).cut(1).masks.shape
+
+
+# ------------------------------------------------------------------ draft memory
+
+class ForcedText(AllowOnly):
+    """Text ``prefix`` must come first (any tokenization of it), then any of
+    ``after``; forced tokens are the greedy longest-token split of what is left."""
+
+    def __init__(self, vocab: list[bytes], prefix: bytes, after: set[int]):
+        super().__init__(set(range(len(vocab))))
+        self.vocab, self.prefix, self.after = vocab, prefix, after
+
+    def _left(self) -> bytes:
+        done = b"".join(self.vocab[t] for t in self.accepted)
+        return self.prefix[len(done):] if self.prefix.startswith(done) else b""
+
+    def accept(self, token_id):
+        left, text = self._left(), self.vocab[token_id]
+        ok = (left.startswith(text) and text) if left else token_id in self.after
+        if not ok:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def valid_prefix(self, draft):
+        n = 0
+        for t in draft:
+            if not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+    def forced_tokens(self):
+        left, out = self._left(), []
+        while left:
+            t = max((i for i, b in enumerate(self.vocab) if b and left.startswith(b)),
+                    key=lambda i: len(self.vocab[i]))
+            out.append(t)
+            left = left[len(self.vocab[t]):]
+        return out
+
+
+VOCAB = [b'"', b"name", b'":"', b'":', b"Ann", b" Lee", b",", b'",', b"X"]
+
+
+def test_jump_forward_learns_the_models_segmentation_of_forced_text():
+    memory = DraftMemory(VOCAB)
+    seq = make_seq([8, 8])
+    seq.constraint = ForcedText(VOCAB, b'"name":"', after={4, 5, 6, 7})
+    proposer = JumpForwardProposer(memory)
+    first = proposer.propose(seq, seq.token_ids, 8)
+    assert first.tokens == [0, 1, 2] and first.sources == ["forced"] * 3
+    # the model wrote '":' where the grammar's split had '":"'
+    memory.observe(seq, first, accepted=2, token=3)
+    assert memory.segmentations == {2: 3}
+    again = proposer.propose(seq, seq.token_ids, 8)
+    assert again.tokens == [0, 1, 3, 0]  # its own split, then the rest of the text
+    assert seq.constraint.accepted == []  # proposing left the matcher as it was
+
+
+def test_lookup_closes_a_copied_value_where_the_model_did():
+    memory = DraftMemory(VOCAB)
+    seq = make_seq([4, 5, 6, 8, 8, 4])  # "Ann Lee, X X" then "Ann": lookup copies " Lee , X"
+    seq.constraint = ForcedText(VOCAB, b"", after=set(range(len(VOCAB))))
+    lookup = PromptLookupProposer(2, 1, memory=memory)
+    plain = lookup.propose(seq, seq.token_ids, 3)
+    assert plain.tokens == [5, 6, 8] and plain.sources == ["lookup"] * 3
+    # the model closed the value ('",') where the text had ',' and the grammar then
+    # forced what follows; from then on the closer replaces the delimiter
+    seq.constraint.forced_tokens = lambda: [0]
+    memory.observe(seq, plain, accepted=1, token=7)
+    token, rate = memory.closer(6)
+    assert token == 7 and rate == pytest.approx(2 / 3)
+    closed = lookup.propose(seq, seq.token_ids, 3)
+    assert closed.tokens == [5, 7] and closed.sources == ["lookup", "closer"]
+    assert closed.confidence[1] == pytest.approx(closed.confidence[0] * 2 / 3)
+    # copies that ran on past the delimiter lower its rate until it is not used
+    for _ in range(2):
+        memory.observe(seq, plain, accepted=3, token=None)
+    assert memory.closer(6)[1] < 0.5
+    assert lookup.propose(seq, seq.token_ids, 3).tokens == [5, 6, 8]
+
+
+def test_unconstrained_lookup_never_substitutes_a_closer():
+    memory = DraftMemory(VOCAB)
+    memory._closed[6] = {7: 5}
+    seq = make_seq([4, 5, 6, 8, 8, 4])
+    assert PromptLookupProposer(2, 1, memory=memory).propose(seq, seq.token_ids, 3).tokens \
+        == [5, 6, 8]
