@@ -8,6 +8,8 @@ with the reference's one full-sequence pass.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -175,8 +177,11 @@ def _mtp_reference(ours, mtp_ref, hidden, next_ids):
     streams = (e[:, None] + mtp.h_proj(mtp.hnorm(hidden)))[None]  # [1, T, N, E]
     positions = torch.arange(hidden.shape[0])[None]
     emb = torch.zeros(1, hidden.shape[0], hidden.shape[-1])
+    # transformers renamed past_key_values -> cache in the masking helpers (5.2x)
+    cache_kw = "cache" if "cache" in inspect.signature(create_sliding_window_causal_mask).parameters \
+        else "past_key_values"
     mask = create_sliding_window_causal_mask(config=mtp_ref.config, inputs_embeds=emb, attention_mask=None,
-                                             cache=None, position_ids=positions)
+                                             position_ids=positions, **{cache_kw: None})
     pe = {t: mtp_ref.model.rotary_emb(emb, position_ids=positions, layer_type=t) for t in ("main", "compress")}
     out = mtp_ref.model.layers[0](streams, position_embeddings=pe, position_ids=positions, attention_mask=mask,
                                   input_ids=next_ids[None], cache=None)
