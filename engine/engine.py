@@ -73,14 +73,16 @@ class Engine:
         spec = self.config.spec
         self._mtp: MTPProposer | None = None
         if isinstance(model, DeepseekV4ForCausalLM):
-            num_blocks = self.config.num_kv_blocks or _state_blocks(self.config, mcfg, self.dtype)
+            max_rollback = max(16, spec.max_draft + 1)  # a whole rejected draft truncates
+            num_blocks = self.config.num_kv_blocks or _state_blocks(self.config, mcfg, self.dtype,
+                                                                    max_rollback)
             # "auto" drafts on float32 engines only (see _propose_drafts)
             uses_mtp = len(model.mtp) > 0 and spec.enabled and (
                 spec.method == "mtp" or (spec.method == "auto" and self.dtype == torch.float32))
             # per-request states, not paged KV: blocks only admit requests, nothing is shared
             self.prefix_caching = False
             self.runner: ModelRunner | DeepseekV4Runner = DeepseekV4Runner(
-                model, max_rollback=max(16, spec.max_draft + 1), keep_hidden=uses_mtp)
+                model, max_rollback=max_rollback, keep_hidden=uses_mtp)
             if uses_mtp:
                 self._mtp = MTPProposer(self.runner, valid_vocab_size=tokenizer.vocab_size)
         else:
@@ -555,12 +557,13 @@ def build_model(config: LlamaConfig | DeepseekV4Config, weights: dict[str, torch
     return model
 
 
-def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: torch.dtype) -> int:
+def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: torch.dtype,
+                  max_rollback: int) -> int:
     """Admission blocks for a DeepSeek-V4 engine: the tokens whose growing state fits
     in ``kv_cache_memory`` after every request's fixed part (windows, raw rows), capped
     at what ``max_num_seqs`` full-length requests could use and at 2**16 blocks."""
     bs = config.block_size
-    fixed = config.max_num_seqs * state_bytes_per_sequence(model_config, dtype, 16)
+    fixed = config.max_num_seqs * state_bytes_per_sequence(model_config, dtype, max_rollback)
     free = max(config.kv_cache_memory - fixed, config.kv_cache_memory // 4)
     fit = free // (bs * state_bytes_per_token(model_config, dtype))
     longest = -(-min(config.max_model_len or model_config.max_position_embeddings,

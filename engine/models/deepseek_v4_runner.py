@@ -130,10 +130,6 @@ class DeepseekV4Runner:
         self._rates = [model.config.compress_rate(i) for i in range(model.config.num_hidden_layers)]
 
     @property
-    def has_mtp(self) -> bool:
-        return len(self.model.mtp) > 0
-
-    @property
     def num_states(self) -> int:
         """Requests holding a state right now."""
         return len(self._tracks)
@@ -232,8 +228,9 @@ class DeepseekV4Runner:
         for (i, track, k), n in zip(todo, lengths):
             end += n
             track.hidden = track.hidden[n:]
-            track.draft = (k, logits[end - 1])
-            out[i] = logits[end - 1]
+            row = logits[end - 1].clone()  # (a view would keep the whole prefill's logits)
+            track.draft = (k, row)
+            out[i] = row
 
     def _drain_mtp(self, seq: Sequence, track: _Track) -> None:
         """Run the MTP layer over the pending positions whose next token is known,
