@@ -79,10 +79,10 @@ class MTPProposer(Proposer):
             if seq.params.greedy:
                 probs = torch.softmax(row, dim=-1)
                 token = int(row.argmax())
-                drafts.append(Draft([token], [float(probs[token])]))
+                drafts.append(Draft([token], [float(probs[token])], sources=["mtp"]))
             else:
                 probs = torch.softmax(row / seq.params.temperature, dim=-1)
                 race = torch.empty_like(probs).exponential_(generator=seq.generator)
                 token = int((probs / race).argmax())
-                drafts.append(Draft([token], [float(probs[token])], probs=[probs]))
+                drafts.append(Draft([token], [float(probs[token])], sources=["mtp"], probs=[probs]))
         return drafts
