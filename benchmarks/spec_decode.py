@@ -12,7 +12,7 @@ of output tokens the grammar forced.
 Usage::
 
     python benchmarks/spec_decode.py [--limit N] [--repeats 3] [--batch-sizes 1,8]
-                                     [--max-draft 5] [--quantization int4]
+                                     [--max-draft 8] [--quantization int4]
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="texts per schema")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--max-draft", type=int, default=5)
+    ap.add_argument("--max-draft", type=int, default=8)
     ap.add_argument("--quantization", choices=("int4", "int8"), default=None)
     args = ap.parse_args()
 

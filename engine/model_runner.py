@@ -72,16 +72,19 @@ class ModelRunner:
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if n == 1:
-                decode_rows.append(row0)
-                decode_tables.append(table[:(start + bs) // bs])
-                decode_lens.append(start + 1)
+            if n == d + 1:
+                # a decode, and each draft position after it as a decode of its own:
+                # verification scores every position exactly as plain decoding of
+                # those tokens would (decode rows are batch-invariant, and so are
+                # the linears), so greedy output cannot change with speculation
+                for j in range(n):
+                    decode_rows.append(row0 + j)
+                    decode_tables.append(table[:(start + j + bs) // bs])
+                    decode_lens.append(start + j + 1)
             else:
                 nblocks = -(-(start + n) // bs)
-                # a decode with its draft positions is attended row by row, each as
-                # a decode of its own (see PrefillSpan.rowwise)
                 prefills.append(PrefillSpan(
-                    start=row0, length=n, context_len=start + n, rowwise=n == d + 1,
+                    start=row0, length=n, context_len=start + n,
                     block_table=torch.tensor(table[:nblocks], dtype=torch.long,
                                              device=self.device)))
             if item.samples:

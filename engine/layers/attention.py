@@ -24,9 +24,6 @@ class PrefillSpan:
     length: int         # new tokens of the chunk
     context_len: int    # tokens of the sequence once the chunk is written
     block_table: torch.Tensor  # [NB] long
-    # attend each row as a decode of its own (a decode with draft tokens after it):
-    # verification then scores every draft position exactly as plain decoding would
-    rowwise: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,9 +75,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out[meta.decode_rows] = torch.matmul(probs, vv).view(bd, h, d)
     for span in meta.prefills:
-        if span.rowwise:
-            _rowwise_attention(q, k_cache, v_cache, span, scale, out)
-            continue
         rows = slice(span.start, span.start + span.length)
         qs = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, L, D]
         if span.context_len == span.length:  # nothing cached before this chunk
@@ -101,27 +95,3 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out
 
-
-def _rowwise_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       span: PrefillSpan, scale: float, out: torch.Tensor) -> None:
-    """Attend a span's rows one at a time with the decode path's arithmetic.
-
-    Row i sees the first ``context_len - length + i + 1`` positions, gathered to whole
-    blocks and masked beyond, as a one-row decode batch would be; the blocks are
-    gathered once for the span. Writes ``out`` rows of the span.
-    """
-    h, d = q.shape[1], q.shape[2]
-    hkv = k_cache.shape[2]
-    bs = k_cache.shape[1]
-    kk = k_cache[span.block_table].view(1, -1, hkv, d).transpose(1, 2)   # [1, Hkv, S, D]
-    vv = v_cache[span.block_table].view(1, -1, hkv, d).transpose(1, 2)
-    offset = span.context_len - span.length
-    for i in range(span.length):
-        n = offset + i + 1                   # positions this row attends
-        s = -(-n // bs) * bs                 # gathered whole blocks, as in decode
-        qq = q[span.start + i].view(1, hkv, h // hkv, d)                  # [1, Hkv, G, D]
-        scores = torch.matmul(qq, kk[:, :, :s].contiguous().transpose(-1, -2)).mul_(scale)
-        if s > n:
-            scores[..., n:] = float("-inf")
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out[span.start + i] = torch.matmul(probs, vv[:, :, :s]).view(h, d)

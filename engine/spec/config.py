@@ -28,7 +28,9 @@ class SpecConfig:
         under "prompt_lookup" or "mtp" keep their exact distribution, but a seed's tokens
         differ from a run without speculation. "none" turns speculation off.
     max_draft : int
-        Most draft tokens verified per request and step (forced tokens included).
+        Most draft tokens verified per request and step (forced tokens included);
+        the schedule verifies fewer where they do not pay. 8 measured best on a
+        2-core CPU (batch-1 extraction: 1.75x at 8, 1.58x at 5).
     ngram_max, ngram_min : int
         Longest and shortest context suffix looked up in the prompt and output.
     min_confidence : float
@@ -45,7 +47,7 @@ class SpecConfig:
     """
 
     method: str = "auto"
-    max_draft: int = 7
+    max_draft: int = 8
     ngram_max: int = 4
     ngram_min: int = 1
     min_confidence: float = 0.02

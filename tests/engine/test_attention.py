@@ -1,4 +1,4 @@
-"""Paged attention: a verification span attended row by row equals plain decoding."""
+"""Paged attention: verification rows and batched decodes equal one-row decoding, bit for bit."""
 
 from __future__ import annotations
 
@@ -20,7 +20,10 @@ def _decode_meta(slot: int, table: torch.Tensor, n: int) -> AttentionMetadata:
 
 @pytest.mark.parametrize("start", [1, 15, 16, 17, 130, 301])
 @pytest.mark.parametrize("length", [2, 5, 8])
-def test_rowwise_span_equals_decodes_bit_for_bit(start: int, length: int) -> None:
+def test_verification_rows_equal_decodes_bit_for_bit(start: int, length: int) -> None:
+    """A decode and its draft positions, run as decode rows of one step (each with
+    its own context length, as the model runner builds them), give each position
+    exactly what decoding the tokens one step at a time gives."""
     gen = torch.Generator().manual_seed(start * 10 + length)
     k_cache = torch.randn(NB, BS, HKV, D, generator=gen)
     v_cache = torch.randn(NB, BS, HKV, D, generator=gen)
@@ -30,30 +33,31 @@ def test_rowwise_span_equals_decodes_bit_for_bit(start: int, length: int) -> Non
     v = torch.randn(length, HKV, D, generator=gen)
     slots = torch.tensor([int(table[p // BS]) * BS + p % BS for p in range(start, start + length)])
 
+    lens = [start + i + 1 for i in range(length)]
+    width = -(-lens[-1] // BS)
     kc, vc = k_cache.clone(), v_cache.clone()
-    span = PrefillSpan(start=0, length=length, context_len=start + length, block_table=table,
-                       rowwise=True)
     meta = AttentionMetadata(
-        slot_mapping=slots, decode_rows=torch.zeros(0, dtype=torch.long),
-        decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
-        decode_mask=torch.zeros(0, 1, 1, 0, dtype=torch.bool), prefills=(span,))
-    rowwise = paged_attention(q, k, v, kc, vc, meta, D ** -0.5)
+        slot_mapping=slots, decode_rows=torch.arange(length),
+        decode_block_tables=table[:width].expand(length, width),
+        decode_mask=(torch.arange(width * BS)[None] < torch.tensor(lens)[:, None])
+        .view(length, 1, 1, -1), prefills=())
+    together = paged_attention(q, k, v, kc, vc, meta, D ** -0.5)
 
     kc, vc = k_cache.clone(), v_cache.clone()
     for i in range(length):
         one = paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], kc, vc,
                               _decode_meta(int(slots[i]), table, start + i + 1), D ** -0.5)
-        assert torch.equal(one[0], rowwise[i]), f"row {i} differs from its decode"
+        assert torch.equal(one[0], together[i]), f"row {i} differs from its decode"
 
-    # and it is still attention: close to the causal prefill path
+    # and it is still causal attention: close to the prefill path
     kc, vc = k_cache.clone(), v_cache.clone()
     causal = paged_attention(q, k, v, kc, vc, AttentionMetadata(
-        slot_mapping=slots, decode_rows=meta.decode_rows,
-        decode_block_tables=meta.decode_block_tables, decode_mask=meta.decode_mask,
+        slot_mapping=slots, decode_rows=torch.zeros(0, dtype=torch.long),
+        decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
+        decode_mask=torch.zeros(0, 1, 1, 0, dtype=torch.bool),
         prefills=(PrefillSpan(start=0, length=length, context_len=start + length,
                               block_table=table),)), D ** -0.5)
-    torch.testing.assert_close(rowwise, causal, rtol=1e-5, atol=1e-5)
-
+    torch.testing.assert_close(together, causal, rtol=1e-5, atol=1e-5)
 
 def test_decode_rows_do_not_depend_on_the_batch() -> None:
     """A decode row's output is bit for bit its one-row result, whatever else is in
