@@ -119,7 +119,7 @@ class Sampler:
             else:
                 q = 1.0 if proposal_probs is None else float(proposal_probs[proposal])
                 p = float(probs[proposal]) / float(probs.sum())
-                u = float(torch.rand((), generator=seq.generator))
+                u = float(torch.rand((), generator=seq.generator, device=seq.generator.device))
                 accepted = q > 0 and u < min(1.0, p / q)
                 if accepted:
                     token = proposal

@@ -81,7 +81,8 @@ class MTPProposer(Proposer):
                 token = int(row.argmax())
                 drafts.append(Draft([token], [float(probs[token])], sources=["mtp"]))
             else:
-                probs = torch.softmax(row / seq.params.temperature, dim=-1)
+                # drawn where the request's generator lives (the verifying logits' device)
+                probs = torch.softmax(row.to(seq.generator.device) / seq.params.temperature, dim=-1)
                 race = torch.empty_like(probs).exponential_(generator=seq.generator)
                 token = int((probs / race).argmax())
                 drafts.append(Draft([token], [float(probs[token])], sources=["mtp"], probs=[probs]))

@@ -337,3 +337,26 @@ def test_formcast_load_extracts_a_valid_object(folders):
     llm = formcast.load(str(folders["hca_hc4"][0]), device="cpu")
     person = llm.extract("Ada, 36, is ok", Person, max_tokens=60)
     assert isinstance(person, Person) and len(person.name) <= 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bfloat16_engine_runs_the_same_model(folders):
+    """The engine on CUDA (bfloat16 weights): logits close to float32 on the CPU,
+    JSON-constrained output valid, MTP speculation verified and rolled back."""
+    name = "all_layers_mtp"
+    cpu = engine(folders, name)
+    gpu = Engine.from_pretrained(str(folders[name][0]), device="cuda",
+                                 spec=SpecConfig(method="mtp", scheduled=False, min_confidence=0.0))
+    assert gpu.dtype == torch.bfloat16
+    ids = prompt(name, 40, 7)
+    want = cpu.forward_logits(ids)
+    got = gpu.forward_logits(ids).float().cpu()
+    scale = want.abs().max().item()
+    close = ((got - want).abs().amax(dim=-1) <= 0.1 * scale).float().mean().item()
+    assert close >= 0.9, f"only {close:.0%} of positions within 10% of the logit scale"
+    outs = _json_run(gpu, None) + _json_run(gpu, 3)
+    for out in outs:
+        assert out.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    assert gpu.runner.stats.mtp_positions > 0
