@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.engine.deepseek_v4_helpers import randomize
+from tests.engine.deepseek_v4_helpers import TINY, randomize
 
 EOS = "<|eos|>"
 # merges on top of the 95 printable ASCII characters and EOS (96 tokens)
@@ -25,17 +25,7 @@ _BASE = 96
 # Three configs that between them hold every layer type, both routings (hash and
 # score, each with the shared expert), hc_mult 2, 3 and 4, and an MTP layer in two.
 CONFIGS: dict[str, dict[str, Any]] = {
-    "all_layers_mtp": dict(
-        vocab_size=112, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=12,
-        partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=6, n_shared_experts=1,
-        layer_types=["sliding_attention", "compressed_sparse_attention",
-                     "heavily_compressed_attention", "compressed_sparse_attention"],
-        mlp_layer_types=["hash_moe", "moe", "moe", "hash_moe"],
-        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
-        hc_mult=3, hc_sinkhorn_iters=6, sliding_window=8, o_groups=2, o_lora_rank=8,
-        index_n_heads=8, index_head_dim=16, index_topk=3, max_position_embeddings=256,
-        swiglu_limit=1.5),
+    "all_layers_mtp": dict(TINY, vocab_size=112, max_position_embeddings=256),
     "csa_sigmoid_yarn_mtp": dict(
         vocab_size=112, hidden_size=24, moe_intermediate_size=12, num_hidden_layers=3,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, q_lora_rank=8,

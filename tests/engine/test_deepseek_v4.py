@@ -16,19 +16,10 @@ import torch
 from formcast.engine.config import DeepseekV4Config
 from formcast.engine.models import deepseek_v4_attention
 from formcast.engine.models.deepseek_v4_attention import deterministic_topk
-from tests.engine.deepseek_v4_helpers import TINY, our_model, reference_model, run_chunks
+from tests.engine.deepseek_v4_helpers import TINY, _one_thread, our_model, reference_model, run_chunks  # noqa: F401
 
 ATOL = 1e-4
 SEQ = 40
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny ops on a shared 2-core machine: one thread is ~20x faster than two.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -22,21 +22,13 @@ from formcast.engine.models.deepseek_v4_runner import DeepseekV4Runner
 from formcast.engine.scheduler import ScheduledSeq
 from formcast.engine.spec import SpecConfig
 from tests.engine.deepseek_v4_folders import CONFIGS, WITH_MTP, write_folder
+from tests.engine.deepseek_v4_helpers import _one_thread  # noqa: F401  (autouse)
 from tests.engine.helpers import make_seq
 
 ATOL = 1e-4
 NAMES = list(CONFIGS)
 SEEDS = {"all_layers_mtp": 0, "csa_sigmoid_yarn_mtp": 1, "hca_hc4": 2}
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny ops on a shared 2-core machine: one thread is much faster than two
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -15,17 +15,9 @@ from formcast.engine.loader import load_deepseek_v4, original_to_hf_name
 from formcast.engine.loader.blockquant import E2M1_VALUES, decode_scales, dequantize_fp4, dequantize_fp8
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.errors import CorruptModelError
-from tests.engine.deepseek_v4_helpers import reference_model, run_chunks
+from tests.engine.deepseek_v4_helpers import _one_thread, reference_model, run_chunks  # noqa: F401
 
 E8M0 = torch.float8_e8m0fnu
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_ue8m0_scales_are_powers_of_two():
