@@ -294,7 +294,8 @@ class Engine:
             self._draft_memory = DraftMemory(self.tokenizer.token_bytes())
         memory = self._draft_memory
         proposers = (JumpForwardProposer(memory),
-                     PromptLookupProposer(spec.ngram_max, spec.ngram_min, memory=memory))
+                     PromptLookupProposer(spec.ngram_max, spec.ngram_min, memory=memory,
+                                          encode=self._encode_plain))
         if self._mtp is not None:  # grammar-forced tokens where there are any, else its draft
             proposers = proposers[:1]
         drafting: list[Sequence] = []
@@ -327,6 +328,9 @@ class Engine:
                 if seq.draft is not None and seq.constraint is not None:
                     seq.draft.masks = fill_draft_masks(seq.constraint, seq.draft.tokens,
                                                        self.sampler.bitmask_width)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Accept the longest prefix of ``seq.draft`` the target agrees with, then one

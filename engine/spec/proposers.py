@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -117,14 +117,23 @@ class DraftMemory:
             return
         proposed, kind = draft.tokens[accepted], draft.source(accepted)
         if kind == "forced":
-            mine, theirs = self._text(token), self._text(proposed)
+            mine, theirs = self.text(token), self.text(proposed)
             if mine and len(mine) < len(theirs) and theirs.startswith(mine):
                 self.segmentations[proposed] = token
-        elif kind in ("lookup", "closer") and _forces_next(seq.constraint):
-            if kind == "closer":
-                return  # a closer was proposed and the model closed differently
+        elif kind == "closer":
+            # the model did not close here; where it went on with a known delimiter
+            # instead (a copy past it), that counts against the closer
+            if token in self._closed:
+                self._copied[token] = self._copied.get(token, 0) + 1
+        elif kind == "lookup" and self._delimiter(proposed) and _forces_next(seq.constraint):
             counts = self._closed.setdefault(proposed, {})
             counts[token] = counts.get(token, 0) + 1
+
+    def _delimiter(self, token: int) -> bool:
+        """Whether ``token`` can end a copied value: it starts with neither a letter nor
+        a digit (``,`` ``.`` ``;`` a space), so the value cannot go on into it."""
+        text = self.text(token).decode("utf-8", "ignore")
+        return bool(text) and not text[0].isalnum()
 
     def closer(self, delimiter: int) -> tuple[int, float] | None:
         """The token the model closes a copied value with where the text has
@@ -136,7 +145,8 @@ class DraftMemory:
         total = sum(counts.values()) + self._copied.get(delimiter, 0)
         return token, (times + 1) / (total + 2)
 
-    def _text(self, token: int) -> bytes:
+    def text(self, token: int) -> bytes:
+        """The bytes of ``token`` (empty for an id outside the vocabulary)."""
         return self._bytes[token] if 0 <= token < len(self._bytes) else b""
 
 
@@ -197,6 +207,11 @@ def _forced_after(constraint, tokens: list[int]) -> list[int]:
             constraint.rollback(taken)
 
 
+_TEXT_WINDOW = 1024  # tokens of context searched by text
+_TEXT_TRIES = 4      # text matches tried per tail
+_TEXT_BYTES = 64     # bytes of continuation tokenized per match
+
+
 class PromptLookupProposer(Proposer):
     """Continue the longest recent n-gram that occurred earlier in the context.
 
@@ -208,33 +223,84 @@ class PromptLookupProposer(Proposer):
     """
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_candidates: int = 8,
-                 memory: DraftMemory | None = None) -> None:
+                 memory: DraftMemory | None = None,
+                 encode: Callable[[str], list[int]] | None = None) -> None:
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.max_candidates = max_candidates
         self.memory = memory
+        self.encode = encode
 
     def propose(self, seq: "Sequence", context: list[int], max_tokens: int) -> Draft:
         found = self.candidates(seq, context, max_tokens)
         return found[0] if found else Draft()
 
     def candidates(self, seq: "Sequence", context: list[int], max_tokens: int) -> list[Draft]:
-        """Continuations of up to ``max_candidates`` earlier matches, best first
-        (longer n-gram, then more recent); distinct continuations only. A
-        constrained request takes the first its grammar allows a token of."""
+        """Continuations of up to ``max_candidates`` earlier matches, best first;
+        distinct continuations only. A constrained request takes the first its
+        grammar allows a token of.
+
+        Order: token n-grams of two or more tokens (longer, then more recent), then
+        text matches (:meth:`text_continuations`, where ``encode`` and ``memory`` are
+        given), then single-token matches.
+        """
         if max_tokens <= 0:
             return []
         rate = (seq.spec_lookup_accepted + 1) / (seq.spec_lookup_proposed + 2)
+        long, short = [], []
+        for start, n in find_continuations(context, self.ngram_max, self.ngram_min,
+                                           self.max_candidates, with_length=True):
+            (long if n >= 2 else short).append(context[start:start + max_tokens])
+        ordered = long + self.text_continuations(context, max_tokens) + short
         out: list[Draft] = []
         seen: set[tuple[int, ...]] = set()
-        for start in find_continuations(context, self.ngram_max, self.ngram_min,
-                                        self.max_candidates):
-            tokens = context[start:start + max_tokens]
+        for tokens in ordered:
             key = tuple(tokens)
             if tokens and key not in seen:
                 seen.add(key)
                 out.append(self._with_closer(tokens, rate, seq.constraint is not None))
         return out
+
+    def text_continuations(self, context: list[int], max_tokens: int) -> list[list[int]]:
+        """Continuations found by text, not by token: the text of the last one or two
+        tokens is searched for in the text before them (most recent first), and the
+        text that follows it there is tokenized afresh.
+
+        This finds what token n-grams miss where the output spells a copied word
+        differently from the prompt: ``"The`` against the prompt's `` The``, or a
+        value started with ``P`` where the prompt has `` Pixel``. A match counts only
+        where tokenizing the matched text plus its continuation starts with the very
+        tokens the output has (``P`` + ``ixel`` backs the output's ``P``; ``Print``
+        does not); its continuation is the rest, up to the end of the line.
+        """
+        if self.encode is None or self.memory is None or len(context) < 2:
+            return []
+        spell = self.memory.text
+        found: list[list[int]] = []
+        for k in (2, 1):
+            tail = context[-k:]
+            needle = b"".join(spell(t) for t in tail)
+            if not any(c.isalnum() for c in needle.decode("utf-8", "ignore")):
+                continue  # punctuation alone matches anywhere
+            hay = b"".join(spell(t) for t in context[-k - _TEXT_WINDOW:-k])
+            end, tries = len(hay), 0
+            while tries < _TEXT_TRIES:
+                at = hay.rfind(needle, 0, end)
+                if at < 0:
+                    break
+                end, tries = at + len(needle) - 1, tries + 1
+                rest = hay[at + len(needle):at + len(needle) + _TEXT_BYTES]
+                line = rest.split(b"\n", 1)
+                whole = len(line) > 1 or at + len(needle) + _TEXT_BYTES >= len(hay)
+                text = (needle + line[0]).decode("utf-8", "ignore")
+                ids = self.encode(text)
+                if ids[:k] != tail:
+                    continue
+                # a continuation cut mid-word may end in a token the full word lacks
+                ids = ids[k:] if whole else ids[k:-1]
+                if ids:
+                    found.append(ids[:max_tokens])
+        return found
 
     def _with_closer(self, tokens: list[int], rate: float, constrained: bool) -> Draft:
         """The continuation as a draft; for a constrained request, cut at the first
@@ -260,11 +326,13 @@ def find_continuation(context: list[int], ngram_max: int, ngram_min: int) -> int
 
 
 def find_continuations(context: list[int], ngram_max: int, ngram_min: int,
-                       limit: int) -> list[int]:
+                       limit: int, *, with_length: bool = False) -> list:
     """Up to ``limit`` indices just after earlier occurrences of suffix n-grams of
-    ``context``: longest n-gram first, most recent occurrence first within one."""
+    ``context``: longest n-gram first, most recent occurrence first within one.
+    ``with_length``: ``(index, n)`` pairs instead."""
     size = len(context)
     found: list[int] = []
+    lengths: list[int] = []
     for n in range(min(ngram_max, size - 1), ngram_min - 1, -1):
         suffix = context[size - n:]
         first = suffix[0]
@@ -272,9 +340,10 @@ def find_continuations(context: list[int], ngram_max: int, ngram_min: int,
         for i in range(size - n - 1, -1, -1):
             if context[i] == first and context[i:i + n] == suffix and i + n not in found:
                 found.append(i + n)
+                lengths.append(n)
                 if len(found) >= limit:
-                    return found
-    return found
+                    return list(zip(found, lengths)) if with_length else found
+    return list(zip(found, lengths)) if with_length else found
 
 
 def propose(seq: "Sequence", config: "SpecConfig", max_tokens: int,

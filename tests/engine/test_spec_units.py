@@ -355,3 +355,56 @@ def test_unconstrained_lookup_never_substitutes_a_closer():
     seq = make_seq([4, 5, 6, 8, 8, 4])
     assert PromptLookupProposer(2, 1, memory=memory).propose(seq, seq.token_ids, 3).tokens \
         == [5, 6, 8]
+
+
+def test_a_rejected_closer_counts_against_it_when_the_model_copied_the_delimiter():
+    memory = DraftMemory(VOCAB)
+    memory._closed[6] = {7: 2}  # ',' closed twice with '",'
+    seq = make_seq([4, 5, 6, 8, 8, 4])
+    seq.constraint = ForcedText(VOCAB, b"", after=set(range(len(VOCAB))))
+    closed = Draft([5, 7], [0.5, 0.3], ["lookup", "closer"])
+    before = memory.closer(6)[1]
+    memory.observe(seq, closed, accepted=1, token=6)  # the model wrote ',' itself
+    assert memory.closer(6)[1] < before
+    # a letter or digit the lookup proposed never becomes a delimiter with a closer
+    seq.constraint.forced_tokens = lambda: [0]
+    memory.observe(seq, Draft([4], [0.5], ["lookup"]), accepted=0, token=7)
+    assert memory.closer(4) is None
+
+
+# text lookup: a toy byte tokenizer whose words are single tokens after a space,
+# the way the model's BPE spells " Pixel" but "P" + "ixel" at the start of a string
+WORDS = [b"P", b"ixel", b" Pixel", b" Print", b" Studio", b".", b'"', b":", b"Print", b"x"]
+
+
+def _encode(text: str) -> list[int]:
+    data, out = text.encode(), []
+    while data:
+        t = max((i for i, w in enumerate(WORDS) if data.startswith(w)),
+                key=lambda i: len(WORDS[i]))
+        out.append(t)
+        data = data[len(WORDS[t]):]
+    return out
+
+
+def test_text_lookup_continues_a_word_the_output_spells_differently():
+    memory = DraftMemory(WORDS)
+    # prompt " Pixel Print Studio." then output '"' 'P': no token n-gram matches 'P'
+    seq = make_seq([2, 3, 4, 5, 6, 7, 6, 0])
+    token_only = PromptLookupProposer(4, 2, memory=memory)
+    assert token_only.propose(seq, seq.token_ids, 4).tokens == []
+    lookup = PromptLookupProposer(4, 2, memory=memory, encode=_encode)
+    draft = lookup.propose(seq, seq.token_ids, 4)
+    # "P" matched in " Pixel" (which retokenizes as P + ixel, backing the output's
+    # own P), not in " Print" (retokenized as one token "Print", which the output
+    # would have written instead of "P")
+    assert draft.tokens == [1, 3, 4, 5] and draft.sources == ["lookup"] * 4
+
+
+def test_text_lookup_needs_a_letter_or_digit_and_an_encoder():
+    memory = DraftMemory(WORDS)
+    seq = make_seq([2, 5, 6, 7, 5])  # tail "." alone: punctuation matches anywhere
+    assert PromptLookupProposer(4, 2, memory=memory, encode=_encode) \
+        .text_continuations(seq.token_ids, 4) == []
+    seq = make_seq([2, 3, 4, 5, 6, 7, 6, 0])
+    assert PromptLookupProposer(4, 2, encode=_encode).text_continuations(seq.token_ids, 4) == []
