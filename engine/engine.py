@@ -17,7 +17,8 @@ import torch
 from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.constraint import LogitsConstraint
-from formcast.engine.layers.quant import quantize_linears
+from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
+from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (DeepseekV4Runner, state_bytes_per_sequence,
@@ -112,7 +113,7 @@ class Engine:
     # -- construction -------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, device: str | torch.device = "auto",
-                        dtype: torch.dtype | None = None, quantization: str | None = None,
+                        dtype: torch.dtype | None = None, quantization: str | None = "auto",
                         **config) -> "Engine":
         """Load a model by registry name or path and build an engine for it.
 
@@ -128,10 +129,14 @@ class Engine:
             "auto" (CUDA when available), "cpu" or "cuda[:N]".
         dtype : torch.dtype | None
             Weights and KV dtype; default float32 on CPU, bfloat16 on CUDA.
-        quantization : {"int4", "int8"} | None
-            CPU only: keep linear weights in 4 bits (groups of 32, min/max code, the
-            layout of GGUF Q4_1) or 8 bits (per channel), run with bfloat16
-            activations. Several times faster decode; logits move slightly.
+        quantization : {"auto", "int4", "int8"} | None
+            CPU only: keep linear weights in 4 bits (groups of 32) or 8 bits (per
+            channel) and run them with bfloat16 activations; the output head is held
+            in bfloat16. Several times faster decode; logits move slightly. "int4" on
+            a GGUF whose linears are stored Q4_0/Q4_1 takes the file's own blocks
+            (codes exact; scales in bfloat16); other weights are quantized from float
+            (min/max per group). "auto" (the default): "int4" for such a GGUF on the
+            CPU, None otherwise. None: float weights in ``dtype``.
         **config
             Fields of :class:`EngineConfig` (block_size, num_kv_blocks, max_num_seqs, ...).
 
@@ -155,8 +160,16 @@ class Engine:
         tokenizer = (cached_gguf_tokenizer(source.path) if source.kind == "gguf"
                      else Tokenizer.from_hf_dir(source.path))
         ckpt = load_checkpoint(source)
+        if quantization not in (None, "auto") + QUANTIZATIONS:
+            raise ValueError(f"unknown quantization {quantization!r}; choose 'auto', "
+                             f"{', '.join(map(repr, QUANTIZATIONS))} or None")
+        blocks = {}
+        if source.kind == "gguf" and dev.type == "cpu" and quantization in ("auto", "int4"):
+            blocks = fuse_int4_blocks(read_int4_blocks(source.path))
+        if quantization == "auto":
+            quantization = "int4" if blocks else None
         model = build_model(ckpt.config, ckpt.weights, device=dev, dtype=dtype,
-                            quantization=quantization)
+                            quantization=quantization, int4_blocks=blocks)
         engine = cls(model, tokenizer, config=engine_config, device=dev, name=source.name)
         engine.quantization = quantization
         return engine
@@ -504,11 +517,15 @@ class Engine:
         return [s.to_output() for s in seqs]
 
     @torch.inference_mode()
-    def forward_logits(self, token_ids: SequenceABC[int]) -> torch.Tensor:
+    def forward_logits(self, token_ids: SequenceABC[int], *, as_generated: bool = False
+                       ) -> torch.Tensor:
         """Float32 logits ``[T, V]`` (CPU) for every position of one sequence.
 
         Runs through the same paged path as serving, in chunks of the step budget,
         outside the scheduler; needs enough free KV blocks for the whole sequence.
+        The tokens count as a prompt: a quantized engine runs them on its float32
+        weights, as it does prompts. ``as_generated``: on its quantized weights, as
+        it runs the tokens it generates.
         """
         seq = self._make_sequence(list(token_ids), SamplingParams(max_tokens=1), None,
                                   f"forward-logits-{next(self._ids)}")
@@ -521,7 +538,8 @@ class Engine:
             while seq.num_computed_tokens < len(seq):
                 n = min(len(seq) - seq.num_computed_tokens, self.config.max_num_batched_tokens)
                 chunks.append(self.runner.execute([ScheduledSeq(seq=seq, num_tokens=n)],
-                                                  all_logits=True).cpu())
+                                                  all_logits=True,
+                                                  prompt_float=not as_generated).cpu())
                 seq.num_computed_tokens += n
             return torch.cat(chunks)
         finally:
@@ -530,8 +548,8 @@ class Engine:
 
 
 def build_model(config: LlamaConfig | DeepseekV4Config, weights: dict[str, torch.Tensor], *,
-                device: torch.device, dtype: torch.dtype, quantization: str | None = None
-                ) -> LlamaForCausalLM | DeepseekV4ForCausalLM:
+                device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+                int4_blocks: dict | None = None) -> LlamaForCausalLM | DeepseekV4ForCausalLM:
     """Instantiate the model without random init, load weights, move to device/dtype,
     and optionally quantize its linear layers ("int4" or "int8", CPU only, Llama only).
 
@@ -557,8 +575,27 @@ def build_model(config: LlamaConfig | DeepseekV4Config, weights: dict[str, torch
     model.load_weights(weights)
     model = model.to(device=device, dtype=dtype).eval()
     if quantization is not None:
-        quantize_linears(model, quantization)
+        quantize_linears(model, quantization, blocks=int4_blocks)
     return model
+
+
+def fuse_int4_blocks(blocks: dict[str, Int4Blocks]) -> dict[str, Int4Blocks]:
+    """A GGUF's per-projection 4-bit blocks (transformers names) under the engine's
+    layer names, fused as its Llama runs them (q, k, v -> qkv_proj; gate, up ->
+    gate_up_proj). A fused layer whose parts are not all 4-bit is left out (it is
+    quantized from float instead)."""
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out: dict[str, Int4Blocks] = {}
+    for name in blocks:
+        stem, part, _ = name.rsplit(".", 2)  # "model.layers.0.mlp", "up_proj", "weight"
+        for layer, parts in fused.items():
+            if part == parts[0]:
+                names = [f"{stem}.{p}.weight" for p in parts]
+                if all(n in blocks for n in names):
+                    out[f"{stem}.{layer}"] = Int4Blocks.cat([blocks[n] for n in names])
+        if part in ("o_proj", "down_proj"):
+            out[f"{stem}.{part}"] = blocks[name]
+    return out
 
 
 def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: torch.dtype,

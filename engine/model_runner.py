@@ -10,6 +10,7 @@ import torch
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
+from formcast.engine.layers.quant import prompt_rows
 from formcast.engine.models.llama import LlamaForCausalLM
 from formcast.engine.scheduler import ScheduledSeq
 from formcast.engine.sequence import Sequence
@@ -37,26 +38,39 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], *, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledSeq], *, all_logits: bool = False,
+                prompt_float: bool = True) -> torch.Tensor:
         """Run one step. Returns float32 logits ``[N, V]``: one row per sequence whose
         chunk reaches its end, plus one per draft token after it (in batch order), or
-        every token's row if ``all_logits``."""
-        token_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(token_ids, positions, self.kv_caches, meta)   # [T, E]
+        every token's row if ``all_logits``.
+
+        Rows of prompt tokens run on a quantized model's float32 weights
+        (:func:`formcast.engine.layers.quant.prompt_rows`) unless ``prompt_float`` is
+        False."""
+        token_ids, positions, meta, sample_rows, is_prompt = self._prepare(batch)
+        if not prompt_float:
+            is_prompt = None
+        with prompt_rows(is_prompt, self.device):
+            hidden = self.model(token_ids, positions, self.kv_caches, meta)   # [T, E]
         if not all_logits:
             hidden = hidden[sample_rows]
-        return self.model.logits(hidden)
+            if is_prompt is not None:
+                is_prompt = [is_prompt[r] for r in self._sample_rows]
+        with prompt_rows(is_prompt, self.device):
+            return self.model.logits(hidden)
 
     def release(self, seq: Sequence) -> None:
         """Nothing to free: a sequence's KV blocks belong to the block manager."""
 
     def _prepare(self, batch: list[ScheduledSeq]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                            list[bool]]:
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sample_rows: list[int] = []
+        is_prompt: list[bool] = []
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
@@ -70,6 +84,7 @@ class ModelRunner:
                 tokens.extend(seq.draft.tokens[:d])
             pos = range(start, start + n)
             positions.extend(pos)
+            is_prompt.extend(p < seq.num_prompt_tokens for p in pos)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if n == d + 1:
@@ -102,7 +117,9 @@ class ModelRunner:
             decode_mask=mask.view(len(padded), 1, 1, max_blocks * bs).to(dev, non_blocking=True),
             prefills=tuple(prefills),
         )
+        self._sample_rows = sample_rows
         return (torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
                 torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
                 meta,
-                torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True))
+                torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
+                is_prompt)

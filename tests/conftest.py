@@ -34,7 +34,7 @@ def smollm2_engine(smollm2_source):
     """Our engine on the real SmolLM2 weights (CPU, float32)."""
     from formcast.engine import Engine
 
-    return Engine.from_pretrained(str(smollm2_source.path), device="cpu")
+    return Engine.from_pretrained(str(smollm2_source.path), device="cpu", quantization=None)
 
 
 @pytest.fixture(scope="session")

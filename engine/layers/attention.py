@@ -12,6 +12,7 @@ Bd decode rows, S gathered context length, NB blocks, BS block size.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,11 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return int(self.decode_rows.numel())
+
+    @functools.cached_property
+    def decode_mask_out(self) -> torch.Tensor:
+        """``~decode_mask``, made once per step rather than once per layer."""
+        return ~self.decode_mask
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -69,10 +75,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kk = k_cache[meta.decode_block_tables].view(bd, -1, hkv, d).transpose(1, 2) \
             .contiguous()                                                             # [Bd,Hkv,S,D]
         vv = v_cache[meta.decode_block_tables].view(bd, -1, hkv, d).transpose(1, 2)
-        qq = q[meta.decode_rows].view(bd, hkv, h // hkv, d)                          # [Bd,Hkv,G,D]
+        only_decodes = bd == t  # rows are then 0..T-1 in order (the runner's layout)
+        qq = (q if only_decodes else q[meta.decode_rows]).view(bd, hkv, h // hkv, d)  # [Bd,Hkv,G,D]
         scores = torch.matmul(qq, kk.transpose(-1, -2)).mul_(scale)                   # [Bd,Hkv,G,S]
-        scores.masked_fill_(~meta.decode_mask, float("-inf"))
+        scores.masked_fill_(meta.decode_mask_out, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if only_decodes:
+            return torch.matmul(probs, vv).view(bd, h, d)
         out[meta.decode_rows] = torch.matmul(probs, vv).view(bd, h, d)
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)

@@ -44,6 +44,7 @@ class RotaryEmbedding(nn.Module):
         self.theta = theta
         self.scaling = scaling
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._last: tuple | None = None  # (positions, dtype, cos, sin) of the last step
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None or self._tables[0].device != device:
@@ -56,12 +57,34 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions [T]; q [T, H, D]; k [T, Hkv, D]
+        cos, sin = self.halves(positions, q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, heads, D] rotated at ``positions`` [T] (q and k heads may come
+        together: each head rotates by itself)."""
+        cos, sin = self.halves(positions, x.dtype)
+        return _rotate(x, cos, sin)
+
+    def halves(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[T, 1, D/2]`` at ``positions`` (the two halves of a row of the
+        tables are equal). Every layer of a step asks with the same ``positions``
+        tensor, so the gather runs once per step."""
+        last = self._last
+        if last is not None and last[0] is positions and last[1] == dtype:
+            return last[2], last[3]
         cos_table, sin_table = self.tables(positions.device)
-        cos = cos_table[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = sin_table[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        half = self.head_dim // 2
+        cos = cos_table[positions, :half].unsqueeze(1).to(dtype)  # [T, 1, D/2]
+        sin = sin_table[positions, :half].unsqueeze(1).to(dtype)
+        self._last = (positions, dtype, cos, sin)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` (transformers' formula, the same bits),
+    on halves: ``[x1 c - x2 s, x2 c + x1 s]``."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -373,3 +373,112 @@ def write_cache(path: str | os.PathLike[str], config: LlamaConfig,
             Path(tmp).unlink(missing_ok=True)
     return target
 
+
+
+# ------------------------------------------------------- 4-bit blocks, kept 4-bit
+
+INT4_TYPES = ("Q4_0", "Q4_1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4Blocks:
+    """One linear weight ``[O, I]`` as 4-bit codes in groups of 32 along ``I``.
+
+    Element value = ``(code - 8) * scale + zero``, the form torch's int4 CPU kernel
+    computes, so a file's blocks map onto it without requantizing: Q4_1 stores
+    ``d * q + m`` (scale ``d``, zero ``m + 8 d``), Q4_0 stores ``d * (q - 8)``
+    (scale ``d``, zero 0).
+
+    Attributes
+    ----------
+    codes : torch.Tensor
+        uint8 ``[O, I]``, values 0..15, the file's own.
+    scale, zero : torch.Tensor
+        float32 ``[O, I / 32]``, exact from the file's float16 ``d`` and ``m``.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[O, I]`` values, as the file defines them."""
+        o, i = self.codes.shape
+        g = (self.codes.float() - 8).view(o, i // 32, 32)
+        return (g * self.scale[..., None] + self.zero[..., None]).view(o, i)
+
+    def rows(self, order: torch.Tensor) -> "Int4Blocks":
+        return Int4Blocks(self.codes[order], self.scale[order], self.zero[order])
+
+    @staticmethod
+    def cat(parts: list["Int4Blocks"]) -> "Int4Blocks":
+        """Row-wise concatenation (a fused projection of several weights)."""
+        return Int4Blocks(torch.cat([p.codes for p in parts]),
+                          torch.cat([p.scale for p in parts]),
+                          torch.cat([p.zero for p in parts]))
+
+
+def _int4_blocks(data, qtype: str, shape: tuple[int, int]) -> Int4Blocks:
+    """Split Q4_0 / Q4_1 block bytes into codes, scales and zeros (no arithmetic on
+    the codes: each block's 16 bytes hold element j in the low nibble of byte j and
+    element j + 16 in its high nibble)."""
+    import numpy as np
+
+    o, i = shape
+    width = 18 if qtype == "Q4_0" else 20
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    if raw.size != o * i // 32 * width:
+        raise ValueError(f"{qtype} tensor of shape {list(shape)} needs {o * i // 32 * width} "
+                         f"bytes, found {raw.size}")
+    blocks = raw.reshape(o, i // 32, width)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d
+    else:
+        zero = np.zeros_like(d)
+    qs = blocks[..., width - 16:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(o, i)
+    return Int4Blocks(torch.from_numpy(codes.copy()), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def read_int4_blocks(path: str | os.PathLike[str]) -> dict[str, Int4Blocks]:
+    """The weights a Llama GGUF stores as Q4_0 or Q4_1, kept 4-bit, by transformers
+    name (q/k rows put back in transformers' RoPE order, as :func:`load_gguf` does).
+    Other tensors are not read. Empty for a file without such tensors.
+
+    Raises
+    ------
+    ModelNotFoundError, CorruptModelError, UnsupportedModelError
+        As :func:`read_gguf_config`; also for a truncated tensor.
+    """
+    path = Path(path)
+    reader = open_gguf(path)
+    config = config_from_reader(reader, path)
+    file_size = path.stat().st_size
+    out: dict[str, Int4Blocks] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None or t.tensor_type.name not in INT4_TYPES or len(t.shape) != 2:
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if shape[1] % 32:
+            continue
+        if t.data_offset + nbytes_of(t.tensor_type, shape) > file_size:
+            raise CorruptModelError(f"{path}: data of tensor {t.name} runs past the end of the "
+                                    "file; the file is truncated. Delete it and download it again.")
+        try:
+            blocks = _int4_blocks(t.data, t.tensor_type.name, shape)
+        except ValueError as exc:
+            raise CorruptModelError(f"{path}: tensor {t.name}: {exc}") from exc
+        heads = (config.num_attention_heads if ".self_attn.q_proj." in name else
+                 config.num_key_value_heads if ".self_attn.k_proj." in name else None)
+        if heads is not None:
+            order = _unpermute_rope_rows(torch.arange(shape[0])[:, None], heads)[:, 0]
+            blocks = blocks.rows(order)
+        out[name] = blocks
+    return out

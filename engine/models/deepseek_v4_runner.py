@@ -137,7 +137,8 @@ class DeepseekV4Runner:
     # -- the engine's contract ---------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], *, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledSeq], *, all_logits: bool = False,
+                prompt_float: bool = True) -> torch.Tensor:
         """Run one step. Returns float32 logits ``[M, V]``: one row per sequence whose
         chunk reaches its end plus one per draft token after it (batch order), or
         every token's row if ``all_logits``. Advances each sequence's state by its

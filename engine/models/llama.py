@@ -34,13 +34,14 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)      # [T, H, D]
-        k = k.view(t, self.num_kv_heads, self.head_dim)   # [T, Hkv, D]
+        qk, v = self.qkv_proj.forward(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotate together (one set of ops for both): [T, H + Hkv, D]
+        qk = rotary.rotate(positions, qk.view(t, self.num_heads + self.num_kv_heads,
+                                              self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -53,8 +54,8 @@ class LlamaMLP(nn.Module):
                                    bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj.forward(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -67,8 +68,11 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # .forward directly: a decode step makes ~10 module calls per layer, and
+        # nn.Module.__call__'s hook machinery costs more than some of the ops
+        x = x + self.self_attn.forward(self.input_layernorm.forward(x), positions, rotary,
+                                       kv_cache, meta)
+        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
 
 
 class LlamaModel(nn.Module):
@@ -103,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
         # token_ids, positions [T]; kv_caches[layer] [2, NBtotal, BS, Hkv, D] -> [T, E]
         x = self.model.embed_tokens(token_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.model.rotary, kv_cache, meta)
+            x = layer.forward(x, positions, self.model.rotary, kv_cache, meta)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

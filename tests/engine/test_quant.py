@@ -32,14 +32,21 @@ def test_quantized_linear_tracks_float(cls, tol):
     assert ((out - ref).norm() / ref.norm()).item() < tol
 
 
-def test_quantize_linears_replaces_layers_and_keeps_the_head_in_bf16():
+def test_quantize_linears_replaces_layers_and_keeps_the_head_at_8_bits():
     model = nn.Sequential()
     model.add_module("body", nn.Linear(64, 32))
     model.add_module("odd", nn.Linear(40, 16))      # not a multiple of 32: int8
     model.add_module("lm_head", nn.Linear(32, 48))
     assert quantize_linears(model, "int4") == 3
     assert isinstance(model.body, Int4Linear) and isinstance(model.odd, Int8Linear)
-    assert isinstance(model.lm_head, Bf16Linear)
+    assert isinstance(model.lm_head, Int8Linear)
+    quantize_linears(model, "int4", head="bfloat16")  # already quantized: nothing to do
+    fresh = nn.Sequential()
+    fresh.add_module("lm_head", nn.Linear(32, 48))
+    quantize_linears(fresh, "int4", head="bfloat16")
+    assert isinstance(fresh.lm_head, Bf16Linear)
+    with pytest.raises(ValueError, match="head format"):
+        quantize_linears(fresh, "int4", head="int2")
     with pytest.raises(ValueError, match="unknown quantization"):
         quantize_linears(model, "fp8")
 
@@ -52,7 +59,7 @@ def test_int4_engine_on_smollm2_stays_close_to_float(smollm2_engine, smollm2_sou
     tok = q.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of Italy?"}],
                                   tokenize=True)
-    a, b = q.forward_logits(ids), smollm2_engine.forward_logits(ids)
+    a, b = q.forward_logits(ids, as_generated=True), smollm2_engine.forward_logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
     assert (a - b).abs().mean() < 0.3
     out = q.generate([ids], SamplingParams(max_tokens=16, temperature=0.0))[0]
@@ -66,3 +73,101 @@ def test_quantization_is_cpu_only():
     with pytest.raises(ValueError, match="CPU only"):
         build_model(SHAPES["smollm2-135m"], {}, device=torch.device("cuda"), dtype=torch.float32,
                     quantization="int4")
+
+
+# ---------------------------------------------------- a GGUF's own 4-bit blocks
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_blocks_split_gguf_bytes_into_the_values_gguf_defines(qtype):
+    import gguf.quants
+    import numpy as np
+    from gguf import GGMLQuantizationType
+
+    from formcast.engine.loader.gguf import _int4_blocks
+
+    kind = GGMLQuantizationType[qtype]
+    w = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(w, kind)
+    blocks = _int4_blocks(raw, qtype, (16, 64))
+    assert blocks.codes.dtype == torch.uint8 and int(blocks.codes.max()) <= 15
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, kind))
+    assert torch.equal(blocks.dequantize(), expected)
+    # the layer on those blocks computes with exactly those codes
+    layer = Int4Linear.from_blocks(blocks.codes, blocks.scale, blocks.zero)
+    x = torch.randn(3, 64)
+    ref = x.bfloat16().float() @ expected.T
+    assert ((layer(x) - ref).norm() / ref.norm()).item() < 0.01
+    with pytest.raises(ValueError, match="needs"):
+        _int4_blocks(raw[:, :-1], qtype, (16, 64))
+
+
+def test_the_smollm2_gguf_q4_1_blocks_are_its_float_weights(smollm2_engine, smollm2_gguf):
+    from formcast.engine.engine import fuse_int4_blocks
+    from formcast.engine.loader.gguf import read_int4_blocks
+
+    blocks = read_int4_blocks(smollm2_gguf)
+    assert len(blocks) == 7 * 30  # q, k, v, o, gate, up, down of 30 layers
+    fused = fuse_int4_blocks(blocks)
+    layer = smollm2_engine.model.model.layers[3]
+    for name, module in (("self_attn.qkv_proj", layer.self_attn.qkv_proj),
+                         ("mlp.gate_up_proj", layer.mlp.gate_up_proj),
+                         ("mlp.down_proj", layer.mlp.down_proj)):
+        assert torch.equal(fused[f"model.layers.3.{name}"].dequantize(), module.weight)
+
+
+@pytest.fixture(scope="module")
+def int4_engine(smollm2_source):
+    from formcast.engine import Engine
+
+    return Engine.from_pretrained(str(smollm2_source.path), device="cpu")  # "auto"
+
+
+def _chat(engine, text):
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                add_generation_prompt=True, tokenize=True)
+
+
+def test_auto_quantization_is_int4_for_a_q4_gguf_on_the_cpu(int4_engine):
+    from formcast.engine import Engine
+
+    assert int4_engine.quantization == "int4"
+    assert isinstance(int4_engine.model.model.layers[0].mlp.down_proj, Int4Linear)
+    assert isinstance(int4_engine.model.lm_head, Int8Linear)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        Engine.from_pretrained("smollm2", device="cpu", quantization="int3")
+
+
+def test_prompt_rows_run_float32_and_generated_rows_int4(int4_engine, smollm2_engine):
+    ids = _chat(int4_engine, "Name three rivers.")
+    as_prompt = int4_engine.forward_logits(ids)
+    # a prompt runs on the float32 weights the file's blocks decode to: the float
+    # engine's logits, bit for bit
+    assert torch.equal(as_prompt, smollm2_engine.forward_logits(ids))
+    generated = int4_engine.forward_logits(ids, as_generated=True)
+    assert not torch.equal(generated, as_prompt)
+    assert (generated - as_prompt).abs().mean() < 0.3
+
+
+def test_int4_outputs_do_not_depend_on_batching_chunking_or_speculation(int4_engine):
+    from formcast.engine import Engine, EngineConfig
+    from formcast.engine.spec import SpecConfig
+
+    prompts = [_chat(int4_engine, t) for t in
+               ("Write a haiku about rain.", "Count from one to ten in words.",
+                "Summarise: the cat sat on the mat because it was warm there.")]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run(batch, **config):
+        engine = Engine(int4_engine.model, int4_engine.tokenizer,
+                        config=EngineConfig(**config), device=int4_engine.device)
+        outs = []
+        for i in range(0, len(prompts), batch):
+            outs += [o.token_ids for o in engine.generate(prompts[i:i + batch], greedy)]
+        return outs
+
+    alone = run(1, spec=SpecConfig(method="none"))
+    # a step mixes one request's prompt rows (float32) with another's decode rows
+    # (int4); small chunks split prompts across steps; drafts add verification rows
+    assert run(3, spec=SpecConfig(method="none")) == alone
+    assert run(3, spec=SpecConfig(method="none"), max_num_batched_tokens=16) == alone
+    assert run(1, spec=SpecConfig(method="prompt_lookup", scheduled=False)) == alone

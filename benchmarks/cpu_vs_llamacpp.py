@@ -1,0 +1,266 @@
+"""formcast vs llama.cpp on the CPU: the same GGUF, greedy, in the same run.
+
+llama.cpp runs through ``llama-cpp-python`` (``pip install -e '.[bench]'``; it builds
+from source, about 10 minutes on 2 cores). Both sides get the same prompt token ids
+and the same thread count. Four measurements, each printed with its ratio:
+
+1. **decode**: batch 1, free text, 128 tokens after a short chat prompt (end of
+   sequence ignored on both sides). Decode tokens/s counts from the first generated
+   token to the last (prefill excluded); the whole request is printed too.
+2. **extraction**: JSON Schema extraction over texts of ``data/extraction.jsonl``
+   (five schemas), one request at a time, whole request time. formcast uses
+   ``llm.extract`` (its default speculation included); llama.cpp its GBNF grammar
+   made from the same schema (``LlamaGrammar.from_json_schema``, built once per
+   schema, outside the timing).
+3. **concurrent**: 16 extraction requests (mixed schemas) submitted at once to
+   formcast's engine, aggregate output tokens/s, against llama.cpp running the same
+   16 one after another.
+4. **mask overhead** (formcast alone): the extraction prompts constrained by their
+   schema, then unconstrained with each row's length fixed to what it produced
+   constrained (so every step has the same batch), speculation off; tokens/s ratio
+   at batch 1 and 16.
+
+Usage::
+
+    python benchmarks/cpu_vs_llamacpp.py [--texts 10] [--threads N] [--quantization auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import extraction_quality as eq  # noqa: E402  (same folder: the texts and schemas)
+
+TARGETS = {"decode": 1.0, "extraction": 1.5, "concurrent": 3.0, "mask": 0.95}
+STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def verdict(name: str, ratio: float) -> str:
+    target = TARGETS[name]
+    return f"(target >= {target}x: {'PASS' if ratio >= target else 'FAIL'})"
+
+
+# ------------------------------------------------------------------ llama.cpp side
+
+def load_llamacpp(path: Path, threads: int):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=threads,
+                 n_threads_batch=threads, verbose=False, seed=0)
+
+
+def llamacpp_decode(llm, ids: list[int], n: int) -> tuple[float, float, int]:
+    """(decode tokens/s, whole-request seconds, tokens) for ``n`` greedy tokens."""
+    llm.reset()
+    start = time.perf_counter()
+    first = last = None
+    count = 0
+    for _ in llm.create_completion(ids, max_tokens=n, temperature=0.0, stream=True,
+                                   logit_bias={llm.token_eos(): -1e9}):
+        last = time.perf_counter()
+        first = first or last
+        count += 1
+    return (count - 1) / (last - first), last - start, count
+
+
+def llamacpp_extract(llm, ids: list[int], grammar, max_tokens: int) -> tuple[float, int, str]:
+    """(seconds, output tokens, text) of one grammar-constrained greedy request."""
+    start = time.perf_counter()
+    out = llm.create_completion(ids, max_tokens=max_tokens, temperature=0.0, grammar=grammar)
+    seconds = time.perf_counter() - start
+    return seconds, out["usage"]["completion_tokens"], out["choices"][0]["text"]
+
+
+# ------------------------------------------------------------------- formcast side
+
+def formcast_decode(engine, ids: list[int], n: int) -> tuple[float, float, int]:
+    from formcast.engine import SamplingParams
+
+    engine.add_request(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    first = None
+    count = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            count = len(out.token_ids)
+        if first is None and count:
+            first, first_count = time.perf_counter(), count
+    end = time.perf_counter()
+    return (count - first_count) / (end - first), end - start, count
+
+
+def run_engine(engine, requests: list[tuple[list[int], object, object]]) -> tuple[float, list]:
+    """Submit ``(ids, params, constraint)`` requests at once; (seconds, outputs in order)."""
+    start = time.perf_counter()
+    order = [engine.add_request(ids, params, constraint=c) for ids, params, c in requests]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    return time.perf_counter() - start, [done[r] for r in order]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--texts", type=int, default=10, help="extraction texts (sequential)")
+    ap.add_argument("--concurrent", type=int, default=16)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--quantization", default="auto",
+                    help="formcast's quantization: auto (int4 for this file), int4, int8, none")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: "
+                    "decode,extraction,concurrent,mask")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+
+    import formcast
+    from formcast.engine import SamplingParams
+    from formcast.engine.hub import resolve_model
+    from formcast.engine.spec import SpecConfig
+    from formcast.extraction import extraction_messages, extraction_spec
+    from llama_cpp import LlamaGrammar
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model("smollm2").path
+    quant = None if args.quantization == "none" else args.quantization
+    llm = formcast.load(quantization=quant)
+    engine, tok = llm.engine, llm.tokenizer
+    lcpp = load_llamacpp(path, args.threads)
+    print(f"{llm!r} vs llama.cpp (llama-cpp-python) on {path.name}, {args.threads} threads, "
+          f"torch {torch.__version__}", flush=True)
+
+    items = eq.load_items(eq.DATA)
+    by_schema: dict[str, list] = {}
+    for it in items:
+        by_schema.setdefault(it.schema, []).append(it)
+    mixed = [g[i] for i in range(max(map(len, by_schema.values())))
+             for g in by_schema.values() if i < len(g)]  # round robin over schemas
+    specs = {name: extraction_spec(model) for name, model in eq.SCHEMAS.items()}
+    grammars = {name: LlamaGrammar.from_json_schema(json.dumps(s.json_schema), verbose=False)
+                for name, s in specs.items()}
+    compiled = {name: s.compile(tok, vocab_size=engine.model.config.vocab_size)
+                for name, s in specs.items()}
+
+    def prompt(it) -> list[int]:
+        return tok.apply_chat_template(extraction_messages(it.text, specs[it.schema].json_schema),
+                                       add_generation_prompt=True, tokenize=True)
+
+    results: dict[str, float] = {}
+
+    # 1. decode, batch 1
+    if "decode" not in skip:
+        ids = tok.apply_chat_template([{"role": "user", "content": STORY}],
+                                      add_generation_prompt=True, tokenize=True)
+        n = args.decode_tokens
+        formcast_decode(engine, ids, 8), llamacpp_decode(lcpp, ids, 8)  # warm-up
+        fc, lc = [], []
+        for r in range(3):
+            fc.append(formcast_decode(engine, ids, n))
+            lc.append(llamacpp_decode(lcpp, ids, n))
+        fc_tps = statistics.median(x[0] for x in fc)
+        lc_tps = statistics.median(x[0] for x in lc)
+        fc_req = statistics.median(x[1] for x in fc)
+        lc_req = statistics.median(x[1] for x in lc)
+        results["decode"] = fc_tps / lc_tps
+        print(f"\n1. decode, batch 1, {n} tokens after a {len(ids)}-token prompt (median of 3)")
+        print(f"   formcast  {fc_tps:7.1f} tok/s decode   {fc_req:6.2f} s request")
+        print(f"   llama.cpp {lc_tps:7.1f} tok/s decode   {lc_req:6.2f} s request")
+        print(f"   ratio {results['decode']:.2f}x decode, {lc_req / fc_req:.2f}x request "
+              f"{verdict('decode', results['decode'])}", flush=True)
+
+    # 2. extraction, one request at a time
+    if "extraction" not in skip:
+        chosen = mixed[:args.texts]
+        llm.extract(chosen[0].text, eq.SCHEMAS[chosen[0].schema])  # warm-up
+        llamacpp_extract(lcpp, prompt(chosen[0]), grammars[chosen[0].schema], 192)
+        fc_s = lc_s = 0.0
+        fc_tok = lc_tok = same = lc_valid = 0
+        for it in chosen:
+            start = time.perf_counter()
+            done = llm.extract_batch([it.text], eq.SCHEMAS[it.schema], max_tokens=192,
+                                     return_completions=True)[0]
+            fc_s += time.perf_counter() - start
+            fc_tok += getattr(getattr(done, "usage", None), "completion_tokens", 0)
+            seconds, count, text = llamacpp_extract(lcpp, prompt(it), grammars[it.schema], 192)
+            lc_s += seconds
+            lc_tok += count
+            try:
+                theirs = json.loads(text)
+                lc_valid += 1
+            except ValueError:
+                theirs = None
+            mine = getattr(done, "text", None)
+            same += mine is not None and theirs is not None and json.loads(mine) == theirs
+        results["extraction"] = lc_s / fc_s
+        print(f"\n2. extraction, {len(chosen)} texts one at a time, JSON Schema / GBNF, greedy")
+        print(f"   formcast  {fc_s:6.2f} s  {fc_tok} tokens  {fc_s / len(chosen):.2f} s/request")
+        print(f"   llama.cpp {lc_s:6.2f} s  {lc_tok} tokens  {lc_s / len(chosen):.2f} s/request  "
+              f"({lc_valid}/{len(chosen)} parse as JSON)")
+        print(f"   same JSON value on both sides: {same}/{len(chosen)}")
+        print(f"   ratio {results['extraction']:.2f}x (llama.cpp time / formcast time) "
+              f"{verdict('extraction', results['extraction'])}", flush=True)
+
+    # 3. 16 concurrent extraction requests
+    if "concurrent" not in skip:
+        chosen = mixed[:args.concurrent]
+        reqs = [(prompt(it), SamplingParams(max_tokens=192, temperature=0.0),
+                 compiled[it.schema].matcher()) for it in chosen]
+        fc_s, outs = run_engine(engine, reqs)
+        fc_tok = sum(len(o.token_ids) for o in outs)
+        lc_s = lc_tok = 0
+        for it in chosen:
+            seconds, count, _ = llamacpp_extract(lcpp, prompt(it), grammars[it.schema], 192)
+            lc_s += seconds
+            lc_tok += count
+        fc_rate, lc_rate = fc_tok / fc_s, lc_tok / lc_s
+        results["concurrent"] = fc_rate / lc_rate
+        print(f"\n3. {len(chosen)} extraction requests: formcast all at once, llama.cpp in turn")
+        print(f"   formcast  {fc_tok} tokens in {fc_s:6.2f} s = {fc_rate:7.1f} tok/s")
+        print(f"   llama.cpp {lc_tok} tokens in {lc_s:6.2f} s = {lc_rate:7.1f} tok/s")
+        print(f"   ratio {results['concurrent']:.2f}x {verdict('concurrent', results['concurrent'])}",
+              flush=True)
+
+    # 4. constrained vs unconstrained decode on formcast's engine
+    if "mask" not in skip:
+        import dataclasses
+
+        saved = engine.config
+        engine.config = dataclasses.replace(saved, spec=SpecConfig(method="none"))
+        print("\n4. formcast constrained vs unconstrained decode, same rows and lengths, "
+              "speculation off")
+        for batch in (1, 16):
+            chosen = mixed[:batch]
+            rates = {"constrained": [], "unconstrained": []}
+            for _ in range(3 if batch == 1 else 2):
+                reqs = [(prompt(it), SamplingParams(max_tokens=192, temperature=0.0),
+                         compiled[it.schema].matcher()) for it in chosen]
+                secs, outs = run_engine(engine, reqs)
+                lengths = [len(o.token_ids) for o in outs]
+                rates["constrained"].append(sum(lengths) / secs)
+                free = [(prompt(it), SamplingParams(max_tokens=n, temperature=0.0,
+                                                    ignore_eos=True), None)
+                        for it, n in zip(chosen, lengths)]
+                secs, outs = run_engine(engine, free)
+                rates["unconstrained"].append(sum(len(o.token_ids) for o in outs) / secs)
+            c = statistics.median(rates["constrained"])
+            u = statistics.median(rates["unconstrained"])
+            results[f"mask{batch}"] = c / u
+            print(f"   batch {batch:2d}: constrained {c:7.1f} tok/s, unconstrained {u:7.1f} tok/s, "
+                  f"ratio {c / u:.3f} {verdict('mask', c / u)}", flush=True)
+        engine.config = saved
+
+    print("\nsummary: " + ", ".join(f"{k} {v:.2f}x" for k, v in results.items()))
+
+
+if __name__ == "__main__":
+    main()
