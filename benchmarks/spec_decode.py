@@ -12,7 +12,7 @@ of output tokens the grammar forced.
 Usage::
 
     python benchmarks/spec_decode.py [--limit N] [--repeats 3] [--batch-sizes 1,8]
-                                     [--max-draft 8] [--quantization int4]
+                                     [--max-draft 8] [--quantization none|auto|int4]
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--max-draft", type=int, default=8)
-    ap.add_argument("--quantization", choices=("int4", "int8"), default=None)
+    ap.add_argument("--quantization", choices=("none", "auto", "int4", "int8"), default="none",
+                    help="engine weights: none (float32, the default here), auto, int4, int8")
     args = ap.parse_args()
 
     import formcast
@@ -60,8 +61,8 @@ def main() -> None:
         groups.setdefault(it.schema, []).append(it)
     if args.limit:
         groups = {k: v[:args.limit] for k, v in groups.items()}
-    opts = {"quantization": args.quantization} if args.quantization else {}
-    llm = formcast.load(enable_prefix_caching=False, **opts)
+    quant = None if args.quantization == "none" else args.quantization
+    llm = formcast.load(enable_prefix_caching=False, quantization=quant)
     engine = llm.engine
     sides = {"plain": SpecConfig(method="none"),
              "spec": SpecConfig(method="prompt_lookup", max_draft=args.max_draft)}

@@ -8,6 +8,7 @@ apply stop conditions, and return what changed.
 from __future__ import annotations
 
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 import secrets
 import time
 from collections.abc import Sequence as SequenceABC
@@ -109,6 +110,9 @@ class Engine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Sequence] = []
         self._ids = itertools.count()
+        self._mask_pool: ThreadPoolExecutor | None = None  # fills masks during the forward
+        if self.config.num_threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(self.config.num_threads)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -258,12 +262,6 @@ class Engine:
         if not plan.scheduled:
             return outputs
         sampled = [item for item in plan.scheduled if item.samples]
-        started = time.perf_counter()
-        try:
-            logits = self.runner.execute(plan.scheduled)
-        except Exception as exc:
-            raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
-        self.scheduler.on_step_done(plan)
         # logits rows: one per sampled item, plus one per draft token after it
         starts, plain_rows, plain = [], [], []
         row = 0
@@ -273,9 +271,24 @@ class Engine:
                 plain_rows.append(row)
                 plain.append(item.seq)
             row += 1 + item.num_draft
+        # the masks of plain rows depend only on tokens already accepted: fill them
+        # while the model runs
+        masks = None
+        if self.config.overlap_masks and any(s.constraint is not None for s in plain):
+            if self._mask_pool is None:
+                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-masks")
+            masks = self._mask_pool.submit(self.sampler.fill_masks, plain)
+        started = time.perf_counter()
+        try:
+            logits = self.runner.execute(plan.scheduled)
+        except Exception as exc:
+            if masks is not None:
+                masks.result()  # the worker is done with the constraints before we go
+            raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
+        self.scheduler.on_step_done(plan)
         if plain:
             rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
-            result = self.sampler(rows, plain)
+            result = self.sampler(rows, plain, masks=None if masks is None else masks.result())
             for i, seq in enumerate(plain):
                 if i in result.errors:
                     if self._roll_back_dead_end(seq):

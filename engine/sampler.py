@@ -26,6 +26,15 @@ class SampleResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FilledMasks:
+    """Grammar bitmasks of a batch's constrained rows, filled ahead of sampling."""
+
+    rows: list[int]                            # batch rows that have a constraint
+    bitmask: torch.Tensor                      # [len(rows), words] int32
+    errors: dict[int, str]                     # row -> why its constraint failed
+
+
+@dataclass(frozen=True, kw_only=True)
 class Verdict:
     """One verified draft position: the token kept there and whether it was the draft's."""
 
@@ -52,13 +61,15 @@ class Sampler:
         return self._bitmask[:n]
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        # logits [B, V] float32, row i belongs to seqs[i]; modified in place
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 masks: FilledMasks | None = None) -> SampleResult:
+        # logits [B, V] float32, row i belongs to seqs[i]; modified in place.
+        # masks: from fill_masks(seqs) (made while the model ran), else filled here
         errors: dict[int, str] = {}
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        self._restrict(logits, seqs, errors)
+        self._restrict(logits, seqs, errors, filled=masks)
 
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
         tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
@@ -139,35 +150,43 @@ class Sampler:
         return Verdict(token_id=token, accepted=accepted, logprob=logprob, error=None)
 
     def _restrict(self, logits: torch.Tensor, seqs: list[Sequence], errors: dict[int, str],
-                  mask: torch.Tensor | None = None) -> None:
+                  mask: torch.Tensor | None = None, filled: FilledMasks | None = None) -> None:
         """Set to -inf, in place, what row ``i`` may not sample: ids past the
-        tokenizer's vocabulary, what ``seqs[i]``'s constraint forbids (``mask``: the
-        rows' bitmasks when filled ahead) and tokens a rollback banned there."""
+        tokenizer's vocabulary, what ``seqs[i]``'s constraint forbids (``mask``: every
+        row's bitmask, or ``filled``: the constrained rows', when filled ahead) and
+        tokens a rollback banned there."""
         if self.valid_vocab_size < self.vocab_size:
             logits[:, self.valid_vocab_size:] = float("-inf")
         if mask is not None:
             apply_token_bitmask_(logits, mask)
         else:
-            self._apply_constraints(logits, seqs, errors)
+            filled = filled or self.fill_masks(seqs, self._bitmask_rows)
+            errors.update(filled.errors)
+            if filled.rows:
+                apply_token_bitmask_(logits, filled.bitmask, torch.tensor(filled.rows))
         for i, seq in enumerate(seqs):
             banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
             if banned:
                 logits[i, list(banned)] = float("-inf")
 
-    def _apply_constraints(self, logits: torch.Tensor, seqs: list[Sequence],
-                           errors: dict[int, str]) -> None:
+    def fill_masks(self, seqs: list[Sequence], buffer=None) -> FilledMasks:
+        """Fill the bitmask of every constrained row of ``seqs`` (their matchers are
+        read, not changed). Safe on a worker thread while the model runs: it touches
+        only the constraints and a fresh tensor (``buffer(n)`` gives one to reuse)."""
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        if not rows:
-            return
-        bitmask = self._bitmask_rows(len(rows))
-        bitmask.zero_()
+        errors: dict[int, str] = {}
+        if buffer is not None:
+            bitmask = buffer(len(rows))
+            bitmask.zero_()
+        else:
+            bitmask = torch.zeros(len(rows), self.bitmask_width, dtype=torch.int32)
         for j, i in enumerate(rows):
             try:
                 seqs[i].constraint.fill_bitmask(bitmask, j)
             except Exception as exc:  # a broken constraint fails its own request only
                 errors[i] = f"constraint failed to fill its mask: {type(exc).__name__}: {exc}"
                 bitmask[j] = -1
-        apply_token_bitmask_(logits, bitmask, torch.tensor(rows))
+        return FilledMasks(rows=rows, bitmask=bitmask, errors=errors)
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator

@@ -5,6 +5,8 @@ transformers' LlamaForCausalLM, loaded from the same GGUF, is the oracle.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -248,3 +250,27 @@ def test_damaged_gguf_is_a_typed_error_naming_the_file(smollm2_gguf, tmp_path, d
         bad.write_bytes(bytes(range(256)) * 64)
     with pytest.raises(CorruptModelError, match="broken.gguf"):
         Engine.from_pretrained(str(bad), device="cpu")
+
+
+def test_masks_filled_during_the_forward_give_the_same_outputs(smollm2_engine):
+    from formcast.grammars import JsonSchema, compile
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "year": {"type": "integer"}},
+              "required": ["city", "year"], "additionalProperties": False}
+    tok = smollm2_engine.tokenizer
+    compiled = compile(JsonSchema(schema), tok, vocab_size=smollm2_engine.model.config.vocab_size)
+    prompts = [chat(smollm2_engine, f"Give a city and a year as JSON ({i}).") for i in range(3)]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+
+    def run(overlap: bool) -> list[tuple[int, ...]]:
+        engine = variant(smollm2_engine, overlap_masks=overlap, spec="none")
+        ids = [engine.add_request(p, greedy, constraint=compiled.matcher()) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done[i].token_ids for i in ids]
+
+    overlapped = run(True)
+    assert overlapped == run(False)
+    assert all(json.loads(tok.decode(list(t), skip_special_tokens=True)) for t in overlapped)

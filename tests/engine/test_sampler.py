@@ -137,10 +137,15 @@ def test_dead_end_and_broken_constraints_fail_only_their_row():
     broken.constraint = Broken({1})
     logits = torch.zeros(3, 64)
     logits[:, 5] = 1.0
-    out = sampler(logits, [ok, dead, broken])
+    out = sampler(logits.clone(), [ok, dead, broken])
     assert out.token_ids[0] == 5
     assert "dead end" in out.errors[1] and "boom" in out.errors[2]
     assert out.token_ids[1] == -1 and out.token_ids[2] == -1
+    # the same with the masks filled ahead, as the engine does on its worker thread
+    filled = sampler.fill_masks([ok, dead, broken])
+    assert filled.rows == [1, 2] and "boom" in filled.errors[2]
+    again = sampler(logits.clone(), [ok, dead, broken], masks=filled)
+    assert again.token_ids == out.token_ids and again.errors == out.errors
 
 
 def test_logprobs_are_raw_model_logprobs_with_top_alternatives():
