@@ -24,7 +24,7 @@ Scores:
   dates as ISO 8601 strings (pydantic parses them, so "2025-05-14" == date(2025,5,14)),
   null only equals null.
 
-Run: ``python benchmarks/extraction_quality.py [--quantization int4] [--limit N]``.
+Run: ``python benchmarks/extraction_quality.py [--quantization auto|none|int4] [--limit N]``.
 The acceptance line: A is 100% valid and ahead of B on field accuracy.
 """
 
@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--quantization", choices=("int4", "int8"), default=None)
+    parser.add_argument("--quantization", choices=("auto", "none", "int4", "int8"),
+                        default="auto", help="engine weights (auto: int4 for the Q4_1 GGUF)")
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--limit", type=int, default=None, help="items per schema")
     parser.add_argument("--methods", default="ABC")
@@ -330,10 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         groups.setdefault(it.schema, []).append(it)
     if args.limit:
         groups = {k: v[:args.limit] for k, v in groups.items()}
-    options = {"quantization": args.quantization} if args.quantization else {}
+    options = {"quantization": None if args.quantization == "none" else args.quantization}
     llm = formcast.load(args.model, device=args.device, **options)
     print(f"{llm!r}, {sum(map(len, groups.values()))} items, quantization="
-          f"{args.quantization or 'none'}", file=sys.stderr)
+          f"{llm.engine.quantization or 'none'}", file=sys.stderr)
 
     totals = {k: Tally() for k in args.methods}
     per_schema = {name: {k: Tally() for k in args.methods} for name in groups}
