@@ -16,9 +16,9 @@ and the same thread count. Four measurements, each printed with its ratio:
    formcast's engine, aggregate output tokens/s, against llama.cpp running the same
    16 one after another.
 4. **mask overhead** (formcast alone): the extraction prompts constrained by their
-   schema, then unconstrained with each row's length fixed to what it produced
-   constrained (so every step has the same batch), speculation off; tokens/s ratio
-   at batch 1 and 16.
+   schema, and unconstrained with each row's length fixed to what it produced
+   constrained (so every step has the same batch), speculation and prefix caching
+   off, the two sides alternating; tokens/s ratio at batch 1 and 16.
 
 Usage::
 
@@ -234,30 +234,39 @@ def main() -> None:
     if "mask" not in skip:
         import dataclasses
 
-        saved = engine.config
-        engine.config = dataclasses.replace(saved, spec=SpecConfig(method="none"))
+        from formcast.engine import Engine
+
+        # an engine of its own over the same model: prefix caching off (the second
+        # side would otherwise find the first side's prompts cached) and no drafts
+        plain = Engine(engine.model, tok, device=engine.device, name=engine.name,
+                       config=dataclasses.replace(engine.config, enable_prefix_caching=False,
+                                                  spec=SpecConfig(method="none")))
         print("\n4. formcast constrained vs unconstrained decode, same rows and lengths, "
-              "speculation off")
+              "speculation and prefix caching off")
         for batch in (1, 16):
             chosen = mixed[:batch]
+            reqs = [(prompt(it), SamplingParams(max_tokens=192, temperature=0.0),
+                     compiled[it.schema].matcher()) for it in chosen]
+            _, outs = run_engine(plain, reqs)  # warm-up, and each row's length
+            lengths = [len(o.token_ids) for o in outs]
             rates = {"constrained": [], "unconstrained": []}
-            for _ in range(3 if batch == 1 else 2):
-                reqs = [(prompt(it), SamplingParams(max_tokens=192, temperature=0.0),
-                         compiled[it.schema].matcher()) for it in chosen]
-                secs, outs = run_engine(engine, reqs)
-                lengths = [len(o.token_ids) for o in outs]
-                rates["constrained"].append(sum(lengths) / secs)
-                free = [(prompt(it), SamplingParams(max_tokens=n, temperature=0.0,
-                                                    ignore_eos=True), None)
-                        for it, n in zip(chosen, lengths)]
-                secs, outs = run_engine(engine, free)
-                rates["unconstrained"].append(sum(len(o.token_ids) for o in outs) / secs)
+            for r in range(3):
+                for side in (("constrained", "unconstrained") if r % 2 == 0
+                             else ("unconstrained", "constrained")):
+                    if side == "constrained":
+                        reqs = [(prompt(it), SamplingParams(max_tokens=192, temperature=0.0),
+                                 compiled[it.schema].matcher()) for it in chosen]
+                    else:
+                        reqs = [(prompt(it), SamplingParams(max_tokens=n, temperature=0.0,
+                                                            ignore_eos=True), None)
+                                for it, n in zip(chosen, lengths)]
+                    secs, outs = run_engine(plain, reqs)
+                    rates[side].append(sum(len(o.token_ids) for o in outs) / secs)
             c = statistics.median(rates["constrained"])
             u = statistics.median(rates["unconstrained"])
             results[f"mask{batch}"] = c / u
             print(f"   batch {batch:2d}: constrained {c:7.1f} tok/s, unconstrained {u:7.1f} tok/s, "
                   f"ratio {c / u:.3f} {verdict('mask', c / u)}", flush=True)
-        engine.config = saved
 
     print("\nsummary: " + ", ".join(f"{k} {v:.2f}x" for k, v in results.items()))
 
