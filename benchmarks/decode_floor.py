@@ -4,7 +4,7 @@ A decode step must at least run every linear layer of the model once for the bat
 (30 x [qkv, o, gate_up, down] + the 49152-row head). This script times exactly that,
 with distinct weight tensors per layer (as in the model, so nothing stays in cache)
 and the engine's own layer classes, for each weight format formcast's CPU path offers (float32, bfloat16, int8, int4 with
-the head in bfloat16, as ``quantization="int4"`` builds it), and runs transformers'
+the head in int8, as ``quantization="int4"`` builds it), and runs transformers'
 ``generate`` on the real model in the same run. ``floor tok/s`` is batch / step time:
 the speed of an engine whose attention, norms, sampling and Python cost nothing.
 ``best ratio`` = floor / HF is therefore the highest speed-up over HF that format
@@ -47,8 +47,10 @@ def build(fmt: str, cfg, seed: int = 0) -> tuple[list[list[nn.Module]], nn.Modul
     def convert(lin: nn.Linear, head: bool = False) -> nn.Module:
         if fmt == "float32":
             return lin
-        if fmt == "bfloat16" or head:  # quantize_linears keeps the head in bfloat16
+        if fmt == "bfloat16":
             return Bf16Linear(lin)
+        if head:  # quantize_linears gives the head 8 bits
+            return Int8Linear(lin)
         return Int8Linear(lin) if fmt == "int8" else Int4Linear(lin)
 
     def linear(i: int, o: int) -> nn.Linear:

@@ -274,3 +274,15 @@ def test_masks_filled_during_the_forward_give_the_same_outputs(smollm2_engine):
     overlapped = run(True)
     assert overlapped == run(False)
     assert all(json.loads(tok.decode(list(t), skip_special_tokens=True)) for t in overlapped)
+
+
+def test_num_threads_is_applied_and_checked(smollm2_engine):
+    before = torch.get_num_threads()
+    try:
+        variant(smollm2_engine, num_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="num_threads"):
+            EngineConfig(num_threads=bad)
