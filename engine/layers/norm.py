@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back (as Llama does)."""
@@ -15,7 +17,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, addend: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + addend, norm(x + addend))``: one fused kernel on CUDA."""
+        return add_rms_norm(x, addend, self.weight, self.eps)

@@ -8,6 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from formcast.engine.kernels.rmsnorm import triton_available
+from formcast.engine.kernels.rope import apply_rope_
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     """Inverse frequencies ``[head_dim // 2]``, with Llama-3 style scaling if configured."""
@@ -63,6 +66,8 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, heads, D] rotated at ``positions`` [T] (q and k heads may come
         together: each head rotates by itself)."""
+        if x.is_cuda and triton_available():  # in place, one kernel
+            return apply_rope_(x, positions, *self.tables(positions.device))
         cos, sin = self.halves(positions, x.dtype)
         return _rotate(x, cos, sin)
 

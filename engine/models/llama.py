@@ -70,9 +70,10 @@ class LlamaDecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # .forward directly: a decode step makes ~10 module calls per layer, and
         # nn.Module.__call__'s hook machinery costs more than some of the ops
-        x = x + self.self_attn.forward(self.input_layernorm.forward(x), positions, rotary,
-                                       kv_cache, meta)
-        return x + self.mlp.forward(self.post_attention_layernorm.forward(x))
+        attn = self.self_attn.forward(self.input_layernorm.forward(x), positions, rotary,
+                                      kv_cache, meta)
+        x, h = self.post_attention_layernorm.add_forward(x, attn)  # x + attn, its norm
+        return x + self.mlp.forward(h)
 
 
 class LlamaModel(nn.Module):

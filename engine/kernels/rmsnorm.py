@@ -1,0 +1,54 @@
+"""RMSNorm, optionally fused with the residual add before it.
+
+``rms_norm(x, w, eps)`` is Llama's norm: computed in float32 over the last
+dimension and cast back, then scaled by the weight in the input's dtype.
+``add_rms_norm(x, a, w, eps)`` returns ``(x + a, rms_norm(x + a))``, the pair a
+decoder layer needs between its attention and its MLP, in one pass over memory on
+CUDA. The torch path is the reference (and what the CPU runs, op for op as the
+model always did); the Triton path runs on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             backend: str = "auto") -> torch.Tensor:
+    """``x`` [..., E] normalized over E and scaled by ``weight`` [E]."""
+    if _use_triton(x, backend):
+        from formcast.engine.kernels.rmsnorm_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps)
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + addend, rms_norm(x + addend))``; the sum rounds to ``x``'s dtype
+    before it is normalized, as the unfused ops do."""
+    if _use_triton(x, backend):
+        from formcast.engine.kernels.rmsnorm_triton import add_rms_norm_triton
+
+        return add_rms_norm_triton(x, addend, weight, eps)
+    total = x + addend
+    return total, rms_norm(total, weight, eps, backend="torch")
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown backend {backend!r}: use 'auto', 'torch' or 'triton'")
+    if backend == "triton":
+        return True
+    return backend == "auto" and x.is_cuda and triton_available()
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

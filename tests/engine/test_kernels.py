@@ -1,0 +1,94 @@
+"""RMSNorm (+ residual) and RoPE kernels: the torch reference against the model's
+formulas, and the Triton kernels against the reference (on CUDA, and on the CPU
+through Triton's interpreter in a subprocess)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
+from formcast.engine.kernels.rope import apply_rope_
+from formcast.engine.layers.rotary import RotaryEmbedding
+
+
+def _tables(device="cpu"):
+    return RotaryEmbedding(64, 1024, 10000.0).tables(torch.device(device))
+
+
+def test_reference_rms_norm_is_llamas_formula_and_the_fused_add_matches():
+    gen = torch.Generator().manual_seed(0)
+    x, a = torch.randn(4, 576, generator=gen), torch.randn(4, 576, generator=gen)
+    w = torch.rand(576, generator=gen) + 0.5
+    expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(rms_norm(x, w, 1e-5), expected)
+    total, normed = add_rms_norm(x, a, w, 1e-5)
+    assert torch.equal(total, x + a) and torch.equal(normed, rms_norm(x + a, w, 1e-5))
+    with pytest.raises(ValueError, match="unknown backend"):
+        rms_norm(x, w, 1e-5, backend="cuda")
+
+
+def test_reference_rope_is_rotate_half_in_place():
+    cos, sin = _tables()
+    gen = torch.Generator().manual_seed(1)
+    qkv = torch.randn(6, 960, generator=gen)
+    qk = qkv[:, :768].view(6, 12, 64)          # q|k of a fused projection, strided rows
+    pos = torch.tensor([0, 1, 7, 300, 2, 1023])
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    rotate_half = torch.cat((-qk[..., 32:], qk[..., :32]), dim=-1)
+    expected = qk * c + rotate_half * s         # transformers' formula
+    v = qkv[:, 768:].clone()
+    out = apply_rope_(qk, pos, cos, sin)
+    assert out is qk and torch.equal(qk, expected)
+    assert torch.equal(qkv[:, 768:], v)        # v untouched
+
+
+def _compare(backend_device: str) -> None:
+    """Triton vs torch on ``backend_device`` tensors (shared by the CUDA test and
+    the interpreter subprocess)."""
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.07)):
+        gen = torch.Generator().manual_seed(2)
+        for rows, hidden in ((1, 576), (9, 576), (3, 960), (0, 576), (2, 4100)):
+            x = torch.randn(rows, hidden, generator=gen).to(dtype).to(backend_device)
+            a = torch.randn(rows, hidden, generator=gen).to(dtype).to(backend_device)
+            w = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(backend_device)
+            ref, got = rms_norm(x, w, 1e-5, backend="torch"), rms_norm(x, w, 1e-5, backend="triton")
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            assert (got.float() - ref.float()).abs().max().item() <= tol * 4 if rows else True
+            (s1, n1), (s2, n2) = (add_rms_norm(x, a, w, 1e-5, backend=b) for b in ("torch", "triton"))
+            if rows:
+                assert (s1.float() - s2.float()).abs().max().item() <= tol * 4
+                assert (n1.float() - n2.float()).abs().max().item() <= tol * 4
+        cos, sin = _tables(backend_device)
+        qkv = torch.randn(7, 960, generator=gen).to(dtype).to(backend_device)
+        pos = torch.tensor([0, 3, 9, 100, 5, 6, 1023]).to(backend_device)
+        ref = apply_rope_(qkv[:, :768].clone().view(7, 12, 64), pos, cos, sin, backend="torch")
+        got = qkv.clone()
+        apply_rope_(got[:, :768].view(7, 12, 64), pos, cos, sin, backend="triton")
+        assert (got[:, :768].view(7, 12, 64).float() - ref.float()).abs().max().item() <= tol
+        assert torch.equal(got[:, 768:], qkv[:, 768:])
+
+
+@pytest.mark.cuda
+def test_triton_kernels_match_the_reference_on_cuda():
+    _compare("cuda")
+
+
+def test_triton_kernels_match_the_reference_in_the_interpreter():
+    pytest.importorskip("triton")
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, {here!r})
+        from test_kernels import _compare
+        _compare("cpu")
+        print("ok")
+    """).format(here=os.path.dirname(__file__))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
