@@ -9,27 +9,13 @@ microseconds per call (CUDA events, median of 50) and the speed-up.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from formcast.engine.kernels.rmsnorm import add_rms_norm
 from formcast.engine.kernels.rope import apply_rope_
 from formcast.engine.layers.rotary import RotaryEmbedding
 
-
-def time_us(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+from bitmask_cuda import time_us  # same folder: CUDA-event timing, median
 
 
 def main() -> None:

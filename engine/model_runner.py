@@ -47,16 +47,16 @@ class ModelRunner:
         Rows of prompt tokens run on a quantized model's float32 weights
         (:func:`formcast.engine.layers.quant.prompt_rows`) unless ``prompt_float`` is
         False."""
-        token_ids, positions, meta, sample_rows, is_prompt = self._prepare(batch)
+        token_ids, positions, meta, sample_rows, is_prompt, head_is_prompt = self._prepare(batch)
+        if all_logits:
+            head_is_prompt = is_prompt
         if not prompt_float:
-            is_prompt = None
+            is_prompt = head_is_prompt = None
         with prompt_rows(is_prompt, self.device):
             hidden = self.model(token_ids, positions, self.kv_caches, meta)   # [T, E]
         if not all_logits:
             hidden = hidden[sample_rows]
-            if is_prompt is not None:
-                is_prompt = [is_prompt[r] for r in self._sample_rows]
-        with prompt_rows(is_prompt, self.device):
+        with prompt_rows(head_is_prompt, self.device):
             return self.model.logits(hidden)
 
     def release(self, seq: Sequence) -> None:
@@ -64,7 +64,7 @@ class ModelRunner:
 
     def _prepare(self, batch: list[ScheduledSeq]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                            list[bool]]:
+                            list[bool], list[bool]]:
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -117,9 +117,8 @@ class ModelRunner:
             decode_mask=mask.view(len(padded), 1, 1, max_blocks * bs).to(dev, non_blocking=True),
             prefills=tuple(prefills),
         )
-        self._sample_rows = sample_rows
         return (torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
                 torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
                 meta,
                 torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
-                is_prompt)
+                is_prompt, [is_prompt[r] for r in sample_rows])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from formcast.engine.kernels import triton_available
+
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 ``[N, W]`` -> bool ``[N, vocab_size]`` (True = allowed)."""
@@ -40,7 +42,7 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
         raise ValueError(f"unknown bitmask backend {backend!r}: use 'auto', 'torch' or 'triton'")
     if bitmask.numel() == 0:
         return
-    if backend == "triton" or (backend == "auto" and logits.is_cuda and _triton_available()):
+    if backend == "triton" or (backend == "auto" and logits.is_cuda and triton_available()):
         from formcast.engine.kernels.bitmask_triton import apply_token_bitmask_triton_
 
         apply_token_bitmask_triton_(logits, bitmask, rows)
@@ -51,11 +53,3 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     else:
         rows = rows.to(logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import torch
 
+from formcast.engine.kernels import use_triton
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
              backend: str = "auto") -> torch.Tensor:
     """``x`` [..., E] normalized over E and scaled by ``weight`` [E]."""
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         from formcast.engine.kernels.rmsnorm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
@@ -30,25 +32,9 @@ def add_rms_norm(x: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, ep
                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + addend, rms_norm(x + addend))``; the sum rounds to ``x``'s dtype
     before it is normalized, as the unfused ops do."""
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         from formcast.engine.kernels.rmsnorm_triton import add_rms_norm_triton
 
         return add_rms_norm_triton(x, addend, weight, eps)
     total = x + addend
     return total, rms_norm(total, weight, eps, backend="torch")
-
-
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"unknown backend {backend!r}: use 'auto', 'torch' or 'triton'")
-    if backend == "triton":
-        return True
-    return backend == "auto" and x.is_cuda and triton_available()
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from formcast.engine.kernels.rmsnorm import _use_triton
+from formcast.engine.kernels import use_triton
 
 
 def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -19,7 +19,7 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
     """Rotate ``x`` in place; returns it."""
     if x.shape[0] == 0:
         return x
-    if _use_triton(x, backend):
+    if use_triton(x, backend):
         from formcast.engine.kernels.rope_triton import apply_rope_triton_
 
         apply_rope_triton_(x, positions, cos, sin)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from formcast.engine.kernels.rmsnorm import triton_available
+from formcast.engine.kernels import triton_available
 from formcast.engine.kernels.rope import apply_rope_
 
 
@@ -56,12 +56,6 @@ class RotaryEmbedding(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
             self._tables = (emb.cos().to(device), emb.sin().to(device))
         return self._tables
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions [T]; q [T, H, D]; k [T, Hkv, D]
-        cos, sin = self.halves(positions, q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, heads, D] rotated at ``positions`` [T] (q and k heads may come
