@@ -107,6 +107,10 @@ class EngineConfig:
     overlap_masks : bool
         Fill the grammar masks of a step's constrained rows on a worker thread while
         the model runs (the grammar library releases the GIL), instead of after it.
+    cuda_graphs : bool
+        On CUDA, capture the decode step as CUDA graphs at batch sizes 1, 2, 4, ...
+        up to ``max_num_seqs`` when the engine starts (Llama models), and replay
+        them for decode steps. False runs every step eagerly.
     """
 
     block_size: int = 16
@@ -119,6 +123,7 @@ class EngineConfig:
     max_constraint_rollbacks: int = 8
     num_threads: int | None = None
     overlap_masks: bool = True
+    cuda_graphs: bool = True
     spec: Any = None  # SpecConfig after __post_init__
 
     def __post_init__(self) -> None:

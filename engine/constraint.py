@@ -38,6 +38,12 @@ class LogitsConstraint(Protocol):
         """How many leading tokens of ``draft`` the constraint allows (state unchanged)."""
 
 
+# Optional: a constraint class may offer ``fill_bitmasks(constraints, bitmask, rows)``
+# (a static or class method) that fills ``bitmask[rows[i]]`` for each of several of its
+# instances in one call. On CUDA the engine uses it for a step's rows of that class
+# (falling back to ``fill_bitmask`` row by row if it raises).
+
+
 def bitmask_words(vocab_size: int) -> int:
     """Number of int32 words of one bitmask row for ``vocab_size`` tokens."""
     return (vocab_size + 31) // 32

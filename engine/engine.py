@@ -18,6 +18,7 @@ import torch
 from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.constraint import LogitsConstraint
+from formcast.engine.cuda_graph import graph_ladder
 from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -91,18 +92,22 @@ class Engine:
             num_blocks = self.config.num_kv_blocks or max(
                 1, self.config.kv_cache_memory // kv_bytes_per_block(mcfg, bs, self.dtype))
             self.prefix_caching = self.config.enable_prefix_caching
+            graph_sizes = graph_ladder(self.config.max_num_seqs) \
+                if self.config.cuda_graphs and self.device.type == "cuda" else ()
             self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs,
-                                      device=self.device, dtype=self.dtype)
+                                      device=self.device, dtype=self.dtype,
+                                      cuda_graph_sizes=graph_sizes,
+                                      max_model_len=self._max_len(num_blocks))
         if spec.enabled and spec.method == "mtp" and self._mtp is None:
             raise ValueError("spec method 'mtp' needs a model with an MTP layer (a DeepSeek-V4 "
                              "checkpoint with mtp.0.* weights); use 'prompt_lookup' or 'auto'")
         # a sequence must always fit alone in the cache, so cap the context there
-        self.max_model_len = min(self.config.max_model_len or mcfg.max_position_embeddings,
-                                 mcfg.max_position_embeddings, num_blocks * bs)
+        self.max_model_len = self._max_len(num_blocks)
         self.block_manager = BlockManager(num_blocks, bs, enable_prefix_caching=self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens)
-        self.sampler = Sampler(mcfg.vocab_size, tokenizer.vocab_size)
+        self.sampler = Sampler(mcfg.vocab_size, tokenizer.vocab_size,
+                               batch_fill=self.device.type == "cuda")
         self.step_cost = StepCostModel()  # seconds per step by tokens, learned online
         self._draft_memory: DraftMemory | None = None  # the model's habits, for drafting
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
@@ -113,6 +118,10 @@ class Engine:
         self._mask_pool: ThreadPoolExecutor | None = None  # fills masks during the forward
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
+
+    def _max_len(self, num_blocks: int) -> int:
+        mpe = self.model.config.max_position_embeddings
+        return min(self.config.max_model_len or mpe, mpe, num_blocks * self.config.block_size)
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -253,7 +262,12 @@ class Engine:
 
         Returns the outputs of requests that got a token or finished in this step.
         """
-        outputs = [s.to_output() for s in self._aborted]
+        return [seq.to_output() for seq in self._step()]
+
+    def _step(self) -> list[Sequence]:
+        """:meth:`step`, returning the sequences (their outputs are built on demand:
+        a copy of every token of every running request each step adds up)."""
+        outputs = list(self._aborted)
         self._aborted.clear()
         self._propose_drafts()
         plan = self.scheduler.schedule()
@@ -300,7 +314,7 @@ class Engine:
         for item, start in zip(sampled, starts):
             if item.num_draft:
                 self._verify(item.seq, logits[start:start + 1 + item.num_draft])
-            outputs.append(item.seq.to_output())
+            outputs.append(item.seq)
         self.step_cost.observe(plan.num_tokens, time.perf_counter() - started)
         return outputs
 
@@ -522,9 +536,9 @@ class Engine:
             self._queue(seq)
         pending = {s.request_id for s in seqs}
         while pending:
-            for out in self.step():
-                if out.finished:
-                    pending.discard(out.request_id)
+            for seq in self._step():
+                if seq.is_finished:
+                    pending.discard(seq.request_id)
             if pending and not self.scheduler.has_unfinished():
                 raise EngineError(f"requests {sorted(pending)} were lost by the scheduler")
         return [s.to_output() for s in seqs]

@@ -6,9 +6,12 @@ Owns the KV cache memory: one tensor per layer, ``[2, NBtotal, BS, Hkv, D]``
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from formcast.engine.config import LlamaConfig
+from formcast.engine.cuda_graph import DecodeGraphs
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
 from formcast.engine.layers.quant import prompt_rows
 from formcast.engine.models.llama import LlamaForCausalLM
@@ -22,20 +25,53 @@ def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype)
         * config.head_dim * elem
 
 
+@dataclass(kw_only=True)
+class StepLayout:
+    """A step's rows as host lists, in batch order (what ``_prepare`` moves to the device)."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    is_prompt: list[bool] = field(default_factory=list)
+    decode_rows: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    decode_lens: list[int] = field(default_factory=list)
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    # (first row, tokens, context length once written, block table) per prefill chunk
+
+    @property
+    def only_decodes(self) -> bool:
+        return not self.prefills and len(self.sample_rows) == len(self.tokens)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype,
+                 cuda_graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None
+                 ) -> None:
+        """``cuda_graph_sizes``: batch sizes whose decode steps are captured as CUDA
+        graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables."""
         self.model = model
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
         self.num_blocks = num_blocks
         cfg = model.config
+        graphs = bool(cuda_graph_sizes) and device.type == "cuda"
+        # with graphs, one block more: padding rows write their keys there
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                        dtype=dtype, device=device)
+            torch.zeros(2, num_blocks + graphs, block_size, cfg.num_key_value_heads,
+                        cfg.head_dim, dtype=dtype, device=device)
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            max_len = max_model_len or cfg.max_position_embeddings
+            self.graphs = DecodeGraphs(model, self.kv_caches, sizes=cuda_graph_sizes,
+                                       max_blocks=-(-max_len // block_size),
+                                       block_size=block_size,
+                                       scratch_slot=num_blocks * block_size)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], *, all_logits: bool = False,
@@ -46,10 +82,17 @@ class ModelRunner:
 
         Rows of prompt tokens run on a quantized model's float32 weights
         (:func:`formcast.engine.layers.quant.prompt_rows`) unless ``prompt_float`` is
-        False."""
-        token_ids, positions, meta, sample_rows, is_prompt, head_is_prompt = self._prepare(batch)
-        if all_logits:
-            head_is_prompt = is_prompt
+        False. Decode steps replay a CUDA graph when one fits (the logits are then a
+        view that the next step overwrites)."""
+        layout = self._layout(batch)
+        if self.graphs is not None and layout.only_decodes \
+                and self.graphs.size_for(len(layout.tokens)) is not None:
+            logits = self.graphs.run(layout.tokens, layout.positions, layout.slots,
+                                     layout.decode_tables, layout.decode_lens)
+            return logits.clone() if all_logits else logits
+        token_ids, positions, meta, sample_rows = self._prepare(layout)
+        is_prompt = layout.is_prompt
+        head_is_prompt = is_prompt if all_logits else [is_prompt[r] for r in layout.sample_rows]
         if not prompt_float:
             is_prompt = head_is_prompt = None
         with prompt_rows(is_prompt, self.device):
@@ -62,63 +105,68 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Nothing to free: a sequence's KV blocks belong to the block manager."""
 
-    def _prepare(self, batch: list[ScheduledSeq]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                            list[bool], list[bool]]:
+    def _layout(self, batch: list[ScheduledSeq]) -> StepLayout:
         bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        is_prompt: list[bool] = []
-        decode_rows: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSpan] = []
+        out = StepLayout()
+        tokens = out.tokens
         for item in batch:
             seq, n, d = item.seq, item.num_tokens, item.num_draft
             start = seq.num_computed_tokens
             row0 = len(tokens)
+            if n == 1 and not d and start == len(seq.token_ids) - 1:
+                # a plain decode (most rows of most steps): the general case, unrolled
+                table = seq.block_table
+                tokens.append(seq.token_ids[start])
+                out.positions.append(start)
+                out.is_prompt.append(start < seq.num_prompt_tokens)
+                out.slots.append(table[start // bs] * bs + start % bs)
+                out.decode_rows.append(row0)
+                out.decode_tables.append(table[:start // bs + 1])
+                out.decode_lens.append(start + 1)
+                out.sample_rows.append(row0)
+                continue
             tokens.extend(seq.token_ids[start:start + n - d])
             if d:
                 tokens.extend(seq.draft.tokens[:d])
             pos = range(start, start + n)
-            positions.extend(pos)
-            is_prompt.extend(p < seq.num_prompt_tokens for p in pos)
+            out.positions.extend(pos)
+            out.is_prompt.extend(p < seq.num_prompt_tokens for p in pos)
             table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in pos)
+            out.slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if n == d + 1:
                 # a decode, and each draft position after it as a decode of its own:
                 # verification scores every position exactly as plain decoding of
                 # those tokens would (decode rows are batch-invariant, and so are
                 # the linears), so greedy output cannot change with speculation
                 for j in range(n):
-                    decode_rows.append(row0 + j)
-                    decode_tables.append(table[:(start + j + bs) // bs])
-                    decode_lens.append(start + j + 1)
+                    out.decode_rows.append(row0 + j)
+                    out.decode_tables.append(table[:(start + j + bs) // bs])
+                    out.decode_lens.append(start + j + 1)
             else:
                 nblocks = -(-(start + n) // bs)
-                prefills.append(PrefillSpan(
-                    start=row0, length=n, context_len=start + n,
-                    block_table=torch.tensor(table[:nblocks], dtype=torch.long,
-                                             device=self.device)))
+                out.prefills.append((row0, n, start + n, table[:nblocks]))
             if item.samples:
-                sample_rows.extend(range(row0 + n - 1 - d, row0 + n))
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
-        lens = torch.tensor(decode_lens, dtype=torch.long)
-        mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)  # [Bd, S]
+                out.sample_rows.extend(range(row0 + n - 1 - d, row0 + n))
+        return out
+
+    def _prepare(self, layout: StepLayout
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
+
+        def to_dev(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
+
+        tables = layout.decode_tables
+        max_blocks = max((len(t) for t in tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long).to(dev, non_blocking=True),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long).view(len(padded), max_blocks)
-            .to(dev, non_blocking=True),
-            decode_mask=mask.view(len(padded), 1, 1, max_blocks * bs).to(dev, non_blocking=True),
-            prefills=tuple(prefills),
+            slot_mapping=to_dev(layout.slots),
+            decode_rows=to_dev(layout.decode_rows),
+            decode_block_tables=to_dev(padded).view(len(padded), max_blocks),
+            decode_lens=to_dev(layout.decode_lens),
+            prefills=tuple(PrefillSpan(start=row0, length=n, context_len=ctx,
+                                       block_table=to_dev(table))
+                           for row0, n, ctx, table in layout.prefills),
         )
-        return (torch.tensor(tokens, dtype=torch.long).to(dev, non_blocking=True),
-                torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-                meta,
-                torch.tensor(sample_rows, dtype=torch.long).to(dev, non_blocking=True),
-                is_prompt, [is_prompt[r] for r in sample_rows])
+        return (to_dev(layout.tokens), to_dev(layout.positions), meta,
+                to_dev(layout.sample_rows))

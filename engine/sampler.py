@@ -47,9 +47,13 @@ class Verdict:
 class Sampler:
     """Samples one token per row of a logits batch for the given sequences."""
 
-    def __init__(self, vocab_size: int, valid_vocab_size: int) -> None:
-        # vocab_size: the model's (logits width); valid_vocab_size: the tokenizer's
+    def __init__(self, vocab_size: int, valid_vocab_size: int, *, batch_fill: bool = False
+                 ) -> None:
+        # vocab_size: the model's (logits width); valid_vocab_size: the tokenizer's.
+        # batch_fill: fill masks through a constraint class's ``fill_bitmasks`` (many
+        # rows in one call, on the grammar library's threads) where it has one
         self.vocab_size = vocab_size
+        self.batch_fill = batch_fill
         self.valid_vocab_size = min(valid_vocab_size, vocab_size)
         self.bitmask_width = bitmask_words(vocab_size)  # int32 words per mask row
         self._bitmask = torch.zeros(0, self.bitmask_width, dtype=torch.int32)
@@ -79,11 +83,13 @@ class Sampler:
         for i, seq in enumerate(seqs):
             if not seq.params.greedy:
                 tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
-        # one host sync per step: the sampled tokens and the dead-end check
+        # one host sync per step: the sampled tokens and the dead-end flags together
         dead = torch.isneginf(logits.max(dim=-1).values)
-        token_list = tokens.tolist()
-        for i in torch.nonzero(dead).flatten().tolist():
-            errors.setdefault(i, "the constraint allows no token at this point (dead end)")
+        both = torch.stack((tokens, dead.long())).tolist()
+        token_list = both[0]
+        for i, is_dead in enumerate(both[1]):
+            if is_dead:
+                errors.setdefault(i, "the constraint allows no token at this point (dead end)")
         for i in errors:
             token_list[i] = -1
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
@@ -180,7 +186,23 @@ class Sampler:
             bitmask.zero_()
         else:
             bitmask = torch.zeros(len(rows), self.bitmask_width, dtype=torch.int32)
-        for j, i in enumerate(rows):
+        single = list(range(len(rows)))  # mask rows filled one by one
+        if self.batch_fill and len(rows) > 1:
+            single = []
+            groups: dict = {}
+            for j, i in enumerate(rows):
+                many = getattr(type(seqs[i].constraint), "fill_bitmasks", None)
+                if many is None:
+                    single.append(j)
+                else:
+                    groups.setdefault(many, []).append(j)
+            for many, js in groups.items():
+                try:
+                    many([seqs[rows[j]].constraint for j in js], bitmask, js)
+                except Exception:  # find the broken one row by row
+                    single.extend(js)
+        for j in single:
+            i = rows[j]
             try:
                 seqs[i].constraint.fill_bitmask(bitmask, j)
             except Exception as exc:  # a broken constraint fails its own request only

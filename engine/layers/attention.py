@@ -12,11 +12,12 @@ Bd decode rows, S gathered context length, NB blocks, BS block size.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from formcast.engine.kernels.paged_attention import decode_masked_out, paged_decode_attention
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,17 +35,21 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor          # [T] long: cache slot of each new token
     decode_rows: torch.Tensor           # [Bd] long: flat rows that are single-token decodes
     decode_block_tables: torch.Tensor   # [Bd, NB] long (padded with block 0)
-    decode_mask: torch.Tensor           # [Bd, 1, 1, S] bool: True where attended
+    decode_lens: torch.Tensor           # [Bd] long: context length of each decode row
     prefills: tuple[PrefillSpan, ...]
 
     @property
     def num_decodes(self) -> int:
         return int(self.decode_rows.numel())
 
-    @functools.cached_property
-    def decode_mask_out(self) -> torch.Tensor:
-        """``~decode_mask``, made once per step rather than once per layer."""
-        return ~self.decode_mask
+    def decode_masked_out(self, width: int) -> torch.Tensor:
+        """:func:`decode_masked_out` of the decode rows, made once per step rather
+        than once per layer."""
+        cached = self.__dict__.get("_masked_out")
+        if cached is None or cached.shape[-1] != width:
+            cached = decode_masked_out(self.decode_lens, width)
+            object.__setattr__(self, "_masked_out", cached)
+        return cached
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,21 +73,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     hkv = k.shape[1]
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
-        bd = meta.num_decodes
-        # K made contiguous: the score GEMM then takes the same kernel whatever Bd is
-        # (on a strided K, MKL's choice depends on the batch and rows stop matching
-        # their own one-row result), and it is faster
-        kk = k_cache[meta.decode_block_tables].view(bd, -1, hkv, d).transpose(1, 2) \
-            .contiguous()                                                             # [Bd,Hkv,S,D]
-        vv = v_cache[meta.decode_block_tables].view(bd, -1, hkv, d).transpose(1, 2)
-        only_decodes = bd == t  # rows are then 0..T-1 in order (the runner's layout)
-        qq = (q if only_decodes else q[meta.decode_rows]).view(bd, hkv, h // hkv, d)  # [Bd,Hkv,G,D]
-        scores = torch.matmul(qq, kk.transpose(-1, -2)).mul_(scale)                   # [Bd,Hkv,G,S]
-        scores.masked_fill_(meta.decode_mask_out, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        only_decodes = meta.num_decodes == t  # rows are then 0..T-1 in order (the runner's layout)
+        tables = meta.decode_block_tables
+        width = tables.shape[1] * k_cache.shape[1]
+        masked_out = None if q.is_cuda else meta.decode_masked_out(width)
+        o = paged_decode_attention(q if only_decodes else q[meta.decode_rows], k_cache, v_cache,
+                                   tables, meta.decode_lens, scale, masked_out=masked_out)
         if only_decodes:
-            return torch.matmul(probs, vv).view(bd, h, d)
-        out[meta.decode_rows] = torch.matmul(probs, vv).view(bd, h, d)
+            return o
+        out[meta.decode_rows] = o
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.length)
         qs = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, L, D]

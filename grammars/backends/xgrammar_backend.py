@@ -94,6 +94,12 @@ class XGrammarMatcher(Matcher):
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:  # replaced per instance
         self._m.fill_next_token_bitmask(bitmask, row)
 
+    @staticmethod
+    def fill_bitmasks(matchers: list["XGrammarMatcher"], bitmask: torch.Tensor,
+                      rows: list[int]) -> None:
+        """Several matchers' rows in one call (the engine's optional batch hook)."""
+        batch_fill(matchers, bitmask, rows)
+
     def accept(self, token_id: int) -> bool:
         if token_id in self._blocked or not 0 <= token_id < self._size:
             return False

@@ -15,7 +15,7 @@ def _decode_meta(slot: int, table: torch.Tensor, n: int) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=torch.tensor([slot]), decode_rows=torch.tensor([0]),
         decode_block_tables=table[:blocks].view(1, -1),
-        decode_mask=(torch.arange(blocks * BS) < n).view(1, 1, 1, -1), prefills=())
+        decode_lens=torch.tensor([n]), prefills=())
 
 
 @pytest.mark.parametrize("start", [1, 15, 16, 17, 130, 301])
@@ -39,8 +39,7 @@ def test_verification_rows_equal_decodes_bit_for_bit(start: int, length: int) ->
     meta = AttentionMetadata(
         slot_mapping=slots, decode_rows=torch.arange(length),
         decode_block_tables=table[:width].expand(length, width),
-        decode_mask=(torch.arange(width * BS)[None] < torch.tensor(lens)[:, None])
-        .view(length, 1, 1, -1), prefills=())
+        decode_lens=torch.tensor(lens), prefills=())
     together = paged_attention(q, k, v, kc, vc, meta, D ** -0.5)
 
     kc, vc = k_cache.clone(), v_cache.clone()
@@ -54,7 +53,7 @@ def test_verification_rows_equal_decodes_bit_for_bit(start: int, length: int) ->
     causal = paged_attention(q, k, v, kc, vc, AttentionMetadata(
         slot_mapping=slots, decode_rows=torch.zeros(0, dtype=torch.long),
         decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
-        decode_mask=torch.zeros(0, 1, 1, 0, dtype=torch.bool),
+        decode_lens=torch.zeros(0, dtype=torch.long),
         prefills=(PrefillSpan(start=0, length=length, context_len=start + length,
                               block_table=table),)), D ** -0.5)
     torch.testing.assert_close(together, causal, rtol=1e-5, atol=1e-5)
@@ -83,8 +82,7 @@ def test_decode_rows_do_not_depend_on_the_batch() -> None:
         padded = torch.stack([torch.cat([t, t.new_zeros(width - len(t))]) for t in tables])
         meta = AttentionMetadata(
             slot_mapping=slots, decode_rows=torch.arange(len(lens)), decode_block_tables=padded,
-            decode_mask=(torch.arange(width * BS)[None] < torch.tensor(lens)[:, None])
-            .view(len(lens), 1, 1, -1), prefills=())
+            decode_lens=torch.tensor(lens), prefills=())
         batched = paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), meta, D ** -0.5)
         for i, n in enumerate(lens):
             alone = paged_attention(q[i:i + 1], k[i:i + 1], v[i:i + 1], k_cache.clone(),

@@ -170,3 +170,41 @@ def test_banned_tokens_are_excluded_only_at_their_position():
     seq.banned_tokens = {2: set(range(8))}
     out = sampler(logits.clone(), [seq, other])
     assert 0 in out.errors and out.token_ids[1] == 1
+
+
+def test_batch_fill_hook_fills_a_class_s_rows_in_one_call_and_falls_back_per_row():
+    """With ``batch_fill`` (the engine sets it on CUDA) rows whose constraint class has
+    ``fill_bitmasks`` are filled by one call per class; when that call raises, the
+    rows are filled one by one so only the broken constraint fails."""
+    calls = []
+
+    class Batched(AllowOnly):
+        @staticmethod
+        def fill_bitmasks(constraints, bitmask, rows):
+            calls.append(list(rows))
+            for c, r in zip(constraints, rows):
+                if isinstance(c, Broken):
+                    raise KeyError("boom")
+                c.fill_bitmask(bitmask, r)
+
+    class Broken(Batched):
+        def fill_bitmask(self, bitmask, row):
+            raise KeyError("boom")
+
+    seqs = [make_seq([1], rid=f"r{i}", temperature=0.0) for i in range(4)]
+    seqs[0].constraint = Batched({3})
+    seqs[1].constraint = AllowOnly({4})      # no hook: filled alone
+    seqs[3].constraint = Batched({6})
+    logits = torch.zeros(4, 64)
+    one_by_one = Sampler(64, 64).fill_masks(seqs)
+    batched = Sampler(64, 64, batch_fill=True).fill_masks(seqs)
+    assert calls == [[0, 2]]                 # mask rows of seqs 0 and 3, one call
+    assert batched.rows == one_by_one.rows == [0, 1, 3]
+    assert torch.equal(batched.bitmask, one_by_one.bitmask) and not batched.errors
+    out = Sampler(64, 64, batch_fill=True)(logits.clone(), seqs, masks=batched)
+    assert out.token_ids[:2] == [3, 4] and out.token_ids[3] == 6
+
+    seqs[3].constraint = Broken({6})
+    filled = Sampler(64, 64, batch_fill=True).fill_masks(seqs)
+    assert list(filled.errors) == [3] and "boom" in filled.errors[3]
+    assert torch.equal(filled.bitmask[0], one_by_one.bitmask[0])

@@ -190,6 +190,15 @@ def test_batch_fill_matches_row_by_row(compiler, tiny_vocab):
         m.fill_bitmask(one, 0)
         assert torch.equal(batch[row], one[0])
     assert torch.equal(batch[1], torch.full_like(batch[1], -1))   # untouched rows stay
+    # the engine's batch hook on xgrammar matchers fills the same bits
+    plain = [m for m in matchers if hasattr(type(m), "fill_bitmasks")]
+    assert len(plain) >= 3
+    hooked = grammars[0].allocate_bitmask(len(plain))
+    type(plain[0]).fill_bitmasks(plain, hooked, list(range(len(plain))))
+    for i, m in enumerate(plain):
+        one = grammars[0].allocate_bitmask(1)
+        m.fill_bitmask(one, 0)
+        assert torch.equal(hooked[i], one[0])
 
 
 @pytest.mark.parametrize("schema,text,redo,fix", [

@@ -1,0 +1,198 @@
+"""GPU decode throughput on random weights of real shapes, three measurements in one run.
+
+1. formcast vs transformers ``generate`` (same weights, same prompts, greedy,
+   bfloat16) at each batch size: tokens/s and their ratio.
+2. Constrained vs unconstrained on the same engine: every row under a JSON Schema
+   (a list of records that cannot close before the token budget) against free
+   text, at each batch size: tokens/s and the ratio.
+3. The batch-1 decode step of a larger shape against its bytes-moved bound:
+   (weight bytes + KV bytes read) / the copy bandwidth measured on this device.
+
+    python benchmarks/gpu_throughput.py --tokenizer-dir DIR [--skip hf,constrained,bound]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+
+import torch
+
+from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
+from formcast.engine.engine import build_model
+from formcast.engine.models.shapes import SHAPES, random_llama_weights
+
+from cuda_random_weights import hf_model  # same folder
+
+# records that cannot close before the token budget runs out: every row stays
+# constrained for the whole run. (Strings with maxLength are left out: xgrammar
+# fills such a string's mask in milliseconds rather than microseconds, a cost of
+# the grammar backend that this benchmark of the engine does not measure.)
+SCHEMA = {"type": "object", "required": ["records"], "properties": {"records": {
+    "type": "array", "minItems": 200, "items": {
+        "type": "object", "required": ["name", "city", "age"], "additionalProperties": False,
+        "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 120}}}}}}
+
+
+def make_engine(shape: str, tok: Tokenizer, max_batch: int, **config) -> Engine:
+    weights = random_llama_weights(SHAPES[shape], seed=0, head_std=0.5)
+    model = build_model(SHAPES[shape], weights, device=torch.device("cuda"), dtype=torch.bfloat16)
+    eng = Engine(model, tok, config=EngineConfig(max_num_seqs=max_batch, num_kv_blocks=8192,
+                                                 max_num_batched_tokens=16384, **config),
+                 device=torch.device("cuda"))
+    eng.weights = weights  # for the transformers side
+    return eng
+
+
+def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
+    return [tok.encode(f"Request number {i}: list the people in the weather report.")
+            for i in range(n)]
+
+
+def timed_generate(eng: Engine, ps, sp, constraints=None) -> tuple[float, int]:
+    """Seconds and generated tokens of one ``generate`` (after a short warm-up)."""
+    eng.generate(ps, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                 constraints=None if constraints is None else constraints())
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = eng.generate(ps, sp, constraints=None if constraints is None else constraints())
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
+
+
+def hf_tokens_per_s(hf, ps, n: int) -> float:
+    width = max(len(p) for p in ps)
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in ps], device="cuda")
+    mask = (torch.arange(width, device="cuda") >= torch.tensor(
+        [width - len(p) for p in ps], device="cuda").unsqueeze(1)).long()
+    with torch.no_grad():
+        hf.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=2)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                    do_sample=False, pad_token_id=2)
+        torch.cuda.synchronize()
+    return len(ps) * n / (time.perf_counter() - t)
+
+
+def part_hf(eng: Engine, tok: Tokenizer, shape: str, sizes: list[int], n: int) -> None:
+    hf = hf_model(shape, eng.weights, torch.bfloat16)
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    print(f"\n[1] decode vs transformers generate: shape={shape} bf16 greedy, {n} tokens a row")
+    print(f"{'batch':>5} {'formcast tok/s':>15} {'hf tok/s':>10} {'ratio':>8}")
+    for bs in sizes:
+        ps = prompts(tok, bs)
+        secs, count = timed_generate(eng, ps, sp)
+        ours = count / secs
+        theirs = hf_tokens_per_s(hf, ps, n)
+        print(f"{bs:>5} {ours:>15.0f} {theirs:>10.0f} {ours / theirs:>7.2f}x", flush=True)
+    del hf
+    torch.cuda.empty_cache()
+
+
+def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
+                     profile: bool) -> None:
+    from formcast.grammars import JsonSchema, compile
+
+    compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    print(f"\n[2] constrained (JSON Schema, every row) vs unconstrained, {n} tokens a row")
+    print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>7}")
+    for bs in sizes:
+        ps = prompts(tok, bs)
+        # alternate sides, best of two each: the host is shared and noisy
+        free, json_ = [], []
+        for _ in range(2):
+            secs, count = timed_generate(eng, ps, sp)
+            free.append(count / secs)
+            secs, count = timed_generate(eng, ps, sp,
+                                         lambda: [compiled.matcher() for _ in ps])
+            json_.append(count / secs)
+        out = eng.generate(ps[:1], sp, constraints=[compiled.matcher()])[0]
+        assert '"records"' in out.text[:60], out.text[:80]
+        print(f"{bs:>5} {max(free):>11.0f} {max(json_):>11.0f} "
+              f"{max(json_) / max(free):>6.3f}", flush=True)
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            eng.generate(ps, sp, constraints=[compiled.matcher() for _ in ps])
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), median of 10."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    times.sort()
+    return 2 * src.numel() / times[len(times) // 2]
+
+
+def part_bound(tok: Tokenizer, shape: str, n: int) -> None:
+    eng = make_engine(shape, tok, 1)
+    cfg = eng.model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+    ps = prompts(tok, 1)
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=n // 4, temperature=0.0, ignore_eos=True)
+    # the decode step by difference of two lengths: prefill and start-up cancel out
+    t_long, c_long = timed_generate(eng, ps, sp)
+    t_short, c_short = timed_generate(eng, ps, short)
+    step = (t_long - t_short) / (c_long - c_short)
+    mean_ctx = len(ps[0]) + (n + n // 4) / 2
+    kv_bytes = 2 * cfg.num_hidden_layers * mean_ctx * cfg.num_key_value_heads * cfg.head_dim * 2
+    bw = copy_bandwidth()
+    bound = (weight_bytes + kv_bytes) / bw
+    print(f"\n[3] batch-1 decode step vs bytes moved: shape={shape} bf16")
+    print(f"weights {weight_bytes / 1e9:.3f} GB, KV read {kv_bytes / 1e6:.2f} MB, "
+          f"copy bandwidth {bw / 1e12:.2f} TB/s -> bound {bound * 1e3:.3f} ms")
+    print(f"measured step {step * 1e3:.3f} ms ({1 / step:.0f} tok/s): "
+          f"{bound / step:.1%} of the bound", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    ap.add_argument("--bound-shape", default="llama-1b", choices=sorted(SHAPES))
+    ap.add_argument("--batch-sizes", default="1,64,256")
+    ap.add_argument("--constrained-batch-sizes", default="64,256")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--skip", default="", help="comma list of: hf, constrained, bound")
+    ap.add_argument("--profile", action="store_true", help="host profile of a constrained run")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    csizes = [int(b) for b in args.constrained_batch_sizes.split(",")]
+    print(f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
+    if not {"hf", "constrained"} <= skip:
+        t = time.perf_counter()
+        eng = make_engine(args.shape, tok, max(sizes + csizes))
+        print(f"engine built with CUDA graphs {eng.runner.graphs.sizes if eng.runner.graphs else None}"
+              f" in {time.perf_counter() - t:.1f} s")
+        if "hf" not in skip:
+            part_hf(eng, tok, args.shape, sizes, args.tokens)
+        if "constrained" not in skip:
+            part_constrained(eng, tok, csizes, args.tokens, args.profile)
+        del eng
+        torch.cuda.empty_cache()
+    if "bound" not in skip:
+        part_bound(tok, args.bound_shape, args.tokens)
+    print(json.dumps({"done": True}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Decode attention over the paged KV cache: one query token per row.
+
+Row ``b`` attends to the first ``context_lens[b]`` tokens of its sequence, whose
+keys/values sit in the cache blocks ``block_tables[b]`` (token ``j`` in block
+``block_tables[b, j // BS]``, slot ``j % BS``). Query heads share key/value heads
+in groups (GQA). The torch path is the reference and the CPU's: it gathers the
+blocks and runs two batched GEMMs, each row bit-identical to its one-row result.
+Triton runs on CUDA tensors: it reads the blocks in place (no gather), with an
+online softmax, and takes its loop bounds from device memory, so a CUDA graph
+replays it for any context lengths.
+
+Shapes: B rows, H query heads, Hkv key/value heads, D head dim, NBtotal cache
+blocks, BS block size, NB blocks a row (padded; entries past a row's context are
+never read), S = NB * BS.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from formcast.engine.kernels import use_triton
+
+
+def decode_masked_out(context_lens: torch.Tensor, width: int) -> torch.Tensor:
+    """``[B, 1, 1, width]`` bool, True at key positions past each row's context."""
+    cols = torch.arange(width, device=context_lens.device)
+    return (cols >= context_lens.view(-1, 1)).view(-1, 1, 1, width)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           *, masked_out: torch.Tensor | None = None,
+                           backend: str = "auto") -> torch.Tensor:
+    """Attention of ``q`` [B, H, D] over the cache ([NBtotal, BS, Hkv, D] each);
+    ``block_tables`` [B, NB] and ``context_lens`` [B] integer. Returns [B, H, D] in
+    ``q``'s dtype. ``masked_out``: :func:`decode_masked_out` of the lengths, when
+    the caller made it once for many layers (torch path only)."""
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    if h % hkv:
+        raise ValueError(f"paged attention: {h} query heads do not group over {hkv} kv heads")
+    if b == 0:
+        return q.new_empty(0, h, d)
+    if use_triton(q, backend):
+        from formcast.engine.kernels.paged_attention_triton import paged_decode_attention_triton
+
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
+                                             scale)
+    width = block_tables.shape[1] * k_cache.shape[1]
+    if masked_out is None:
+        masked_out = decode_masked_out(context_lens, width)
+    # K made contiguous: the score GEMM then takes the same kernel whatever B is
+    # (on a strided K, MKL's choice depends on the batch and rows stop matching
+    # their own one-row result), and it is faster
+    kk = k_cache[block_tables].view(b, -1, hkv, d).transpose(1, 2).contiguous()  # [B,Hkv,S,D]
+    vv = v_cache[block_tables].view(b, -1, hkv, d).transpose(1, 2)
+    qq = q.reshape(b, hkv, h // hkv, d)                                            # [B,Hkv,G,D]
+    scores = torch.matmul(qq, kk.transpose(-1, -2)).mul_(scale)                   # [B,Hkv,G,S]
+    scores.masked_fill_(masked_out, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vv).view(b, h, d)

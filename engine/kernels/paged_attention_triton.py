@@ -1,0 +1,127 @@
+"""Triton paged decode attention for CUDA.
+
+One program per (row, key/value head): the group of query heads sharing that
+key/value head (padded to 16 rows for ``tl.dot``) walks the row's context
+``BLOCK_N`` tokens at a time, loading each token's key and value straight from
+its cache block, with an online softmax in float32. With few rows (batch 1 has
+only Hkv programs) the context is split over ``SPLITS`` programs whose partial
+results are merged by a second small kernel (flash-decoding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
+                   group, head_dim, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
+                   stride_vb, stride_vt, stride_vh, stride_tb,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + row).to(tl.int32)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    live_g = g < group
+    live_d = d < head_dim
+    heads = kvh * group + g
+    q = tl.load(q_ptr + row * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=live_g[:, None] & live_d[None, :], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    # this split's share of the row's context, in whole BLOCK_N tiles
+    split_len = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * split_len
+    end = tl.minimum(begin + split_len, length)
+    for start in range(begin, end, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        live = offs < end
+        block = tl.load(tables_ptr + row * stride_tb + offs // BLOCK_SIZE, mask=live,
+                        other=0).to(tl.int64)
+        within = (offs % BLOCK_SIZE).to(tl.int64)
+        kmask = live[:, None] & live_d[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_kb + within[:, None] * stride_kt
+                    + kvh * stride_kh + d[None, :], mask=kmask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(live[None, :], s * scale, float("-inf"))          # [G, N]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vt
+                    + kvh * stride_vh + d[None, :], mask=kmask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    # an empty split (its range starts past the context) leaves total 0: lse -inf
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    lse = m + tl.log(total)
+    base = (row * tl.num_programs(1) * group + heads) * SPLITS + split        # [G]
+    tl.store(out_ptr + base[:, None] * head_dim + d[None, :], out,
+             mask=live_g[:, None] & live_d[None, :])
+    tl.store(lse_ptr + base, lse, mask=live_g)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, head_dim, SPLITS: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    rh = tl.program_id(0).to(tl.int64)          # row * H + head
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    lse = tl.load(lse_ptr + rh * SPLITS + s)
+    top = tl.max(lse, axis=0)
+    w = tl.where(lse == float("-inf"), 0.0, tl.exp(lse - top))
+    part = tl.load(part_ptr + (rh * SPLITS + s)[:, None] * head_dim + d[None, :],
+                   mask=d[None, :] < head_dim, other=0.0)
+    out = tl.sum(part * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + rh * head_dim + d, out.to(out_ptr.dtype.element_ty), mask=d < head_dim)
+
+
+def num_splits(rows: int, kv_heads: int, max_len: int, block_n: int) -> int:
+    """Splits of the context per (row, kv head): enough programs to fill the GPU's
+    multiprocessors at small batches, none past the longest context (fixed per
+    call, so a captured graph keeps its grid)."""
+    programs = rows * kv_heads
+    splits = 1
+    while programs * splits < 128 and splits * block_n < max_len and splits < 32:
+        splits *= 2
+    return splits
+
+
+def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                  block_tables: torch.Tensor, context_lens: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
+    b, h, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = h // hkv
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged attention: the head dimension must be contiguous")
+    block_n = 64
+    max_len = block_tables.shape[1] * block_size
+    splits = num_splits(b, hkv, max_len, block_n)
+    part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part, lse, scale,
+        group, d, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
+        IEEE=q.dtype == torch.float32)
+    out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    _merge_kernel[(b * h,)](part, lse, out, d, SPLITS=splits,
+                            BLOCK_D=triton.next_power_of_2(d))
+    return out
