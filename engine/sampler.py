@@ -50,10 +50,12 @@ class Sampler:
     def __init__(self, vocab_size: int, valid_vocab_size: int, *, batch_fill: bool = False
                  ) -> None:
         # vocab_size: the model's (logits width); valid_vocab_size: the tokenizer's.
-        # batch_fill: fill masks through a constraint class's ``fill_bitmasks`` (many
-        # rows in one call, on the grammar library's threads) where it has one
+        # batch_fill (set on CUDA): fill masks through a constraint class's
+        # ``fill_bitmasks`` (many rows in one call, on the grammar library's threads)
+        # where it has one, into pinned memory (the copy to the device is asynchronous)
         self.vocab_size = vocab_size
         self.batch_fill = batch_fill
+        self._pin = batch_fill and torch.cuda.is_available()
         self.valid_vocab_size = min(valid_vocab_size, vocab_size)
         self.bitmask_width = bitmask_words(vocab_size)  # int32 words per mask row
         self._bitmask = torch.zeros(0, self.bitmask_width, dtype=torch.int32)
@@ -61,7 +63,8 @@ class Sampler:
     def _bitmask_rows(self, n: int) -> torch.Tensor:
         if self._bitmask.shape[0] < n:
             self._bitmask = torch.zeros(max(n, 2 * self._bitmask.shape[0]),
-                                        bitmask_words(self.vocab_size), dtype=torch.int32)
+                                        bitmask_words(self.vocab_size), dtype=torch.int32,
+                                        pin_memory=self._pin)
         return self._bitmask[:n]
 
     @torch.inference_mode()
@@ -185,7 +188,8 @@ class Sampler:
             bitmask = buffer(len(rows))
             bitmask.zero_()
         else:
-            bitmask = torch.zeros(len(rows), self.bitmask_width, dtype=torch.int32)
+            bitmask = torch.zeros(len(rows), self.bitmask_width, dtype=torch.int32,
+                                  pin_memory=self._pin and len(rows) > 0)
         single = list(range(len(rows)))  # mask rows filled one by one
         if self.batch_fill and len(rows) > 1:
             single = []
