@@ -124,6 +124,7 @@ class EngineConfig:
     num_threads: int | None = None
     overlap_masks: bool = True
     cuda_graphs: bool = True
+    async_scheduling: bool | None = None
     spec: Any = None  # SpecConfig after __post_init__
 
     def __post_init__(self) -> None:

@@ -104,15 +104,18 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, tokens: list[int], positions: list[int], slots: list[int],
+    def run(self, tokens: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             tables: list[list[int]], lens: list[int]) -> torch.Tensor:
         """Logits ``[n, V]`` float32 of ``n`` decode rows (a view into the graph's
-        output, valid until the next replay)."""
-        n = len(tokens)
+        output, valid until the next replay). ``tokens`` may be a device tensor (the
+        last step's samples, never seen by the host)."""
+        n = len(positions)
         b = self.size_for(n)
         m, h = self.max_rows, self._host_np
         self._copied.synchronize()  # the last step's copies have read the host buffer
-        h[:n] = tokens
+        on_device = isinstance(tokens, torch.Tensor)
+        if not on_device:
+            h[:n] = tokens
         h[m:m + n] = positions
         h[2 * m:2 * m + n] = slots
         h[3 * m:3 * m + n] = lens
@@ -122,6 +125,8 @@ class DecodeGraphs:
         self._dev[:4 * m].copy_(self._host[:4 * m], non_blocking=True)
         width = b * self.max_blocks
         self._dev[4 * m:4 * m + width].copy_(self._host[4 * m:4 * m + width], non_blocking=True)
+        if on_device:
+            self._dev[:n].copy_(tokens)
         self._copied.record()
         self._graphs[b].replay()
         self.replays += 1

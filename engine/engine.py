@@ -8,6 +8,7 @@ apply stop conditions, and return what changed.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 import secrets
 import time
@@ -26,7 +27,7 @@ from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (DeepseekV4Runner, state_bytes_per_sequence,
                                                         state_bytes_per_token)
 from formcast.engine.models.llama import LlamaForCausalLM
-from formcast.engine.sampler import Sampler
+from formcast.engine.sampler import FilledMasks, Sampler
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.scheduler import ScheduledSeq, Scheduler
 from formcast.engine.sequence import (Request, RequestOutput, Sequence, SequenceStatus,
@@ -113,7 +114,13 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._aborted: list[Sequence] = []
+        self._aborted: list[Sequence] = []  # outputs owed to the next step (aborts, drains)
+        self._inflight: _InFlight | None = None  # a launched step the host has not taken
+        asynchronous = self.config.async_scheduling
+        if asynchronous is None:
+            asynchronous = self.device.type == "cuda"
+        self._async = asynchronous and isinstance(self.runner, ModelRunner)
+        self.num_pipelined_steps = 0  # steps launched before the host had their input
         self._ids = itertools.count()
         self._mask_pool: ThreadPoolExecutor | None = None  # fills masks during the forward
         if self.config.num_threads is not None and self.device.type == "cpu":
@@ -269,6 +276,12 @@ class Engine:
         a copy of every token of every running request each step adds up)."""
         outputs = list(self._aborted)
         self._aborted.clear()
+        if self._async:
+            if self._can_pipeline():
+                taken = self._pipelined_step()
+                if taken is not None:
+                    return outputs + taken
+            outputs += self._drain()
         self._propose_drafts()
         plan = self.scheduler.schedule()
         for seq in plan.preempted:
@@ -302,21 +315,140 @@ class Engine:
         self.scheduler.on_step_done(plan)
         if plain:
             rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
-            result = self.sampler(rows, plain, masks=None if masks is None else masks.result())
-            for i, seq in enumerate(plain):
-                if i in result.errors:
-                    if self._roll_back_dead_end(seq):
-                        continue  # resamples the offending value next step
-                    seq.error = _dead_end_message(seq, result.errors[i])
-                    self._finish(seq, "abort")
-                else:
-                    self._append_token(seq, result.token_ids[i], result.logprobs[i])
+            self._sample_and_append(rows, plain, None if masks is None else masks.result())
         for item, start in zip(sampled, starts):
             if item.num_draft:
                 self._verify(item.seq, logits[start:start + 1 + item.num_draft])
             outputs.append(item.seq)
         self.step_cost.observe(plan.num_tokens, time.perf_counter() - started)
         return outputs
+
+    # -- asynchronous scheduling ----------------------------------------------------
+    # In steady decoding (every running request decoding one token, nothing waiting,
+    # nothing drafted) a step launches the next forward on the device with the
+    # previous step's sampled tokens as input, still on the device, and only then
+    # takes those tokens on the host: accepting them in the grammars, detokenizing,
+    # checking stops, filling the next masks, all while the device runs. A request
+    # that turns out finished has its extra row dropped. Anything else (a new
+    # request, a draft, a dead end to roll back, logprobs) drains the pipeline and
+    # runs an ordinary step. Outputs are those of ordinary steps, one step later.
+
+    def _can_pipeline(self) -> bool:
+        sched, prev, spec = self.scheduler, self._inflight, self.config.spec
+        running = sched.running
+        if sched.waiting or not running or len(running) > self.config.max_num_batched_tokens:
+            return False
+        if spec.enabled and not (spec.method == "auto" and (
+                len(running) > spec.auto_max_batch or self.dtype != torch.float32)):
+            return False  # drafts are proposed from tokens the host has
+        if prev is not None and (len(prev.seqs) != len(running)
+                                 or any(a is not b for a, b in zip(prev.seqs, running))):
+            return False
+        uncomputed = 0 if prev is not None else 1  # in flight: the token is on the device
+        return all(s.num_uncomputed_tokens == uncomputed and s.params.logprobs is None
+                   for s in running)
+
+    def _pipelined_step(self) -> list[Sequence] | None:
+        """Launch a decode step for every running request, take the last step's
+        tokens while it runs, sample it on the device. None (nothing changed) when
+        the KV cache has no room for it."""
+        prev, bm = self._inflight, self.block_manager
+        running = list(self.scheduler.running)
+        if prev is None:
+            launch = running
+        else:  # a request whose token in flight is its last gets no row
+            launch = [s for s in running if len(s) + 1 < s.max_total_len]
+        if sum(bm.blocks_needed(s, 1) for s in launch) > bm.num_free_blocks:
+            return None  # an ordinary step preempts
+        if prev is None:
+            tokens = torch.tensor([s.token_ids[-1] for s in launch], dtype=torch.long,
+                                  device=self.device)
+        elif len(launch) == len(prev.seqs):
+            tokens = prev.tokens
+        else:
+            keep = {id(s) for s in launch}
+            tokens = prev.tokens[torch.tensor([i for i, s in enumerate(prev.seqs)
+                                               if id(s) in keep], dtype=torch.long,
+                                              device=self.device)]
+        for s in launch:
+            bm.grow(s, 1)
+        self.num_pipelined_steps += 1
+        try:
+            logits = self.runner.execute_decode(launch, tokens) if launch else None
+        except Exception as exc:
+            raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
+        self._inflight = None
+        taken, ok = (self._take(prev) if prev is not None else ([], None))
+        rows, live = [], []
+        for i, s in enumerate(launch):
+            # a request that finished, or backed out of a dead end, drops its row
+            if not s.is_finished and (ok is None or id(s) in ok):
+                s.num_computed_tokens += 1
+                bm.commit(s)
+                rows.append(i)
+                live.append(s)
+        if not live:
+            return taken
+        if len(rows) < len(launch):
+            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        masks = None
+        if any(s.constraint is not None for s in live):
+            masks = self.sampler.fill_masks(live)
+            if masks.errors:  # a broken constraint: sample this step the ordinary way
+                self._sample_and_append(logits, live, masks)
+                return taken + live
+        sampled, dead, _ = self.sampler.sample_on_device(logits, live, masks)
+        cuda = sampled.is_cuda
+        host = torch.empty(2, len(live), dtype=torch.long, pin_memory=cuda)
+        host.copy_(torch.stack((sampled, dead.long())), non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._inflight = _InFlight(seqs=live, tokens=sampled, host=host, ready=ready)
+        return taken
+
+    def _take(self, prev: "_InFlight") -> tuple[list[Sequence], set[int]]:
+        """Append a launched step's tokens to its requests (waiting for the copy).
+        Returns the requests (the step's outputs) and the ids of those that took
+        their token."""
+        if prev.ready is not None:
+            prev.ready.synchronize()
+        token_list, dead_list = prev.host.tolist()
+        errors: dict[int, str] = {}
+        token_list = Sampler.finish_rows(token_list, dead_list, errors)
+        ok: set[int] = set()
+        outputs = []
+        for i, seq in enumerate(prev.seqs):
+            if seq.is_finished:
+                continue  # aborted meanwhile: its output went out with the abort
+            outputs.append(seq)
+            if i in errors:
+                if not self._roll_back_dead_end(seq):
+                    seq.error = _dead_end_message(seq, errors[i])
+                    self._finish(seq, "abort")
+                continue
+            self._append_token(seq, token_list[i], None)
+            ok.add(id(seq))
+        return outputs, ok
+
+    def _drain(self) -> list[Sequence]:
+        """Take the step in flight, if any: afterwards every request is in an
+        ordinary state (its sampled token appended)."""
+        prev, self._inflight = self._inflight, None
+        return self._take(prev)[0] if prev is not None else []
+
+    def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence],
+                           masks: FilledMasks | None) -> None:
+        result = self.sampler(logits, seqs, masks=masks)
+        for i, seq in enumerate(seqs):
+            if i in result.errors:
+                if self._roll_back_dead_end(seq):
+                    continue  # resamples the offending value next step
+                seq.error = _dead_end_message(seq, result.errors[i])
+                self._finish(seq, "abort")
+            else:
+                self._append_token(seq, result.token_ids[i], result.logprobs[i])
 
     # -- speculative decoding -----------------------------------------------------
     def _propose_drafts(self) -> None:
@@ -554,6 +686,7 @@ class Engine:
         weights, as it does prompts. ``as_generated``: on its quantized weights, as
         it runs the tokens it generates.
         """
+        self._aborted += self._drain()  # the step in flight is taken; its outputs go out next
         seq = self._make_sequence(list(token_ids), SamplingParams(max_tokens=1), None,
                                   f"forward-logits-{next(self._ids)}")
         bm = self.block_manager
@@ -650,3 +783,14 @@ def _dead_end_message(seq: Sequence, error: str) -> str:
     if seq.error:
         parts.append(seq.error)
     return "; ".join(parts)
+
+
+@dataclass(eq=False, kw_only=True)
+class _InFlight:
+    """A decode step launched and sampled on the device whose tokens the host has
+    not taken yet."""
+
+    seqs: list[Sequence]            # its rows, in order
+    tokens: torch.Tensor            # [B] long, on the device: the next step's input
+    host: torch.Tensor              # [2, B] long (tokens, dead-end flags), being copied in
+    ready: torch.cuda.Event | None  # fires once ``host`` is filled (None off CUDA)

@@ -102,6 +102,31 @@ class ModelRunner:
         with prompt_rows(head_is_prompt, self.device):
             return self.model.logits(hidden)
 
+    @torch.inference_mode()
+    def execute_decode(self, seqs: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
+        """One decode row per sequence, its input token taken from ``tokens`` [B] on
+        the device (the previous step's samples: the host need not have them yet), at
+        position ``seq.num_computed_tokens``, whose KV block must be allocated.
+        Returns float32 logits ``[B, V]`` (a graph's output view when one ran)."""
+        bs = self.block_size
+        positions = [s.num_computed_tokens for s in seqs]
+        slots, tables, lens = [], [], []
+        for seq, p in zip(seqs, positions):
+            table = seq.block_table
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table[:p // bs + 1])
+            lens.append(p + 1)
+        if self.graphs is not None and self.graphs.size_for(len(seqs)) is not None:
+            return self.graphs.run(tokens, positions, slots, tables, lens)
+        layout = StepLayout(positions=positions, slots=slots, decode_rows=list(range(len(seqs))),
+                            decode_tables=tables, decode_lens=lens,
+                            sample_rows=list(range(len(seqs))))
+        _, pos, meta, _ = self._prepare(layout)
+        is_prompt = [p < s.num_prompt_tokens for s, p in zip(seqs, positions)]
+        with prompt_rows(is_prompt, self.device):
+            hidden = self.model(tokens, pos, self.kv_caches, meta)
+            return self.model.logits(hidden)
+
     def release(self, seq: Sequence) -> None:
         """Nothing to free: a sequence's KV blocks belong to the block manager."""
 

@@ -72,35 +72,52 @@ class Sampler:
                  masks: FilledMasks | None = None) -> SampleResult:
         # logits [B, V] float32, row i belongs to seqs[i]; modified in place.
         # masks: from fill_masks(seqs) (made while the model ran), else filled here
-        errors: dict[int, str] = {}
         raw_logprobs = None
         if any(s.params.logprobs is not None for s in seqs):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
-        self._restrict(logits, seqs, errors, filled=masks)
-
-        greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
-        tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        if greedy_rows:
-            idx = torch.tensor(greedy_rows, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
-        for i, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
+        tokens, dead, errors = self.sample_on_device(logits, seqs, masks)
         # one host sync per step: the sampled tokens and the dead-end flags together
-        dead = torch.isneginf(logits.max(dim=-1).values)
-        both = torch.stack((tokens, dead.long())).tolist()
-        token_list = both[0]
-        for i, is_dead in enumerate(both[1]):
-            if is_dead:
-                errors.setdefault(i, "the constraint allows no token at this point (dead end)")
-        for i in errors:
-            token_list[i] = -1
+        token_list, dead_list = torch.stack((tokens, dead.long())).tolist()
+        token_list = self.finish_rows(token_list, dead_list, errors)
         logprobs: list[TokenLogprob | None] = [None] * len(seqs)
         if raw_logprobs is not None:
             for i, seq in enumerate(seqs):
                 if seq.params.logprobs is not None and i not in errors:
                     logprobs[i] = _token_logprob(raw_logprobs[i], token_list[i], seq.params.logprobs)
         return SampleResult(token_ids=token_list, logprobs=logprobs, errors=errors)
+
+    @torch.inference_mode()
+    def sample_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
+                         masks: FilledMasks | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, dict[int, str]]:
+        """The sampling of :meth:`__call__` without its host sync: token ids ``[B]``
+        long and dead-end flags ``[B]`` bool, on the logits' device, and the rows
+        whose constraint failed (known on the host already)."""
+        errors: dict[int, str] = {}
+        self._restrict(logits, seqs, errors, filled=masks)
+        greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
+        if len(greedy_rows) == len(seqs):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+            if greedy_rows:
+                idx = torch.tensor(greedy_rows, device=logits.device)
+                tokens[idx] = logits[idx].argmax(dim=-1)
+            for i, seq in enumerate(seqs):
+                if not seq.params.greedy:
+                    tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
+        dead = torch.isneginf(logits.max(dim=-1).values)
+        return tokens, dead, errors
+
+    @staticmethod
+    def finish_rows(token_list: list[int], dead_list: list, errors: dict[int, str]) -> list[int]:
+        """Host side of a sampled batch: dead ends join ``errors``; failed rows get -1."""
+        for i, is_dead in enumerate(dead_list):
+            if is_dead:
+                errors.setdefault(i, "the constraint allows no token at this point (dead end)")
+        for i in errors:
+            token_list[i] = -1
+        return token_list
 
     @torch.inference_mode()
     def verify(self, logits: torch.Tensor, seq: Sequence, proposal: int | None,

@@ -286,3 +286,52 @@ def test_num_threads_is_applied_and_checked(smollm2_engine):
     for bad in (0, -2, 1.5):
         with pytest.raises(ValueError, match="num_threads"):
             EngineConfig(num_threads=bad)
+
+
+def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine):
+    """Steps launched with the last step's tokens still on the device (forced on
+    here; the CPU has nothing to overlap, the bookkeeping is the same) give every
+    request exactly its synchronous output: greedy, seeded sampling, a JSON
+    constraint, a stop string, EOS, a request arriving mid-run (the pipeline
+    drains and refills), one aborted mid-run, and ``max_tokens`` cut-offs."""
+    from formcast.grammars import JsonSchema, compile
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "year": {"type": "integer"}},
+              "required": ["city", "year"], "additionalProperties": False}
+    tok = smollm2_engine.tokenizer
+    compiled = compile(JsonSchema(schema), tok, vocab_size=smollm2_engine.model.config.vocab_size)
+    work = [  # (prompt, params, constraint?)
+        (chat(smollm2_engine, "Name three colours."), SamplingParams(max_tokens=30, temperature=0.0), False),
+        (chat(smollm2_engine, "Tell a story."), SamplingParams(max_tokens=25, temperature=0.8, seed=5), False),
+        (chat(smollm2_engine, "A city and a year as JSON."), SamplingParams(max_tokens=40, temperature=0.0), True),
+        (chat(smollm2_engine, "Count to ten."), SamplingParams(max_tokens=40, temperature=0.0, stop=("5",)), False),
+        (chat(smollm2_engine, "Say hi."), SamplingParams(max_tokens=60, temperature=0.0), False),
+        (chat(smollm2_engine, "Name a fruit."), SamplingParams(max_tokens=7, temperature=0.0), False),
+    ]
+
+    def run(asynchronous: bool):
+        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
+        ids = [engine.add_request(p, sp, constraint=compiled.matcher() if c else None)
+               for p, sp, c in work[:4]]
+        victim = engine.add_request(chat(smollm2_engine, "Write a long poem."),
+                                    SamplingParams(max_tokens=50, temperature=0.0))
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            steps += 1
+            if steps == 6:  # new requests while the pipeline runs
+                ids += [engine.add_request(p, sp) for p, sp, _ in work[4:]]
+            if steps == 9:
+                assert engine.abort_request(victim)
+        assert engine._inflight is None
+        assert (engine.num_pipelined_steps > 20) == asynchronous
+        return [(done[i].token_ids, done[i].text, done[i].finish_reason) for i in ids], done[victim]
+
+    synchronous, _ = run(False)
+    asynchronous, aborted = run(True)
+    assert asynchronous == synchronous
+    assert aborted.finish_reason == "abort" and aborted.token_ids
+    reasons = [r for _, _, r in synchronous]
+    assert "stop" in reasons and "length" in reasons
+    assert json.loads(synchronous[2][1])["city"]

@@ -111,6 +111,31 @@ def test_cuda_graphs_give_the_eager_outputs(weights, tokenizer, dtype):
                                               else 0.05)
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer, graphs):
+    """Steps launched with the previous step's tokens still on the GPU: the same
+    greedy, seeded and JSON-constrained outputs as synchronous steps."""
+    grammars = pytest.importorskip("formcast.grammars")
+    schema = {"type": "object", "required": ["name", "tags"], "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}
+    results = {}
+    for asynchronous in (False, True):
+        eng = make_engine(weights, tokenizer, "cuda", torch.float32, num_kv_blocks=512,
+                          max_num_seqs=16, cuda_graphs=graphs, async_scheduling=asynchronous)
+        compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
+                                    vocab_size=eng.model.config.vocab_size)
+        ps = prompts(tokenizer, 12)
+        params = [SamplingParams(max_tokens=20 + i, temperature=0.0 if i % 3 else 0.9, seed=i,
+                                 ignore_eos=True) for i in range(12)]
+        free = eng.generate(ps, params)
+        constrained = eng.generate(ps[:6], SamplingParams(max_tokens=60, temperature=0.0),
+                                   constraints=[compiled.matcher() for _ in range(6)])
+        results[asynchronous] = ([o.token_ids for o in free],
+                                 [(o.token_ids, o.finish_reason) for o in constrained])
+        assert (eng.num_pipelined_steps > 0) == asynchronous
+    assert results[True] == results[False]
+
+
 def test_cuda_greedy_matches_cpu(cuda32, cpu32, tokenizer):
     ps = prompts(tokenizer, 4)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
