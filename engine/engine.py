@@ -358,7 +358,10 @@ class Engine:
             launch = running
         else:  # a request whose token in flight is its last gets no row
             launch = [s for s in running if len(s) + 1 < s.max_total_len]
-        if sum(bm.blocks_needed(s, 1) for s in launch) > bm.num_free_blocks:
+        bs = self.config.block_size
+        # the new position opens a block every block_size steps
+        opening = [s for s in launch if s.num_computed_tokens >= len(s.block_table) * bs]
+        if len(opening) > bm.num_free_blocks:
             return None  # an ordinary step preempts
         if prev is None:
             tokens = torch.tensor([s.token_ids[-1] for s in launch], dtype=torch.long,
@@ -370,7 +373,7 @@ class Engine:
             tokens = prev.tokens[torch.tensor([i for i, s in enumerate(prev.seqs)
                                                if id(s) in keep], dtype=torch.long,
                                               device=self.device)]
-        for s in launch:
+        for s in opening:
             bm.grow(s, 1)
         self.num_pipelined_steps += 1
         try:
@@ -384,7 +387,8 @@ class Engine:
             # a request that finished, or backed out of a dead end, drops its row
             if not s.is_finished and (ok is None or id(s) in ok):
                 s.num_computed_tokens += 1
-                bm.commit(s)
+                if s.num_computed_tokens % bs == 0:  # a block just filled: hash it
+                    bm.commit(s)
                 rows.append(i)
                 live.append(s)
         if not live:
