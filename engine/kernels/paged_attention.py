@@ -1,4 +1,5 @@
-"""Decode attention over the paged KV cache: one query token per row.
+"""Attention over the paged KV cache: decode rows (one query token each) and
+prefill chunks (many query tokens of one sequence, causal).
 
 Row ``b`` attends to the first ``context_lens[b]`` tokens of its sequence, whose
 keys/values sit in the cache blocks ``block_tables[b]`` (token ``j`` in block
@@ -17,6 +18,7 @@ never read), S = NB * BS.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from formcast.engine.kernels import use_triton
 
@@ -59,3 +61,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scores.masked_fill_(masked_out, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, vv).view(b, h, d)
+
+
+def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, starts: list[int], lengths: list[int],
+                             context_lens: list[int], block_tables: list[torch.Tensor],
+                             scale: float, *, k: torch.Tensor | None = None,
+                             v: torch.Tensor | None = None, backend: str = "auto") -> None:
+    """Causal attention of prefill chunks, written into ``out`` [T, H, D] in place.
+
+    Chunk ``i`` is rows ``starts[i] : starts[i] + lengths[i]`` of ``q`` [T, H, D]: the
+    last ``lengths[i]`` of its sequence's ``context_lens[i]`` tokens, whose keys and
+    values (this chunk's included) are in the cache blocks ``block_tables[i]`` [NB].
+    ``k``, ``v`` [T, Hkv, D]: this step's keys/values, which the torch path reads
+    directly for a chunk with nothing cached before it.
+    """
+    if not starts:
+        return
+    if use_triton(q, backend):
+        from formcast.engine.kernels.paged_attention_triton import paged_prefill_attention_triton_
+
+        paged_prefill_attention_triton_(out, q, k_cache, v_cache, starts, lengths, context_lens,
+                                        block_tables, scale)
+        return
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    for start, length, context, table in zip(starts, lengths, context_lens, block_tables):
+        rows = slice(start, start + length)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, L, D]
+        if context == length and k is not None:  # nothing cached before this chunk
+            ks = k[rows].transpose(0, 1).unsqueeze(0)                    # [1, Hkv, L, D]
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=True)
+        else:
+            ks = k_cache[table].view(-1, hkv, d)[:context].transpose(0, 1).unsqueeze(0)
+            vs = v_cache[table].view(-1, hkv, d)[:context].transpose(0, 1).unsqueeze(0)
+            qpos = torch.arange(length, device=q.device).unsqueeze(1) + (context - length)
+            mask = torch.arange(context, device=q.device).unsqueeze(0) <= qpos  # [L, S]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+        out[rows] = o.squeeze(0).transpose(0, 1)

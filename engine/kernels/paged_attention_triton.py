@@ -1,4 +1,4 @@
-"""Triton paged decode attention for CUDA.
+"""Triton paged attention for CUDA: decode rows, and causal prefill chunks.
 
 One program per (row, key/value head): the group of query heads sharing that
 key/value head (padded to 16 rows for ``tl.dot``) walks the row's context
@@ -6,6 +6,10 @@ key/value head (padded to 16 rows for ``tl.dot``) walks the row's context
 its cache block, with an online softmax in float32. With few rows (batch 1 has
 only Hkv programs) the context is split over ``SPLITS`` programs whose partial
 results are merged by a second small kernel (flash-decoding).
+
+Prefill: one program per (chunk, tile of ``BLOCK_M`` queries, query head), over
+the chunk's keys up to the tile's last position (causal), read from the cache
+blocks the same way; all chunks of a step in one launch.
 """
 
 from __future__ import annotations
@@ -125,3 +129,90 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     _merge_kernel[(b * h,)](part, lse, out, d, SPLITS=splits,
                             BLOCK_D=triton.next_power_of_2(d))
     return out
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, ctx_ptr, tables_ptr,
+                    scale, group, head_dim, stride_qt, stride_qh, stride_ot, stride_oh,
+                    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb,
+                    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+    chunk = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    head = tl.program_id(2).to(tl.int64)
+    kvh = head // group
+    length = tl.load(lens_ptr + chunk).to(tl.int32)
+    context = tl.load(ctx_ptr + chunk).to(tl.int32)
+    start = tl.load(starts_ptr + chunk).to(tl.int64)
+    offset = context - length                      # position of the chunk's first query
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    live_m = m < length
+    d = tl.arange(0, BLOCK_D)
+    live_d = d < head_dim
+    rows = start + m.to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=live_m[:, None] & live_d[None, :], other=0.0)
+    qpos = offset + m
+    # keys up to the tile's last query (causal); none for a tile past the chunk
+    end = tl.minimum(context, offset + (tile + 1) * BLOCK_M)
+    end = tl.where(tile * BLOCK_M < length, end, 0)
+    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        live_n = offs < end
+        block = tl.load(tables_ptr + chunk * stride_tb + offs // BLOCK_SIZE, mask=live_n,
+                        other=0).to(tl.int64)
+        within = (offs % BLOCK_SIZE).to(tl.int64)
+        kmask = live_n[:, None] & live_d[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_kb + within[:, None] * stride_kt
+                    + kvh * stride_kh + d[None, :], mask=kmask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        seen = live_n[None, :] & (offs[None, :] <= qpos[:, None])
+        s = tl.where(seen, s * scale, float("-inf"))                   # [M, N]
+        m_new = tl.maximum(mx, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # rows with nothing yet
+        alpha = tl.exp(mx - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vt
+                    + kvh * stride_vh + d[None, :], mask=kmask, other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        mx = m_new
+    o = acc / tl.maximum(total, 1e-30)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=live_m[:, None] & live_d[None, :])
+
+
+def paged_prefill_attention_triton_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                                    v_cache: torch.Tensor, starts: list[int], lengths: list[int],
+                                    context_lens: list[int], block_tables: list[torch.Tensor],
+                                    scale: float) -> None:
+    h, d = q.shape[1], q.shape[2]
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 \
+            or v_cache.stride(-1) != 1:
+        raise ValueError("paged attention: the head dimension must be contiguous")
+    dev = q.device
+    width = max(len(t) for t in block_tables)
+    tables = torch.zeros(len(block_tables), width, dtype=torch.long, device=dev)
+    for i, t in enumerate(block_tables):
+        tables[i, :len(t)] = t
+    meta = torch.tensor([starts, lengths, context_lens], dtype=torch.long).to(dev)
+    block_m = 64 if max(lengths) > 32 else 16
+    grid = (len(starts), triton.cdiv(max(lengths), block_m), h)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta[0], meta[1], meta[2], tables, scale, h // hkv, d,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), tables.stride(0),
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32)

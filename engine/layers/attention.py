@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from formcast.engine.kernels.paged_attention import decode_masked_out, paged_decode_attention
+from formcast.engine.kernels.paged_attention import (decode_masked_out, paged_decode_attention,
+                                                     paged_prefill_attention_)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,7 +70,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     t, h, d = q.shape
-    hkv = k.shape[1]
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
         only_decodes = meta.num_decodes == t  # rows are then 0..T-1 in order (the runner's layout)
@@ -82,24 +81,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if only_decodes:
             return o
         out[meta.decode_rows] = o
-    for span in meta.prefills:
-        rows = slice(span.start, span.start + span.length)
-        qs = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, L, D]
-        if span.context_len == span.length:  # nothing cached before this chunk
-            ks = k[rows].transpose(0, 1).unsqueeze(0)                    # [1, Hkv, L, D]
-            vs = v[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=True)
-        else:
-            ks = k_cache[span.block_table].view(-1, hkv, d)[:span.context_len]
-            vs = v_cache[span.block_table].view(-1, hkv, d)[:span.context_len]
-            ks = ks.transpose(0, 1).unsqueeze(0)                         # [1, Hkv, S, D]
-            vs = vs.transpose(0, 1).unsqueeze(0)
-            offset = span.context_len - span.length
-            qpos = torch.arange(span.length, device=q.device).unsqueeze(1) + offset
-            mask = torch.arange(span.context_len, device=q.device).unsqueeze(0) <= qpos  # [L, S]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
-        out[rows] = o.squeeze(0).transpose(0, 1)
+    spans = meta.prefills
+    paged_prefill_attention_(out, q, k_cache, v_cache, [p.start for p in spans],
+                             [p.length for p in spans], [p.context_len for p in spans],
+                             [p.block_table for p in spans], scale, k=k, v=v)
     return out
 

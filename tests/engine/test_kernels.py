@@ -1,4 +1,4 @@
-"""RMSNorm (+ residual), RoPE and paged decode attention kernels: the torch reference against the model's
+"""RMSNorm (+ residual), RoPE and paged decode/prefill attention kernels: the torch reference against the model's
 formulas, and the Triton kernels against the reference (on CUDA, and on the CPU
 through Triton's interpreter in a subprocess)."""
 
@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from formcast.engine.kernels.paged_attention import paged_decode_attention
+from formcast.engine.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_
 from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
 from formcast.engine.kernels.rope import apply_rope_
 from formcast.engine.layers.rotary import RotaryEmbedding
@@ -109,10 +109,47 @@ def _compare_paged(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) 
             assert (one.float() - ref[:1].float()).abs().max().item() <= tol
 
 
+def _compare_prefill(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
+    """Triton paged prefill attention vs the torch reference: several chunks in one
+    step (a first chunk, continuations with earlier tokens cached, one token, a
+    chunk longer than a tile), GQA, the rows between chunks left alone."""
+    gen = torch.Generator().manual_seed(4)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.03)):
+        if dtype not in dtypes:
+            continue
+        for h, hkv, d, bs in ((9, 3, 64, 16), (4, 4, 32, 32)):
+            chunks = [(20, 20), (7, 90), (1, 33), (130, 300)]     # (length, context)
+            nb_total = sum(-(-c // bs) for _, c in chunks) + 2
+            k_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
+            v_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
+            free = torch.randperm(nb_total, generator=gen).tolist()
+            starts, tables, row = [], [], 2      # two rows before the first chunk
+            for length, context in chunks:
+                need = -(-context // bs)
+                tables.append(torch.tensor(free[:need]))
+                del free[:need]
+                starts.append(row)
+                row += length + 1                 # a row between chunks
+            q = torch.randn(row, h, d, generator=gen).to(dtype)
+            args = [t.to(backend_device) for t in (q, k_cache, v_cache)]
+            tabs = [t.to(backend_device) for t in tables]
+            outs = {}
+            for backend in ("torch", "triton"):
+                out = torch.full_like(args[0], 7.0)
+                paged_prefill_attention_(out, *args, starts, [c[0] for c in chunks],
+                                         [c[1] for c in chunks], tabs, d ** -0.5,
+                                         backend=backend)
+                outs[backend] = out.float()
+            err = (outs["torch"] - outs["triton"]).abs().max().item()
+            assert err <= tol, f"{dtype} h={h} hkv={hkv}: max error {err}"
+            assert torch.all(outs["triton"][:2] == 7.0)   # rows of no chunk untouched
+
+
 @pytest.mark.cuda
 def test_triton_kernels_match_the_reference_on_cuda():
     _compare("cuda")
     _compare_paged("cuda")
+    _compare_prefill("cuda")
 
 
 def test_triton_kernels_match_the_reference_in_the_interpreter():
@@ -125,9 +162,10 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
         import sys
         import torch
         sys.path.insert(0, {here!r})
-        from test_kernels import _compare, _compare_paged
+        from test_kernels import _compare, _compare_paged, _compare_prefill
         _compare("cpu")
         _compare_paged("cpu", dtypes=(torch.float32,))
+        _compare_prefill("cpu", dtypes=(torch.float32,))
         print("ok")
     """).format(here=os.path.dirname(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
