@@ -25,8 +25,6 @@ from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from formcast.engine.engine import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 
-from cuda_random_weights import hf_model  # same folder
-
 # records that cannot close before the token budget runs out: every row stays
 # constrained for the whole run. (Strings with maxLength are left out: xgrammar
 # fills such a string's mask in milliseconds rather than microseconds, a cost of
@@ -36,6 +34,23 @@ SCHEMA = {"type": "object", "required": ["records"], "properties": {"records": {
         "type": "object", "required": ["name", "city", "age"], "additionalProperties": False,
         "properties": {"name": {"type": "string"}, "city": {"type": "string"},
                        "age": {"type": "integer", "minimum": 0, "maximum": 120}}}}}}
+
+
+def hf_model(shape: str, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    c = SHAPES[shape]
+    cfg = HFConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                   intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+                   num_attention_heads=c.num_attention_heads,
+                   num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                   rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+                   max_position_embeddings=c.max_position_embeddings,
+                   tie_word_embeddings=c.tie_word_embeddings)
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(weights, strict=False)
+    return model.to("cuda", dtype).eval()
 
 
 def make_engine(shape: str, tok: Tokenizer, max_batch: int, **config) -> Engine:

@@ -20,6 +20,38 @@ import triton.language as tl
 
 
 @triton.jit
+def _attend_tile(q, acc, mx, total, k_ptr, v_ptr, table_ptr, offs, live, seen, kvh, d, live_d,
+                 scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
+    """One tile of keys (context positions ``offs``, ``live`` inside the range, the
+    queries × keys mask ``seen``) folded into a running online softmax: returns
+    the new (acc, running max, running sum). Keys and values are read straight
+    from the cache blocks that ``table_ptr`` lists."""
+    block = tl.load(table_ptr + offs // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
+    within = (offs % BLOCK_SIZE).to(tl.int64)
+    kmask = live[:, None] & live_d[None, :]
+    k = tl.load(k_ptr + block[:, None] * stride_kb + within[:, None] * stride_kt
+                + kvh * stride_kh + d[None, :], mask=kmask, other=0.0)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(seen, s * scale, float("-inf"))                        # [M, N]
+    m_new = tl.maximum(mx, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)              # rows with nothing yet
+    alpha = tl.exp(mx - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    total = total * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vt
+                + kvh * stride_vh + d[None, :], mask=kmask, other=0.0)
+    if IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc * alpha[:, None] + pv, m_new, total
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
                    group, head_dim, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
                    stride_vb, stride_vt, stride_vh, stride_tb,
@@ -46,29 +78,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
     for start in range(begin, end, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
         live = offs < end
-        block = tl.load(tables_ptr + row * stride_tb + offs // BLOCK_SIZE, mask=live,
-                        other=0).to(tl.int64)
-        within = (offs % BLOCK_SIZE).to(tl.int64)
-        kmask = live[:, None] & live_d[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + within[:, None] * stride_kt
-                    + kvh * stride_kh + d[None, :], mask=kmask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(live[None, :], s * scale, float("-inf"))          # [G, N]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vt
-                    + kvh * stride_vh + d[None, :], mask=kmask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        acc, m, total = _attend_tile(q, acc, m, total, k_ptr, v_ptr, tables_ptr + row * stride_tb,
+                                     offs, live, live[None, :], kvh, d, live_d, scale,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                     stride_vh, BLOCK_SIZE, IEEE)
     # an empty split (its range starts past the context) leaves total 0: lse -inf
     out = acc / tl.maximum(total, 1e-30)[:, None]
     lse = m + tl.log(total)
@@ -162,31 +175,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, ctx_ptr,
     for n0 in range(0, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         live_n = offs < end
-        block = tl.load(tables_ptr + chunk * stride_tb + offs // BLOCK_SIZE, mask=live_n,
-                        other=0).to(tl.int64)
-        within = (offs % BLOCK_SIZE).to(tl.int64)
-        kmask = live_n[:, None] & live_d[None, :]
-        k = tl.load(k_ptr + block[:, None] * stride_kb + within[:, None] * stride_kt
-                    + kvh * stride_kh + d[None, :], mask=kmask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         seen = live_n[None, :] & (offs[None, :] <= qpos[:, None])
-        s = tl.where(seen, s * scale, float("-inf"))                   # [M, N]
-        m_new = tl.maximum(mx, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)          # rows with nothing yet
-        alpha = tl.exp(mx - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        total = total * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + block[:, None] * stride_vb + within[:, None] * stride_vt
-                    + kvh * stride_vh + d[None, :], mask=kmask, other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        mx = m_new
+        acc, mx, total = _attend_tile(q, acc, mx, total, k_ptr, v_ptr,
+                                      tables_ptr + chunk * stride_tb, offs, live_n, seen, kvh,
+                                      d, live_d, scale, stride_kb, stride_kt, stride_kh,
+                                      stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IEEE)
     o = acc / tl.maximum(total, 1e-30)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=live_m[:, None] & live_d[None, :])
