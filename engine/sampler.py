@@ -3,7 +3,9 @@
 Each row is sampled with its request's own generator and depends on nothing else
 in the batch, so the same seed gives the same tokens whatever the batch holds.
 Random draws use the exponential race (argmax of p / Exp(1)), which samples
-exactly from p with a single draw per vocabulary entry.
+exactly from p with a single draw per vocabulary entry. On CUDA the drawn rows of
+a batch go through one Triton kernel (:mod:`formcast.engine.kernels.sampling`),
+its noise keyed by the request's seed and the position sampled.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from formcast.engine.constraint import bitmask_words
+from formcast.engine.kernels import triton_available
 from formcast.engine.kernels.bitmask import apply_token_bitmask_
+from formcast.engine.kernels.sampling import row_seed, sample
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.sequence import Sequence, TokenLogprob
 
@@ -103,9 +107,21 @@ class Sampler:
             if greedy_rows:
                 idx = torch.tensor(greedy_rows, device=logits.device)
                 tokens[idx] = logits[idx].argmax(dim=-1)
-            for i, seq in enumerate(seqs):
-                if not seq.params.greedy:
-                    tokens[i] = _sample_row(logits[i], seq.params, seq.generator)
+            drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
+            if logits.is_cuda and triton_available():
+                # every drawn row in one kernel, its noise keyed by the request's seed
+                # and the position it samples
+                ps = [seqs[i].params for i in drawn]
+                idx = torch.tensor(drawn, device=logits.device)
+                tokens[idx] = sample(
+                    logits[idx], torch.tensor([p.temperature for p in ps]),
+                    torch.tensor([p.top_k or 0 for p in ps]), torch.tensor([p.top_p for p in ps]),
+                    torch.tensor([p.min_p for p in ps]),
+                    torch.tensor([row_seed(seqs[i].generator.initial_seed(), len(seqs[i]))
+                                  for i in drawn]))[0]
+            else:
+                for i in drawn:
+                    tokens[i] = _sample_row(logits[i], seqs[i].params, seqs[i].generator)
         dead = torch.isneginf(logits.max(dim=-1).values)
         return tokens, dead, errors
 

@@ -1,4 +1,4 @@
-"""RMSNorm (+ residual), RoPE and paged decode/prefill attention kernels: the torch reference against the model's
+"""RMSNorm (+ residual), RoPE, paged decode/prefill attention and sampling kernels: the torch reference against the model's
 formulas, and the Triton kernels against the reference (on CUDA, and on the CPU
 through Triton's interpreter in a subprocess)."""
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from formcast.engine.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_
+from formcast.engine.kernels.sampling import sample, sampling_thresholds
 from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
 from formcast.engine.kernels.rope import apply_rope_
 from formcast.engine.layers.rotary import RotaryEmbedding
@@ -32,6 +33,10 @@ def test_reference_rms_norm_is_llamas_formula_and_the_fused_add_matches():
     assert torch.equal(total, x + a) and torch.equal(normed, rms_norm(x + a, w, 1e-5))
     with pytest.raises(ValueError, match="unknown backend"):
         rms_norm(x, w, 1e-5, backend="cuda")
+
+
+def test_reference_sampling_keeps_the_right_tokens_and_draws_from_them():
+    _compare_sampling("cpu", backends=("torch",))
 
 
 def test_reference_rope_is_rotate_half_in_place():
@@ -145,11 +150,55 @@ def _compare_prefill(backend_device: str, dtypes=(torch.float32, torch.bfloat16)
             assert torch.all(outs["triton"][:2] == 7.0)   # rows of no chunk untouched
 
 
+def _compare_sampling(backend_device: str, backends=("torch", "triton")) -> None:
+    """Batched sampling: each row keeps exactly the reference's tokens (top-k with
+    ties, top-p, min-p, masked logits), draws inside them, repeats with its seed
+    whatever the other rows are, and follows the tempered distribution."""
+    gen = torch.Generator().manual_seed(5)
+    b, v = 6, 3000
+    x = torch.randn(b, v, generator=gen) * 3
+    x[1, 100:] = float("-inf")                  # a grammar mask
+    x[2, :40] = x[2].max() + 1                  # ties at the top-k boundary
+    temp = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0, 0.5])
+    top_k = torch.tensor([0, 5, 30, 0, 0, 20])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.5, 1.0, 0.8])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.1, 0.05])
+    seeds = torch.arange(b) * 7 + 1
+    ref = sampling_thresholds(x, temp, top_k, top_p, min_p)
+    dev = [t.to(backend_device) for t in (x, temp, top_k, top_p, min_p, seeds)]
+    for backend in backends:
+        tokens, thr = sample(*dev, backend=backend)
+        tokens, thr = tokens.cpu(), thr.cpu()
+        for i in range(b):
+            assert torch.equal(x[i] >= thr[i], x[i] >= ref[i]), f"{backend} row {i} support"
+            assert x[i, tokens[i]] >= ref[i]
+        again, _ = sample(*dev, backend=backend)
+        assert torch.equal(again.cpu(), tokens)
+        alone, _ = sample(*(t[3:4] for t in dev), backend=backend)   # batch invariance
+        assert int(alone) == int(tokens[3])
+    # the draws follow softmax(x / T) over the kept tokens
+    n, v = 3000, 16
+    row = torch.randn(v, generator=gen)
+    xs = row.expand(n, v).contiguous()
+    # (min-p cuts without the bisections, which Triton's interpreter runs slowly)
+    params = (torch.full((n,), 0.8), torch.zeros(n, dtype=torch.long), torch.ones(n),
+              torch.full((n,), 0.1), torch.arange(n))
+    thr = sampling_thresholds(xs[:1], *(p[:1] for p in params[:4]))
+    want = torch.where(row >= thr, torch.softmax(row / 0.8, 0), torch.zeros(v))
+    want = want / want.sum()
+    for backend in backends:
+        tokens, _ = sample(xs.to(backend_device), *(p.to(backend_device) for p in params),
+                           backend=backend)
+        freq = torch.bincount(tokens.cpu(), minlength=v).float() / n
+        assert (freq - want).abs().max().item() < 0.035, (backend, freq, want)
+
+
 @pytest.mark.cuda
 def test_triton_kernels_match_the_reference_on_cuda():
     _compare("cuda")
     _compare_paged("cuda")
     _compare_prefill("cuda")
+    _compare_sampling("cuda")
 
 
 def test_triton_kernels_match_the_reference_in_the_interpreter():
@@ -162,10 +211,11 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
         import sys
         import torch
         sys.path.insert(0, {here!r})
-        from test_kernels import _compare, _compare_paged, _compare_prefill
+        from test_kernels import _compare, _compare_paged, _compare_prefill, _compare_sampling
         _compare("cpu")
         _compare_paged("cpu", dtypes=(torch.float32,))
         _compare_prefill("cpu", dtypes=(torch.float32,))
+        _compare_sampling("cpu", backends=("triton",))
         print("ok")
     """).format(here=os.path.dirname(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1"}

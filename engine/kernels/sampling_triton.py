@@ -1,0 +1,98 @@
+"""Triton batched sampling for CUDA: one program per row, the vocabulary in chunks.
+
+The top-k and top-p thresholds are found by bisection on the logit value (each
+step one pass over the row, which stays in cache): the largest threshold that
+still keeps k tokens, then the largest that still keeps probability mass p.
+Noise comes from ``tl.rand`` (Philox) keyed by the row's seed and the token id.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ITERS = 40  # bisection steps: the logit range shrinks 2**40-fold, far below float32 spacing
+
+
+@triton.jit
+def _sample_kernel(logits_ptr, tokens_ptr, thr_ptr, temp_ptr, topk_ptr, topp_ptr, minp_ptr,
+                   seed_ptr, vocab, stride, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    t = tl.load(temp_ptr + row)
+    k = tl.load(topk_ptr + row)
+    p = tl.load(topp_ptr + row)
+    mp = tl.load(minp_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    cols = tl.arange(0, BLOCK)
+    hi = tl.full([], float("-inf"), tl.float32)
+    lo = tl.full([], float("inf"), tl.float32)
+    for c in range(0, vocab, BLOCK):
+        x = tl.load(base + c + cols, mask=c + cols < vocab, other=float("-inf"))
+        hi = tl.maximum(hi, tl.max(x, axis=0))
+        lo = tl.minimum(lo, tl.min(tl.where(x == float("-inf"), float("inf"), x), axis=0))
+    thr = lo
+    if k > 0:
+        a = lo
+        b = hi
+        for _ in range(ITERS):
+            mid = a + (b - a) * 0.5
+            count = tl.full([], 0, tl.int32)
+            for c in range(0, vocab, BLOCK):
+                x = tl.load(base + c + cols, mask=c + cols < vocab, other=float("-inf"))
+                count += tl.sum((x >= mid).to(tl.int32), axis=0)
+            keep = count >= k
+            a = tl.where(keep, mid, a)
+            b = tl.where(keep, b, mid)
+        thr = a
+    if p < 1.0:
+        total = tl.full([], 0.0, tl.float32)
+        for c in range(0, vocab, BLOCK):
+            x = tl.load(base + c + cols, mask=c + cols < vocab, other=float("-inf"))
+            total += tl.sum(tl.where(x >= thr, tl.exp((x - hi) / t), 0.0), axis=0)
+        a = thr
+        b = hi
+        for _ in range(ITERS):
+            mid = a + (b - a) * 0.5
+            mass = tl.full([], 0.0, tl.float32)
+            for c in range(0, vocab, BLOCK):
+                x = tl.load(base + c + cols, mask=c + cols < vocab, other=float("-inf"))
+                mass += tl.sum(tl.where(x >= mid, tl.exp((x - hi) / t), 0.0), axis=0)
+            keep = mass >= p * total
+            a = tl.where(keep, mid, a)
+            b = tl.where(keep, b, mid)
+        thr = a
+    if mp > 0.0:
+        thr = tl.maximum(thr, hi + t * tl.log(mp))
+    best = tl.full([], float("-inf"), tl.float32)
+    best_id = tl.full([], 0, tl.int32)
+    for c in range(0, vocab, BLOCK):
+        offs = c + cols
+        x = tl.load(base + offs, mask=offs < vocab, other=float("-inf"))
+        u = tl.maximum(tl.rand(seed, offs), 1e-20)
+        score = tl.where((x >= thr) & (x > float("-inf")), x / t - tl.log(-tl.log(u)),
+                         float("-inf"))
+        chunk_best = tl.max(score, axis=0)
+        chunk_id = (tl.argmax(score, axis=0) + c).to(tl.int32)
+        better = chunk_best > best
+        best_id = tl.where(better, chunk_id, best_id)
+        best = tl.where(better, chunk_best, best)
+    tl.store(tokens_ptr + row, best_id.to(tl.int64))
+    tl.store(thr_ptr + row, thr)
+
+
+def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        raise ValueError("sampling: logits must be float32 with contiguous rows")
+    b, vocab = logits.shape
+    dev = logits.device
+    tokens = torch.empty(b, dtype=torch.long, device=dev)
+    thr = torch.empty(b, dtype=torch.float32, device=dev)
+    _sample_kernel[(b,)](
+        logits, tokens, thr, temperature.to(dev, torch.float32), top_k.to(dev, torch.int32),
+        top_p.to(dev, torch.float32), min_p.to(dev, torch.float32), seeds.to(dev, torch.int32),
+        vocab, logits.stride(0), BLOCK=4096, ITERS=ITERS)
+    return tokens, thr
