@@ -12,11 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from formcast.engine.config import DeepseekV4Config
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+from formcast.engine.kernels.moe import clamped_swiglu, grouped_expert_mlp
 
 
 class Router(nn.Module):
@@ -88,23 +84,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(x, e, i))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x ``[T, E]``, experts/weights ``[T, K]`` -> ``[T, E]``."""
-        out = torch.zeros_like(x)
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)  # token-slot pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        tokens = order // experts.shape[1]
-        slot_weights = weights.flatten()[order]
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = tokens[start:start + count]
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[expert])
-            out.index_add_(0, rows, (y * slot_weights[start:start + count, None]).to(out.dtype))
-            start += count
-        return out
+        """x ``[T, E]``, experts/weights ``[T, K]`` -> ``[T, E]`` (grouped GEMMs in
+        Triton on CUDA, a loop over the experts with tokens elsewhere)."""
+        return grouped_expert_mlp(x, self.gate_up_proj, self.down_proj, experts, weights,
+                                  self.limit)
 
 
 class DeepseekV4MoE(nn.Module):

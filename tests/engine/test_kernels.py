@@ -1,4 +1,5 @@
-"""RMSNorm (+ residual), RoPE, paged decode/prefill attention and sampling kernels: the torch reference against the model's
+"""RMSNorm (+ residual), RoPE, paged decode/prefill attention, sampling and grouped
+expert kernels: the torch reference against the model's
 formulas, and the Triton kernels against the reference (on CUDA, and on the CPU
 through Triton's interpreter in a subprocess)."""
 
@@ -12,6 +13,7 @@ import textwrap
 import pytest
 import torch
 
+from formcast.engine.kernels.moe import grouped_expert_mlp
 from formcast.engine.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_
 from formcast.engine.kernels.sampling import sample, sampling_thresholds
 from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -193,12 +195,39 @@ def _compare_sampling(backend_device: str, backends=("torch", "triton")) -> None
         assert (freq - want).abs().max().item() < 0.035, (backend, freq, want)
 
 
+def _compare_moe(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
+    """Triton grouped expert GEMMs vs the per-expert torch reference: one token and
+    many, experts left empty, every token on one expert, K of 1 to 3, widths that
+    are not multiples of the tiles, the activation's clamp reached."""
+    gen = torch.Generator().manual_seed(6)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.05)):
+        if dtype not in dtypes:
+            continue
+        for t, x_n, k, e, i in ((1, 8, 2, 64, 96), (37, 8, 3, 80, 48), (70, 4, 1, 64, 64),
+                                (20, 6, 2, 64, 32)):
+            x = torch.randn(t, e, generator=gen)
+            gate_up = torch.randn(x_n, 2 * i, e, generator=gen) * 0.3
+            down = torch.randn(x_n, e, i, generator=gen) * 0.3
+            experts = torch.randint(0, x_n - 1, (t, k), generator=gen)   # the last one idle
+            if t == 20:
+                experts[:] = 2                                             # all on one expert
+            weights = torch.rand(t, k, generator=gen)
+            args = [a.to(dtype).to(backend_device) for a in (x, gate_up, down)]
+            route = [experts.to(backend_device), weights.to(backend_device)]
+            ref = grouped_expert_mlp(*args, *route, 2.0, backend="torch").float()
+            got = grouped_expert_mlp(*args, *route, 2.0, backend="triton")
+            assert got.dtype == dtype and got.shape == (t, e)
+            err = ((got.float() - ref).abs().max() / ref.abs().max().clamp_min(1)).item()
+            assert err <= tol, f"{dtype} t={t} x={x_n} k={k}: relative error {err}"
+
+
 @pytest.mark.cuda
 def test_triton_kernels_match_the_reference_on_cuda():
     _compare("cuda")
     _compare_paged("cuda")
     _compare_prefill("cuda")
     _compare_sampling("cuda")
+    _compare_moe("cuda")
 
 
 def test_triton_kernels_match_the_reference_in_the_interpreter():
@@ -211,11 +240,13 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
         import sys
         import torch
         sys.path.insert(0, {here!r})
-        from test_kernels import _compare, _compare_paged, _compare_prefill, _compare_sampling
+        from test_kernels import (_compare, _compare_paged, _compare_prefill, _compare_sampling,
+                                  _compare_moe)
         _compare("cpu")
         _compare_paged("cpu", dtypes=(torch.float32,))
         _compare_prefill("cpu", dtypes=(torch.float32,))
         _compare_sampling("cpu", backends=("triton",))
+        _compare_moe("cpu", dtypes=(torch.float32,))
         print("ok")
     """).format(here=os.path.dirname(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
