@@ -401,7 +401,8 @@ def _best_candidate(seq: "Sequence", before: Draft, parts: list[Draft]) -> Draft
 
 def fill_draft_masks(constraint, tokens: list[int], words: int) -> torch.Tensor | None:
     """Bitmasks for verifying ``tokens``: row ``j`` is the grammar's mask after the
-    first ``j`` draft tokens, made on a fork so the request's matcher is untouched.
+    first ``j`` draft tokens, made on a fork so the request's matcher is untouched
+    (empty after a draft token that terminates the constraint).
     None when the constraint cannot fork (its masks are then filled in place, one
     position at a time, during verification)."""
     fork = getattr(constraint, "fork", None)
@@ -410,6 +411,8 @@ def fill_draft_masks(constraint, tokens: list[int], words: int) -> torch.Tensor 
     walker = fork()
     masks = torch.zeros(len(tokens) + 1, words, dtype=torch.int32)
     for j in range(len(tokens) + 1):
+        if walker.is_terminated():  # the draft ended the constraint (its stop token):
+            return masks[:j + 1]    # nothing may follow, row j stays empty
         walker.fill_bitmask(masks, j)
         if j < len(tokens) and not walker.accept(tokens[j]):
             return masks[:j + 1]  # validated drafts never get here

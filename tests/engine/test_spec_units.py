@@ -267,6 +267,24 @@ def test_draft_masks_are_filled_on_a_fork_position_by_position():
     assert masks[:2].shape == Draft([2, 5], [1.0, 1.0], masks=masks).cut(1).masks.shape
 
 
+def test_draft_masks_stop_at_a_draft_that_ends_the_grammar():
+    """A draft whose last token is the grammar's stop token: the row after it is
+    left empty instead of asking the terminated matcher (xgrammar refuses)."""
+    pytest.importorskip("xgrammar")
+    from formcast.engine.hub import resolve_model
+    from formcast.engine.spec.proposers import fill_draft_masks
+    from formcast.engine.tokenizer import cached_gguf_tokenizer
+    from formcast.grammars import Regex, compile
+
+    tok = cached_gguf_tokenizer(resolve_model("smollm2").path)
+    compiled = compile(Regex("yes|no"), tok, vocab_size=49152)
+    eos = min(tok.eos_token_ids)
+    draft = tok.encode("yes", add_special_tokens=False) + [eos]
+    masks = fill_draft_masks(compiled.matcher(), draft, 1536)
+    assert masks.shape == (len(draft) + 1, 1536)
+    assert masks[-2].any() and not masks[-1].any()
+
+
 # ------------------------------------------------------------------ draft memory
 
 class ForcedText(AllowOnly):
