@@ -7,6 +7,7 @@ The engine knows nothing of JSON or grammars; it drives any
 from formcast.engine.config import EngineConfig, LlamaConfig
 from formcast.engine.constraint import LogitsConstraint
 from formcast.engine.engine import Engine
+from formcast.engine.parallel.config import ParallelConfig
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.sequence import Request, RequestOutput, TokenLogprob
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -17,6 +18,7 @@ __all__ = [
     "IncrementalDetokenizer",
     "LlamaConfig",
     "LogitsConstraint",
+    "ParallelConfig",
     "Request",
     "RequestOutput",
     "SamplingParams",

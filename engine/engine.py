@@ -134,7 +134,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, name_or_path: str, *, device: str | torch.device = "auto",
                         dtype: torch.dtype | None = None, quantization: str | None = "auto",
-                        **config) -> "Engine":
+                        parallel=None, **config) -> "Engine":
         """Load a model by registry name or path and build an engine for it.
 
         Parameters
@@ -159,6 +159,10 @@ class Engine:
             CPU, None otherwise. None: float weights in ``dtype``.
         **config
             Fields of :class:`EngineConfig` (block_size, num_kv_blocks, max_num_seqs, ...).
+        parallel : formcast.engine.ParallelConfig | None
+            More than one rank (``dp > 1``): start one process per rank on this
+            machine and return a :class:`formcast.engine.parallel.ParallelEngine`
+            (same calls), attention data parallel, MoE experts split when ``ep > 1``.
 
         Raises
         ------
@@ -170,6 +174,11 @@ class Engine:
         from formcast.engine.hub import resolve_model
         from formcast.engine.loader import load_checkpoint
 
+        if parallel is not None and parallel.dp > 1:
+            from formcast.engine.parallel import ParallelEngine
+
+            return ParallelEngine.launch(name_or_path, parallel, device=str(device), dtype=dtype,
+                                         quantization=quantization, **config)
         try:
             engine_config = EngineConfig(**config)
         except TypeError as exc:

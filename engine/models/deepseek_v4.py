@@ -168,6 +168,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DeepseekV4Model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = nn.ModuleList([DeepseekV4MTPLayer(config, self.model.rotary_main)] if with_mtp else [])
+        self.lockstep = None  # expert parallel: formcast.engine.parallel.worker.Lockstep
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -218,6 +219,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         ValueError
             Lengths that do not match the tokens or the states.
         """
+        if self.lockstep is not None:  # expert parallel: every rank runs this forward
+            self.lockstep.enter_forward()
         chunks = _chunks(token_ids, states, lengths, [s.num_tokens for s in states])
         x = self.model.embed_tokens(token_ids)
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
@@ -229,6 +232,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         for state, length in zip(states, lengths):
             state.num_tokens += length
         return streams
+
+    def idle_forward(self) -> None:
+        """A forward without tokens, for a rank with nothing to run while the others
+        run one: it joins every MoE layer's expert exchange with an empty batch."""
+        e, k = self.config.hidden_size, self.config.num_experts_per_tok
+        dtype, dev = self.model.embed_tokens.weight.dtype, self.model.embed_tokens.weight.device
+        for layer in self.model.layers:
+            layer.mlp.experts(torch.empty(0, e, dtype=dtype, device=dev),
+                              torch.empty(0, k, dtype=torch.long, device=dev),
+                              torch.empty(0, k, dtype=torch.float32, device=dev))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Streams ``[M, N, E]`` (rows of :meth:`forward`'s output) -> float32 ``[M, V]``."""

@@ -1,0 +1,88 @@
+"""Expert-parallel routed experts over a torch.distributed group.
+
+Each rank holds the experts of its slots (:class:`ExpertPlacement`). A step's
+(token, expert) pairs travel to a rank holding a copy of their expert (all-to-all:
+counts, then rows and slot ids), every rank runs its slots' MLPs on what it
+received, and the results travel back (all-to-all) to be weighted and summed per
+token where the token lives. A rank with no tokens still joins every exchange
+with empty tensors: it may hold experts others need. Per-expert token counts are
+recorded for the load balancer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from formcast.engine.kernels.moe import grouped_expert_mlp
+from formcast.engine.parallel.placement import ExpertPlacement
+
+
+class ExpertParallelExperts(nn.Module):
+    """Drop-in for a layer's routed experts (same ``forward(x, experts, weights)``).
+
+    ``full_gate_up`` [X, 2I, E] and ``full_down`` [X, E, I] are every expert's
+    weights; the module keeps the slices its slots need, and can be given a new
+    placement between steps (:meth:`place`)."""
+
+    def __init__(self, full_gate_up: torch.Tensor, full_down: torch.Tensor, limit: float,
+                 placement: ExpertPlacement, group=None) -> None:
+        super().__init__()
+        self.limit = limit
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        if placement.num_ranks != self.world:
+            raise ValueError(f"placement for {placement.num_ranks} ranks, group has {self.world}")
+        self.num_experts = full_gate_up.shape[0]
+        self.loads = torch.zeros(self.num_experts, dtype=torch.long)  # tokens routed here
+        self._full = (full_gate_up, full_down)
+        self.place(placement)
+
+    def place(self, placement: ExpertPlacement) -> None:
+        """Hold the experts of this rank's slots under ``placement`` and route to its
+        copies. Results do not change: every copy computes the same function."""
+        gate_up, down = self._full
+        mine = [max(e, 0) for e in placement.slots[self.rank]]  # empty slots: never routed to
+        self.gate_up = gate_up[mine].contiguous()
+        self.down = down[mine].contiguous()
+        self.placement = placement
+        copies = [placement.copies(e) for e in range(self.num_experts)]
+        width = max(len(c) for c in copies)
+        self._num_copies = torch.tensor([len(c) for c in copies])
+        self._copy_rank = torch.tensor([[c[j % len(c)][0] for j in range(width)] for c in copies])
+        self._copy_slot = torch.tensor([[c[j % len(c)][1] for j in range(width)] for c in copies])
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+                ) -> torch.Tensor:
+        """x ``[T, E]``, experts/weights ``[T, K]`` (T may be 0) -> ``[T, E]``."""
+        dev = x.device
+        t, k = experts.shape
+        flat = experts.flatten().long().cpu()
+        self.loads += torch.bincount(flat, minlength=self.num_experts)
+        pair = torch.arange(t * k)
+        # the copy of each pair's expert: spread by pair index (and rank) over the copies
+        which = (pair + self.rank) % self._num_copies[flat]
+        dest = self._copy_rank[flat, which]
+        slot = self._copy_slot[flat, which]
+        order = torch.argsort(dest, stable=True)
+        send_counts = torch.bincount(dest, minlength=self.world)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send, recv = send_counts.tolist(), recv_counts.tolist()
+        tokens = (order // k).to(dev)
+        rows = torch.empty(sum(recv), x.shape[1], dtype=x.dtype, device=dev)
+        dist.all_to_all_single(rows, x[tokens].contiguous(), recv, send, group=self.group)
+        slots = torch.empty(sum(recv), dtype=torch.long)
+        dist.all_to_all_single(slots, slot[order].contiguous(), recv, send, group=self.group)
+        slots = slots.to(dev)
+        y = grouped_expert_mlp(rows, self.gate_up, self.down, slots[:, None],
+                               torch.ones(len(slots), 1, dtype=torch.float32, device=dev),
+                               self.limit)
+        back = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=dev)
+        dist.all_to_all_single(back, y.contiguous(), send, recv, group=self.group)
+        out = torch.zeros_like(x)
+        w = weights.flatten()[order.to(dev)]
+        out.index_add_(0, tokens, (back * w[:, None]).to(out.dtype))
+        return out

@@ -1,0 +1,134 @@
+"""One rank of a parallel engine: its own :class:`Engine` (requests, KV cache or
+states), its slice of the experts, and the lockstep that keeps the ranks'
+forwards aligned.
+
+Ranks meet inside every MoE layer (the expert exchange), so they must run the
+same number of forwards. Before each forward a rank says so (all-reduce of 1);
+a rank done with its step keeps saying 0 and, while any other rank still runs
+one, runs an empty forward along (:meth:`DeepseekV4ForCausalLM.idle_forward`);
+the step ends for all when every rank says 0.
+
+Started by :class:`formcast.engine.parallel.ParallelEngine` (torch.multiprocessing,
+one machine), it serves commands from the caller over a pipe.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from formcast.engine.parallel.placement import ExpertPlacement
+
+
+class Lockstep:
+    """Aligns the ranks' forwards of ``model`` (see the module text)."""
+
+    def __init__(self, model, group=None) -> None:
+        self.model = model
+        self.group = group
+        self.forwards = 0  # real forwards this rank ran
+        self.idle_forwards = 0
+
+    def enter_forward(self) -> None:
+        flag = torch.ones(1, dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        self.forwards += 1
+
+    def finish_step(self) -> None:
+        while True:
+            flag = torch.zeros(1, dtype=torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if not int(flag):
+                return
+            self.model.idle_forward()
+            self.idle_forwards += 1
+
+
+def expert_layers(model) -> list:
+    """The MoE blocks of the main layers whose routed experts are split (in order)."""
+    return [layer.mlp for layer in getattr(model.model, "layers", [])
+            if hasattr(getattr(layer, "mlp", None), "experts")]
+
+
+def shard_experts(model, placements: list[ExpertPlacement], group=None) -> None:
+    """Replace each MoE layer's routed experts by its expert-parallel slice."""
+    from formcast.engine.parallel.moe import ExpertParallelExperts
+
+    for moe, placement in zip(expert_layers(model), placements, strict=True):
+        ex = moe.experts
+        moe.experts = ExpertParallelExperts(ex.gate_up_proj.data, ex.down_proj.data, ex.limit,
+                                            placement, group)
+    model.lockstep = Lockstep(model, group)
+
+
+def worker_main(rank: int, world: int, init_method: str, backend: str, source: str,
+                engine_options: dict[str, Any], placements: list[ExpertPlacement] | None,
+                conn) -> None:
+    """Entry of a spawned rank: set up the group and the engine, then serve."""
+    from formcast.engine.engine import Engine
+
+    try:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+        options = dict(engine_options)
+        if backend == "nccl":
+            options["device"] = f"cuda:{rank % torch.cuda.device_count()}"
+        engine = Engine.from_pretrained(source, **options)
+        if placements is not None:
+            shard_experts(engine.model, placements)
+        conn.send(("ready", {"name": engine.name, "max_model_len": engine.max_model_len,
+                             "config": engine.model.config, "device": str(engine.device),
+                             "dtype": engine.dtype, "quantization": engine.quantization}))
+    except Exception:
+        conn.send(("fatal", traceback.format_exc()))
+        return
+    serve(engine, conn)
+    dist.destroy_process_group()
+
+
+def serve(engine, conn) -> None:
+    """Answer the caller's commands until "stop" (or the pipe closes)."""
+    from formcast.errors import RequestError
+
+    lockstep = getattr(engine.model, "lockstep", None)
+    while True:
+        try:
+            cmd, arg = conn.recv()
+        except EOFError:
+            return
+        try:
+            if cmd == "stop":
+                conn.send(("ok", None))
+                return
+            if cmd == "add":
+                try:
+                    engine.add_request(arg["prompt"], arg["params"], request_id=arg["request_id"])
+                    conn.send(("ok", None))
+                except RequestError as exc:
+                    conn.send(("error", str(exc)))
+            elif cmd == "step":
+                outputs = engine.step()
+                if lockstep is not None:
+                    lockstep.finish_step()
+                conn.send(("ok", outputs))
+            elif cmd == "abort":
+                conn.send(("ok", engine.abort_request(arg)))
+            elif cmd == "loads":
+                conn.send(("ok", [m.experts.loads.clone() for m in expert_layers(engine.model)]))
+            elif cmd == "place":
+                for moe, placement in zip(expert_layers(engine.model), arg, strict=True):
+                    moe.experts.place(placement)
+                conn.send(("ok", None))
+            elif cmd == "stats":
+                conn.send(("ok", {"forwards": getattr(lockstep, "forwards", 0),
+                                  "idle_forwards": getattr(lockstep, "idle_forwards", 0),
+                                  "pid": os.getpid()}))
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+        except Exception:
+            conn.send(("fatal", traceback.format_exc()))
+            return
