@@ -22,9 +22,10 @@ from formcast.engine.parallel.placement import ExpertPlacement
 class ExpertParallelExperts(nn.Module):
     """Drop-in for a layer's routed experts (same ``forward(x, experts, weights)``).
 
-    ``full_gate_up`` [X, 2I, E] and ``full_down`` [X, E, I] are every expert's
-    weights; the module keeps the slices its slots need, and can be given a new
-    placement between steps (:meth:`place`)."""
+    Built from every expert's weights, ``full_gate_up`` [X, 2I, E] and ``full_down``
+    [X, E, I] (as loaded), it keeps only the experts of this rank's slots. A new
+    placement (:meth:`place`, between steps) copies the experts a rank gains from
+    a rank that holds them, over the group (point to point)."""
 
     def __init__(self, full_gate_up: torch.Tensor, full_down: torch.Tensor, limit: float,
                  placement: ExpertPlacement, group=None) -> None:
@@ -37,22 +38,50 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"placement for {placement.num_ranks} ranks, group has {self.world}")
         self.num_experts = full_gate_up.shape[0]
         self.loads = torch.zeros(self.num_experts, dtype=torch.long)  # tokens routed here
-        self._full = (full_gate_up, full_down)
-        self.place(placement)
-
-    def place(self, placement: ExpertPlacement) -> None:
-        """Hold the experts of this rank's slots under ``placement`` and route to its
-        copies. Results do not change: every copy computes the same function."""
-        gate_up, down = self._full
         mine = [max(e, 0) for e in placement.slots[self.rank]]  # empty slots: never routed to
-        self.gate_up = gate_up[mine].contiguous()
-        self.down = down[mine].contiguous()
+        self.gate_up = full_gate_up[mine].clone()
+        self.down = full_down[mine].clone()
+        self._route(placement)
+
+    def _route(self, placement: ExpertPlacement) -> None:
         self.placement = placement
         copies = [placement.copies(e) for e in range(self.num_experts)]
         width = max(len(c) for c in copies)
         self._num_copies = torch.tensor([len(c) for c in copies])
         self._copy_rank = torch.tensor([[c[j % len(c)][0] for j in range(width)] for c in copies])
         self._copy_slot = torch.tensor([[c[j % len(c)][1] for j in range(width)] for c in copies])
+
+    def place(self, placement: ExpertPlacement) -> None:
+        """Move to ``placement`` (every rank calls this together). An expert this
+        rank keeps is copied locally; one it gains comes from the lowest rank that
+        held it. Results do not change: every copy computes the same function."""
+        old = self.placement
+        held = {e: (r, s) for r in reversed(range(self.world))
+                for s, e in enumerate(old.slots[r]) if e >= 0}  # lowest rank wins
+        gate_up = torch.empty_like(self.gate_up)
+        down = torch.empty_like(self.down)
+        requests = []
+        for dst in range(self.world):
+            for slot, expert in enumerate(placement.slots[dst]):
+                if expert < 0:
+                    continue
+                src, src_slot = held[expert]
+                if expert in old.slots[dst]:  # already here: a local copy
+                    src, src_slot = dst, old.slots[dst].index(expert)
+                if dst == self.rank and src == self.rank:
+                    gate_up[slot], down[slot] = self.gate_up[src_slot], self.down[src_slot]
+                elif dst == self.rank:
+                    requests += [dist.irecv(gate_up[slot], src, group=self.group, tag=2 * slot),
+                                 dist.irecv(down[slot], src, group=self.group, tag=2 * slot + 1)]
+                elif src == self.rank:  # (self.gate_up/down rows are contiguous)
+                    requests += [dist.isend(self.gate_up[src_slot], dst, group=self.group,
+                                            tag=2 * slot),
+                                 dist.isend(self.down[src_slot], dst, group=self.group,
+                                            tag=2 * slot + 1)]
+        for req in requests:
+            req.wait()
+        self.gate_up, self.down = gate_up, down
+        self._route(placement)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
                 ) -> torch.Tensor:
