@@ -132,3 +132,76 @@ def serve(engine, conn) -> None:
         except Exception:
             conn.send(("fatal", traceback.format_exc()))
             return
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Batch generation on ranks started by torchrun (one process per rank, on one
+    or several nodes): ``torchrun --nproc-per-node N [--nnodes ...] -m
+    formcast.engine.parallel.worker --model PATH --prompts in.jsonl --output
+    out.jsonl [--ep N]``. Rank 0 reads the prompts (a JSON object per line,
+    ``{"prompt": text}`` or ``{"prompt_ids": [...]}``) and writes one result per
+    line in the same order; the prompts are spread over the ranks."""
+    import argparse
+    import json
+
+    from formcast.engine.engine import Engine
+    from formcast.engine.parallel.placement import default_placement
+    from formcast.engine.sampling_params import SamplingParams
+
+    ap = argparse.ArgumentParser(prog="python -m formcast.engine.parallel.worker")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--ep", type=int, default=0, help="expert parallel ranks (default: all)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args(argv)
+    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    engine = Engine.from_pretrained(args.model, device=device, spec="none")
+    cfg = engine.model.config
+    ep = args.ep or world
+    if ep not in (1, world):
+        raise SystemExit(f"--ep must be 1 or the number of ranks ({world})")
+    if ep > 1 and getattr(cfg, "n_routed_experts", None):
+        shard_experts(engine.model, [default_placement(cfg.n_routed_experts, world, 1)
+                                     for _ in expert_layers(engine.model)])
+    items = [None]
+    if rank == 0:
+        with open(args.prompts) as f:
+            items = [[json.loads(line) for line in f if line.strip()]]
+    dist.broadcast_object_list(items, src=0)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    mine = {}
+    for i, item in enumerate(items[0]):
+        if i % world == rank:
+            ids = item.get("prompt_ids") or engine.tokenizer.encode(item["prompt"])
+            mine[engine.add_request(ids, sp, request_id=f"line-{i}")] = i
+    results = {}
+    lockstep = getattr(engine.model, "lockstep", None)
+    while True:
+        for out in engine.step():
+            if out.finished:
+                results[mine[out.request_id]] = {"text": out.text, "token_ids": list(out.token_ids),
+                                                 "finish_reason": out.finish_reason, "rank": rank}
+        if lockstep is not None:
+            lockstep.finish_step()
+        busy = torch.tensor([int(engine.has_unfinished_requests())])
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        if not int(busy):
+            break
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(results, gathered, dst=0)
+    if rank == 0:
+        merged = {i: r for part in gathered for i, r in part.items()}
+        with open(args.output, "w") as f:
+            for i in range(len(items[0])):
+                f.write(json.dumps(merged[i]) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -145,3 +145,27 @@ def test_sdk_call_site_is_unchanged_and_bad_configs_are_named(folders):
         ParallelConfig(dp=2, ep=3)
     with pytest.raises(ValueError, match="dp must be a positive"):
         ParallelConfig(dp=0)
+
+
+def test_torchrun_entry_point_spreads_a_batch_over_ranks(folders, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from formcast.engine.parallel.engine import _free_port
+
+    name = "hca_hc4"
+    ps = prompts(name, 5)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in ps))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(_free_port()), "-m", "formcast.engine.parallel.worker", "--model",
+         str(folders[name]), "--prompts", str(tmp_path / "in.jsonl"), "--output",
+         str(tmp_path / "out.jsonl"), "--max-tokens", "9", "--device", "cpu"],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    single = Engine.from_pretrained(str(folders[name]), device="cpu", spec="none")
+    want = single.generate(ps, SamplingParams(max_tokens=9, temperature=0.0))
+    assert [g["token_ids"] for g in got] == [list(w.token_ids) for w in want]
+    assert {g["rank"] for g in got} == {0, 1}
