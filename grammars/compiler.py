@@ -128,11 +128,12 @@ class CompiledGrammar:
 
     def matcher(self) -> Matcher:
         """A fresh matcher at the start of the constraint (cheap). Does not change self."""
-        inner = self.grammar.matcher()
-        if self.end_check is None:
-            return inner
-        return EndCheckedMatcher(inner, self.end_check, self.vocab.token_bytes,
-                                 self.vocab.eos_token_ids)
+        matcher = self.grammar.matcher()
+        if self.end_check is not None:
+            matcher = EndCheckedMatcher(matcher, self.end_check, self.vocab.token_bytes,
+                                        self.vocab.eos_token_ids)
+        matcher._recipe = (self.constraint, self.backend, self.vocab)
+        return matcher
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 ``[rows, ceil(vocab_size/32)]`` CPU bitmask, every token allowed."""

@@ -24,6 +24,24 @@ class Matcher(ABC):
     ``rollback`` counts steps: one per accepted token, one per :meth:`accept_text`.
     """
 
+    # (constraint, backend, vocabulary) of the grammar it was made from, set by
+    # CompiledGrammar.matcher(): lets a fresh matcher travel to another process
+    _recipe: tuple | None = None
+
+    def __reduce__(self):
+        if self._recipe is None:
+            raise TypeError(f"{type(self).__name__} cannot be sent to another process: only "
+                            "matchers made by CompiledGrammar.matcher() can")
+        if not self._is_fresh():
+            raise TypeError("only a fresh matcher (no token accepted yet) can be sent to "
+                            "another process")
+        return (_matcher_from_recipe, self._recipe)
+
+    def _is_fresh(self) -> bool:
+        """Whether no token was accepted yet (False when unsure)."""
+        return False
+
+
     __slots__ = ()
 
     @abstractmethod
@@ -197,6 +215,9 @@ class EndCheckedMatcher(Matcher):
                 value = int(bitmask[row, word]) & ~(1 << (eos & 31)) & 0xFFFFFFFF
                 bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
+    def _is_fresh(self) -> bool:
+        return not self._parts and self._inner._is_fresh()
+
     def accept(self, token_id: int) -> bool:
         if token_id in self._eos and (not self._inner.is_completed()
                                       or self._violation() is not None):
@@ -246,3 +267,13 @@ def check_bitmask(bitmask: torch.Tensor, row: int, vocab_size: int) -> None:
                          f"vocab_size {vocab_size}, got shape {tuple(bitmask.shape)}")
     if not 0 <= row < bitmask.shape[0]:
         raise ValueError(f"row {row} is outside a bitmask of {bitmask.shape[0]} rows")
+
+
+def _matcher_from_recipe(constraint, backend: str, vocab) -> Matcher:
+    """A fresh matcher for ``constraint``, compiled (or found in this process's
+    cache) for ``vocab``: how a matcher is rebuilt in another process."""
+    from formcast.grammars.compiler import default_compiler
+
+    compiled = default_compiler().compile(constraint, vocab, backend=backend,
+                                          vocab_size=vocab.vocab_size)
+    return compiled.matcher()

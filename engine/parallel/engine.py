@@ -12,6 +12,7 @@ every other worker is stopped.
 from __future__ import annotations
 
 import itertools
+import pickle
 import socket
 import time
 from types import SimpleNamespace
@@ -114,21 +115,24 @@ class ParallelEngine:
     # -- requests ---------------------------------------------------------------------
     def add_request(self, prompt: Request | SequenceABC[int], params: SamplingParams | None = None,
                     *, constraint=None, request_id: str | None = None) -> str:
-        """Queue one request on the least loaded rank; returns its id."""
+        """Queue one request on the least loaded rank; returns its id. A constraint
+        must be able to travel to the rank's process (a fresh formcast.grammars
+        matcher can)."""
         if isinstance(prompt, Request):
             params = params or prompt.params
             constraint = constraint or prompt.constraint
             request_id = request_id or prompt.request_id
             prompt = prompt.prompt_token_ids
-        if constraint is not None:
-            raise RequestError("constraints are not available on a parallel engine yet")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._owner:
             raise RequestError(f"request id {request_id!r} is already in flight")
         rank = min(range(self.config.dp), key=lambda r: (self._load[r], r))
-        self._send(rank, "add", {"prompt": list(prompt), "params": params,
-                                 "request_id": request_id})
+        try:  # the constraint travels pickled (formcast.grammars matchers rebuild themselves)
+            self._send(rank, "add", {"prompt": list(prompt), "params": params,
+                                     "request_id": request_id, "constraint": constraint})
+        except (TypeError, AttributeError, pickle.PicklingError) as exc:
+            raise RequestError(f"the request cannot be sent to rank {rank}: {exc}") from exc
         status, msg = self._recv(rank)
         if status == "error":
             raise RequestError(msg)
@@ -163,9 +167,10 @@ class ParallelEngine:
         plist = params if isinstance(params, list) else [params] * n
         if len(plist) != n:
             raise RequestError(f"got {n} prompts but {len(plist)} params")
-        if constraints is not None and any(c is not None for c in constraints):
-            raise RequestError("constraints are not available on a parallel engine yet")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        clist = constraints if constraints is not None else [None] * n
+        if len(clist) != n:
+            raise RequestError(f"got {n} prompts but {len(clist)} constraints")
+        ids = [self.add_request(p, sp, constraint=c) for p, sp, c in zip(prompts, plist, clist)]
         done: dict[str, RequestOutput] = {}
         while len(done) < n:
             for out in self.step():

@@ -106,7 +106,8 @@ def serve(engine, conn) -> None:
                 return
             if cmd == "add":
                 try:
-                    engine.add_request(arg["prompt"], arg["params"], request_id=arg["request_id"])
+                    engine.add_request(arg["prompt"], arg["params"], request_id=arg["request_id"],
+                                       constraint=arg.get("constraint"))
                     conn.send(("ok", None))
                 except RequestError as exc:
                     conn.send(("error", str(exc)))

@@ -128,6 +128,9 @@ class OutlinesMatcher(Matcher):
                 value = int(bitmask[row, word]) & ~(1 << (eos & 31)) & 0xFFFFFFFF
                 bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
+    def _is_fresh(self) -> bool:
+        return not self._steps
+
     def accept(self, token_id: int) -> bool:
         if self._eos_step is not None:
             return False

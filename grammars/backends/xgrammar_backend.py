@@ -87,6 +87,7 @@ class XGrammarMatcher(Matcher):
         self._m = matcher
         self._blocked = blocked
         self._size = size
+        self._moved = False  # a token or text was offered (see Matcher._is_fresh)
         self._accept = matcher.accept_token
         self.fill_bitmask = matcher.fill_next_token_bitmask   # type: ignore[method-assign]
         self.is_completed = matcher.is_completed              # type: ignore[method-assign]
@@ -100,12 +101,17 @@ class XGrammarMatcher(Matcher):
         """Several matchers' rows in one call (the engine's optional batch hook)."""
         batch_fill(matchers, bitmask, rows)
 
+    def _is_fresh(self) -> bool:
+        return not self._moved
+
     def accept(self, token_id: int) -> bool:
         if token_id in self._blocked or not 0 <= token_id < self._size:
             return False
+        self._moved = True
         return self._accept(token_id)
 
     def accept_text(self, text: str) -> bool:
+        self._moved = True
         return self._m.accept_string(text)
 
     def rollback(self, num_tokens: int) -> None:

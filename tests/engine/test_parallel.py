@@ -132,13 +132,36 @@ def _zombie_or_gone(pid: int) -> bool:
 
 
 def test_sdk_call_site_is_unchanged_and_bad_configs_are_named(folders):
+    from typing import Annotated
+
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: Annotated[str, Field(max_length=6)]
+        age: Annotated[int, Field(ge=0, le=99)]
+        ok: bool
+
+    class LocalConstraint:  # a constraint that cannot be pickled
+        def fill_bitmask(self, bitmask, row): ...
+        def accept(self, token_id): return True
+        def rollback(self, n): ...
+        def is_terminated(self): return False
+        def forced_tokens(self): return []
+        def valid_prefix(self, draft): return len(draft)
+
     llm = formcast.load(str(folders["hca_hc4"]), device="cpu", spec="none", parallel=PAR)
     try:
         ref = formcast.load(str(folders["hca_hc4"]), device="cpu", spec="none")
         assert llm.generate("hello", max_tokens=8, temperature=0.0).token_ids == \
             ref.generate("hello", max_tokens=8, temperature=0.0).token_ids
-        with pytest.raises(RequestError, match="constraints"):
-            llm.engine.add_request([1, 2], SamplingParams(max_tokens=2), constraint=object())
+        # extraction: the grammar's matcher travels to the rank and is rebuilt there
+        texts = ["Ada, 36, is ok", "Bo, 7, not ok", "Cy is 50"]
+        got = llm.extract_batch(texts, Person, max_tokens=60)
+        assert got == ref.extract_batch(texts, Person, max_tokens=60)
+        assert all(isinstance(p, Person) for p in got)
+        with pytest.raises(RequestError, match="cannot be sent to rank"):
+            llm.engine.add_request([1, 2], SamplingParams(max_tokens=2),
+                                   constraint=LocalConstraint())
     finally:
         llm.engine.shutdown()
     with pytest.raises(ValueError, match="ep must be 1 or equal to dp"):
