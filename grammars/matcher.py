@@ -24,18 +24,17 @@ class Matcher(ABC):
     ``rollback`` counts steps: one per accepted token, one per :meth:`accept_text`.
     """
 
-    # (constraint, backend, vocabulary) of the grammar it was made from, set by
-    # CompiledGrammar.matcher(): lets a fresh matcher travel to another process
-    _recipe: tuple | None = None
-
     def __reduce__(self):
-        if self._recipe is None:
+        # _recipe: (constraint, backend, vocabulary) of the grammar the matcher was
+        # made from, set by CompiledGrammar.matcher() (a slot of every subclass)
+        recipe = getattr(self, "_recipe", None)
+        if recipe is None:
             raise TypeError(f"{type(self).__name__} cannot be sent to another process: only "
                             "matchers made by CompiledGrammar.matcher() can")
         if not self._is_fresh():
             raise TypeError("only a fresh matcher (no token accepted yet) can be sent to "
                             "another process")
-        return (_matcher_from_recipe, self._recipe)
+        return (_matcher_from_recipe, recipe)
 
     def _is_fresh(self) -> bool:
         """Whether no token was accepted yet (False when unsure)."""
@@ -157,7 +156,7 @@ class EndCheckedMatcher(Matcher):
     """
 
     __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict", "_version",
-                 "_inner_fill", "_inner_completed")
+                 "_inner_fill", "_inner_completed", "_recipe")
 
     def __init__(self, inner: Matcher, check: Callable[[bytes], EndViolation | None],
                  token_bytes: Sequence[bytes], eos_token_ids: frozenset[int],

@@ -102,7 +102,7 @@ class OutlinesGrammar(BackendGrammar):
 
 
 class OutlinesMatcher(Matcher):
-    __slots__ = ("_g", "_guide", "_steps", "_eos_step")
+    __slots__ = ("_g", "_guide", "_steps", "_eos_step", "_recipe")
 
     def __init__(self, grammar: OutlinesGrammar, guide: outlines_core.Guide,
                  steps: list[int], eos_step: int | None) -> None:
