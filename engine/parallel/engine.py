@@ -178,6 +178,13 @@ class ParallelEngine:
                     done[out.request_id] = out
         return [done[i] for i in ids]
 
+    def forward_logits(self, token_ids: SequenceABC[int]) -> torch.Tensor:
+        """Float32 logits ``[T, V]`` of one sequence, scored on rank 0 (the others
+        join its forwards' expert exchanges)."""
+        for rank in range(self.config.dp):
+            self._send(rank, "logits", list(token_ids) if rank == 0 else None)
+        return self._gather("logits")[0]
+
     # -- expert load balancing --------------------------------------------------------
     def expert_loads(self) -> list[torch.Tensor]:
         """Tokens routed to each expert so far, per MoE layer, summed over ranks."""

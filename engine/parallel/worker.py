@@ -116,6 +116,11 @@ def serve(engine, conn) -> None:
                 if lockstep is not None:
                     lockstep.finish_step()
                 conn.send(("ok", outputs))
+            elif cmd == "logits":  # one rank scores, the others join its forwards
+                logits = engine.forward_logits(arg) if arg is not None else None
+                if lockstep is not None:
+                    lockstep.finish_step()
+                conn.send(("ok", logits))
             elif cmd == "abort":
                 conn.send(("ok", engine.abort_request(arg)))
             elif cmd == "loads":

@@ -66,6 +66,9 @@ def test_two_ranks_give_the_single_process_outputs(folders, name):
         assert sum(s["idle_forwards"] for s in stats) > 0
         assert [s["forwards"] + s["idle_forwards"] for s in stats][0] == \
             stats[1]["forwards"] + stats[1]["idle_forwards"]
+        for ids in ps[:3]:  # the logits themselves, through the expert exchange
+            diff = (par.forward_logits(ids) - single.forward_logits(ids)).abs().max().item()
+            assert diff <= 1e-5, diff
         loads = par.expert_loads()
         assert len(loads) == CONFIGS[name]["num_hidden_layers"]
         assert all(int(layer.sum()) > 0 for layer in loads)
