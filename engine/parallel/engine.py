@@ -88,10 +88,6 @@ class ParallelEngine:
             placements = [default_placement(num_experts, config.dp, config.spare_expert_slots)
                           for _ in layers]
         engine_options = {"device": "cpu" if not cuda else "cuda", **engine_options}
-        if engine_options.get("spec", "none") not in ("none", None):
-            raise ValueError("speculative decoding is not available under expert parallelism "
-                             "yet: pass spec='none'")
-        engine_options["spec"] = "none"
         ctx = mp.get_context("spawn")
         init = f"tcp://127.0.0.1:{_free_port()}"
         procs, conns = [], []

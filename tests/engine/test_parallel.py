@@ -76,6 +76,23 @@ def test_two_ranks_give_the_single_process_outputs(folders, name):
         par.shutdown()
 
 
+@pytest.mark.parametrize("spec", ["mtp", "prompt_lookup"])
+def test_speculation_under_parallelism_keeps_greedy_outputs(folders, spec):
+    """Each rank drafts and verifies its own requests (MTP drafts; prompt lookup on
+    prompts that repeat): the greedy tokens of one process without drafts."""
+    name = "csa_sigmoid_yarn_mtp"
+    ps = [p * 3 for p in prompts(name, 4)]
+    sp = [SamplingParams(max_tokens=8 + 4 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    want = Engine.from_pretrained(str(folders[name]), device="cpu", spec="none").generate(ps, sp)
+    par = Engine.from_pretrained(str(folders[name]), device="cpu", spec=spec, parallel=PAR)
+    try:
+        got = par.generate(ps, sp)
+        assert [g.token_ids for g in got] == [w.token_ids for w in want]
+        assert sum(o.metrics.num_draft_tokens for o in got) > 0
+    finally:
+        par.shutdown()
+
+
 def test_expert_replicas_applied_mid_run_keep_the_outputs(folders):
     name = "hca_hc4"
     single = Engine.from_pretrained(str(folders[name]), device="cpu", spec="none")
