@@ -347,9 +347,10 @@ class Engine:
         running = sched.running
         if sched.waiting or not running or len(running) > self.config.max_num_batched_tokens:
             return False
-        if spec.enabled and not (spec.method == "auto" and (
-                len(running) > spec.auto_max_batch or self.dtype != torch.float32)):
-            return False  # drafts are proposed from tokens the host has
+        if spec.enabled and (spec.method != "auto" or self.dtype == torch.float32 and (
+                len(running) <= spec.auto_max_batch
+                or any(s.constraint is not None for s in running))):
+            return False  # drafts (see _propose_drafts) are made from tokens the host has
         if prev is not None and (len(prev.seqs) != len(running)
                                  or any(a is not b for a, b in zip(prev.seqs, running))):
             return False
@@ -472,16 +473,19 @@ class Engine:
         running = self.scheduler.running
         auto = spec.method == "auto"
         # "auto" only drafts where outputs cannot change: greedy requests, float32
-        # (bfloat16 GEMMs round differently for 1 and 1 + draft rows)
-        if auto and (len(running) > spec.auto_max_batch or self.dtype != torch.float32):
+        # (bfloat16 GEMMs round differently for 1 and 1 + draft rows). Past
+        # auto_max_batch requests it drafts only what a grammar forces: such a token
+        # costs a row of this step and saves a whole step later
+        if auto and self.dtype != torch.float32:
             return
+        forced_only = auto and len(running) > spec.auto_max_batch
         if self._draft_memory is None:
             self._draft_memory = DraftMemory(self.tokenizer.token_bytes())
         memory = self._draft_memory
         proposers = (JumpForwardProposer(memory),
                      PromptLookupProposer(spec.ngram_max, spec.ngram_min, memory=memory,
                                           encode=self._encode_plain))
-        if self._mtp is not None:  # grammar-forced tokens where there are any, else its draft
+        if self._mtp is not None or forced_only:  # grammar-forced tokens (then the MTP draft)
             proposers = proposers[:1]
         drafting: list[Sequence] = []
         for_mtp: list[Sequence] = []
@@ -489,7 +493,8 @@ class Engine:
         for seq in running:
             seq.draft = None
             others += min(seq.num_uncomputed_tokens, self.config.max_num_batched_tokens)
-            if seq.num_uncomputed_tokens != 1 or (auto and not seq.params.greedy):
+            if seq.num_uncomputed_tokens != 1 or (auto and not seq.params.greedy) \
+                    or (forced_only and seq.constraint is None):
                 continue
             room = min(spec.max_draft, seq.max_total_len - len(seq) - 1)
             if room > 0:
@@ -497,7 +502,7 @@ class Engine:
                 if draft.tokens:
                     seq.draft = draft
                     drafting.append(seq)
-                elif self._mtp is not None:
+                elif self._mtp is not None and not forced_only:
                     for_mtp.append(seq)
         if for_mtp:
             for seq, draft in zip(for_mtp, self._mtp.propose_batch(for_mtp)):

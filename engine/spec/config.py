@@ -20,9 +20,10 @@ class SpecConfig:
         grammar-forced tokens go first where there are any. "auto" uses the MTP
         layer when the model has one, prompt lookup otherwise, and drafts for
         greedy requests of float32 engines only (bfloat16 GEMMs round differently
-        for 1 and 1 + draft rows, which can flip near-tied argmaxes), and only while
-        at most ``auto_max_batch`` requests run (a memory-bound step scores extra
-        positions almost for free; a full batch is compute-bound and gains little);
+        for 1 and 1 + draft rows, which can flip near-tied argmaxes); while more
+        than ``auto_max_batch`` requests run, only grammar-forced tokens (a full
+        batch is compute-bound: a guessed position gains little, a forced one
+        saves a step);
         greedy outputs are the same with or without drafts, so "auto" does not
         change a result. Sampled requests
         under "prompt_lookup" or "mtp" keep their exact distribution, but a seed's tokens
@@ -38,7 +39,8 @@ class SpecConfig:
         (the request's smoothed acceptance rate, compounded along the draft) falls
         below this are not verified. Forced tokens have confidence 1.
     auto_max_batch : int
-        Running requests above which ``method="auto"`` stops drafting.
+        Running requests above which ``method="auto"`` drafts grammar-forced
+        tokens only.
     scheduled : bool
         True: each step verifies the draft positions worth their cost under the
         engine's measured step times (confidence-scheduled). False: every draft

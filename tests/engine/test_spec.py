@@ -123,3 +123,25 @@ def test_rejected_drafts_leave_the_matcher_as_if_never_proposed(engine):
     eng_plain = engine("none")
     b, = eng_plain.generate([ids + list(out.token_ids)], more, constraints=[fresh])
     assert a.token_ids == b.token_ids
+
+
+def test_auto_drafts_only_forced_tokens_past_its_batch_limit(engine):
+    """More requests than ``auto_max_batch``: "auto" still verifies the tokens the
+    grammar forces (JSON keys and punctuation), guesses nothing, and every output
+    is the one without speculation."""
+    eng = engine("none")
+    compiled = grammars.compile(grammars.JsonSchema(SCHEMA), eng.tokenizer,
+                                vocab_size=eng.model.config.vocab_size)
+    ps = [chat(eng, f"Extract name, number and place as JSON: {t}") for t in TEXTS] * 2
+    ps.append(chat(eng, "Say something."))           # a free request in the same batch
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+
+    def run(spec):
+        return engine(spec).generate(ps, params,
+                                     constraints=[compiled.matcher() for _ in TEXTS * 2] + [None])
+
+    plain = run("none")
+    forced = run(SpecConfig(method="auto", auto_max_batch=4))
+    assert [o.token_ids for o in forced] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_forced_tokens for o in forced) > 20
+    assert forced[-1].metrics.num_draft_tokens == 0   # unconstrained: nothing guessed
