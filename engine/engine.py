@@ -221,11 +221,8 @@ class Engine:
 
     def _make_sequence(self, prompt: Request | SequenceABC[int], params: SamplingParams | None,
                        constraint: LogitsConstraint | None, request_id: str | None) -> Sequence:
-        if isinstance(prompt, Request):
-            params = params or prompt.params
-            constraint = constraint or prompt.constraint
-            request_id = request_id or prompt.request_id
-            prompt = prompt.prompt_token_ids
+        prompt, params, constraint, request_id = Request.unpack(prompt, params, constraint,
+                                                                request_id)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be SamplingParams, got {type(params).__name__}")

@@ -23,6 +23,15 @@ class Request:
     constraint: LogitsConstraint | None = None
     request_id: str | None = None
 
+    @staticmethod
+    def unpack(prompt, params, constraint, request_id) -> tuple:
+        """``add_request``'s arguments as (prompt ids, params, constraint, request id):
+        a :class:`Request` in ``prompt`` fills whatever the other arguments leave None."""
+        if isinstance(prompt, Request):
+            return (prompt.prompt_token_ids, params or prompt.params,
+                    constraint or prompt.constraint, request_id or prompt.request_id)
+        return prompt, params, constraint, request_id
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenLogprob:

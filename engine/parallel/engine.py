@@ -114,11 +114,8 @@ class ParallelEngine:
         """Queue one request on the least loaded rank; returns its id. A constraint
         must be able to travel to the rank's process (a fresh formcast.grammars
         matcher can)."""
-        if isinstance(prompt, Request):
-            params = params or prompt.params
-            constraint = constraint or prompt.constraint
-            request_id = request_id or prompt.request_id
-            prompt = prompt.prompt_token_ids
+        prompt, params, constraint, request_id = Request.unpack(prompt, params, constraint,
+                                                                request_id)
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._owner:
