@@ -54,8 +54,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # K made contiguous: the score GEMM then takes the same kernel whatever B is
     # (on a strided K, MKL's choice depends on the batch and rows stop matching
     # their own one-row result), and it is faster
-    kk = k_cache[block_tables].view(b, -1, hkv, d).transpose(1, 2).contiguous()  # [B,Hkv,S,D]
-    vv = v_cache[block_tables].view(b, -1, hkv, d).transpose(1, 2)
+    # (index_select: the same copy as k_cache[block_tables], several times faster on a CPU)
+    flat = block_tables.reshape(-1)
+    kk = k_cache.index_select(0, flat).view(b, -1, hkv, d).transpose(1, 2).contiguous()  # [B,Hkv,S,D]
+    vv = v_cache.index_select(0, flat).view(b, -1, hkv, d).transpose(1, 2)
     qq = q.reshape(b, hkv, h // hkv, d)                                            # [B,Hkv,G,D]
     scores = torch.matmul(qq, kk.transpose(-1, -2)).mul_(scale)                   # [B,Hkv,G,S]
     scores.masked_fill_(masked_out, float("-inf"))
