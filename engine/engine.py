@@ -340,14 +340,13 @@ class Engine:
     # runs an ordinary step. Outputs are those of ordinary steps, one step later.
 
     def _can_pipeline(self) -> bool:
-        sched, prev, spec = self.scheduler, self._inflight, self.config.spec
+        sched, prev = self.scheduler, self._inflight
         running = sched.running
         if sched.waiting or not running or len(running) > self.config.max_num_batched_tokens:
             return False
-        if spec.enabled and (spec.method != "auto" or self.dtype == torch.float32 and (
-                len(running) <= spec.auto_max_batch
-                or any(s.constraint is not None for s in running))):
-            return False  # drafts (see _propose_drafts) are made from tokens the host has
+        mode = self._draft_mode(len(running))
+        if mode == "all" or mode == "forced" and any(s.constraint is not None for s in running):
+            return False  # drafts are made from tokens the host has
         if prev is not None and (len(prev.seqs) != len(running)
                                  or any(a is not b for a, b in zip(prev.seqs, running))):
             return False
@@ -434,13 +433,8 @@ class Engine:
             if seq.is_finished:
                 continue  # aborted meanwhile: its output went out with the abort
             outputs.append(seq)
-            if i in errors:
-                if not self._roll_back_dead_end(seq):
-                    seq.error = _dead_end_message(seq, errors[i])
-                    self._finish(seq, "abort")
-                continue
-            self._append_token(seq, token_list[i], None)
-            ok.add(id(seq))
+            if self._settle(seq, token_list[i], None, errors.get(i)):
+                ok.add(id(seq))
         return outputs, ok
 
     def _drain(self) -> list[Sequence]:
@@ -453,29 +447,31 @@ class Engine:
                            masks: FilledMasks | None) -> None:
         result = self.sampler(logits, seqs, masks=masks)
         for i, seq in enumerate(seqs):
-            if i in result.errors:
-                if self._roll_back_dead_end(seq):
-                    continue  # resamples the offending value next step
-                seq.error = _dead_end_message(seq, result.errors[i])
-                self._finish(seq, "abort")
-            else:
-                self._append_token(seq, result.token_ids[i], result.logprobs[i])
+            self._settle(seq, result.token_ids[i], result.logprobs[i], result.errors.get(i))
+
+    def _settle(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
+                error: str | None) -> bool:
+        """Give ``seq`` its sampled token, or handle the sampling's ``error``: roll
+        back out of the dead end (the value is resampled next step) or end the
+        request. True when the token was appended."""
+        if error is None:
+            self._append_token(seq, token, logprob)
+            return True
+        if not self._roll_back_dead_end(seq):
+            seq.error = _dead_end_message(seq, error)
+            self._finish(seq, "abort")
+        return False
 
     # -- speculative decoding -----------------------------------------------------
     def _propose_drafts(self) -> None:
         """Give every running request in decode a draft to verify in this step."""
         spec = self.config.spec
-        if not spec.enabled:
-            return
         running = self.scheduler.running
-        auto = spec.method == "auto"
-        # "auto" only drafts where outputs cannot change: greedy requests, float32
-        # (bfloat16 GEMMs round differently for 1 and 1 + draft rows). Past
-        # auto_max_batch requests it drafts only what a grammar forces: such a token
-        # costs a row of this step and saves a whole step later
-        if auto and self.dtype != torch.float32:
+        mode = self._draft_mode(len(running))
+        if mode is None:
             return
-        forced_only = auto and len(running) > spec.auto_max_batch
+        auto = spec.method == "auto"
+        forced_only = mode == "forced"
         if self._draft_memory is None:
             self._draft_memory = DraftMemory(self.tokenizer.token_bytes())
         memory = self._draft_memory
@@ -515,6 +511,21 @@ class Engine:
                 if seq.draft is not None and seq.constraint is not None:
                     seq.draft.masks = fill_draft_masks(seq.constraint, seq.draft.tokens,
                                                        self.sampler.bitmask_width)
+
+    def _draft_mode(self, num_running: int) -> str | None:
+        """What a step drafts: None, "forced" (grammar-forced tokens only) or "all".
+        "auto" only drafts where outputs cannot change: greedy requests, float32
+        (bfloat16 GEMMs round differently for 1 and 1 + draft rows); past
+        ``auto_max_batch`` requests only what a grammar forces, which costs a row of
+        this step and saves a whole step later."""
+        spec = self.config.spec
+        if not spec.enabled:
+            return None
+        if spec.method != "auto":
+            return "all"
+        if self.dtype != torch.float32:
+            return None
+        return "forced" if num_running > spec.auto_max_batch else "all"
 
     def _encode_plain(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

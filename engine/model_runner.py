@@ -40,6 +40,21 @@ class StepLayout:
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     # (first row, tokens, context length once written, block table) per prefill chunk
 
+    def add_decode(self, token: int | None, position: int, table: list[int],
+                   is_prompt: bool, block_size: int) -> None:
+        """A row decoding one token at ``position`` over the blocks ``table``
+        (``token`` None: it is on the device, not in this layout)."""
+        row = len(self.positions)
+        if token is not None:
+            self.tokens.append(token)
+        self.positions.append(position)
+        self.is_prompt.append(is_prompt)
+        self.slots.append(table[position // block_size] * block_size + position % block_size)
+        self.decode_rows.append(row)
+        self.decode_tables.append(table[:position // block_size + 1])
+        self.decode_lens.append(position + 1)
+        self.sample_rows.append(row)
+
     @property
     def only_decodes(self) -> bool:
         return not self.prefills and len(self.sample_rows) == len(self.tokens)
@@ -108,22 +123,16 @@ class ModelRunner:
         the device (the previous step's samples: the host need not have them yet), at
         position ``seq.num_computed_tokens``, whose KV block must be allocated.
         Returns float32 logits ``[B, V]`` (a graph's output view when one ran)."""
-        bs = self.block_size
-        positions = [s.num_computed_tokens for s in seqs]
-        slots, tables, lens = [], [], []
-        for seq, p in zip(seqs, positions):
-            table = seq.block_table
-            slots.append(table[p // bs] * bs + p % bs)
-            tables.append(table[:p // bs + 1])
-            lens.append(p + 1)
+        layout = StepLayout()
+        for seq in seqs:
+            p = seq.num_computed_tokens
+            layout.add_decode(None, p, seq.block_table, p < seq.num_prompt_tokens,
+                              self.block_size)
         if self.graphs is not None and self.graphs.size_for(len(seqs)) is not None:
-            return self.graphs.run(tokens, positions, slots, tables, lens)
-        layout = StepLayout(positions=positions, slots=slots, decode_rows=list(range(len(seqs))),
-                            decode_tables=tables, decode_lens=lens,
-                            sample_rows=list(range(len(seqs))))
+            return self.graphs.run(tokens, layout.positions, layout.slots,
+                                   layout.decode_tables, layout.decode_lens)
         _, pos, meta, _ = self._prepare(layout)
-        is_prompt = [p < s.num_prompt_tokens for s, p in zip(seqs, positions)]
-        with prompt_rows(is_prompt, self.device):
+        with prompt_rows(layout.is_prompt, self.device):
             hidden = self.model(tokens, pos, self.kv_caches, meta)
             return self.model.logits(hidden)
 
@@ -140,15 +149,8 @@ class ModelRunner:
             row0 = len(tokens)
             if n == 1 and not d and start == len(seq.token_ids) - 1:
                 # a plain decode (most rows of most steps): the general case, unrolled
-                table = seq.block_table
-                tokens.append(seq.token_ids[start])
-                out.positions.append(start)
-                out.is_prompt.append(start < seq.num_prompt_tokens)
-                out.slots.append(table[start // bs] * bs + start % bs)
-                out.decode_rows.append(row0)
-                out.decode_tables.append(table[:start // bs + 1])
-                out.decode_lens.append(start + 1)
-                out.sample_rows.append(row0)
+                out.add_decode(seq.token_ids[start], start, seq.block_table,
+                               start < seq.num_prompt_tokens, bs)
                 continue
             tokens.extend(seq.token_ids[start:start + n - d])
             if d:
