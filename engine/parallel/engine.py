@@ -217,7 +217,8 @@ class ParallelEngine:
             if conn in ready:
                 try:
                     status, payload = conn.recv()
-                except EOFError:
+                except (EOFError, OSError):  # closed, or reset by a dying process
+                    proc.join(timeout=1.0)
                     self._fail(f"rank {rank} died (exit code {proc.exitcode})")
                 if status == "fatal":
                     self._fail(f"rank {rank} failed:\n{payload}")
