@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -158,7 +159,12 @@ class Int4Linear(_PromptFloat):
 
 
 class Int8Linear(_PromptFloat):
-    """y = x W^T (+ b) with W as int8 codes and one symmetric scale per output row."""
+    """y = x W^T (+ b) with W as int8 codes and one symmetric scale per output row.
+
+    On x86 it runs on FBGEMM's integer GEMM (:class:`_IntegerRows`), 2-4x faster
+    than torch's bfloat16-activation int8 kernel (SmolLM2's head: 1.8 against 3.7 ms
+    at one row, 8.5 against 18 ms at 16), elsewhere on that kernel.
+    """
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -169,11 +175,65 @@ class Int8Linear(_PromptFloat):
                              .to(torch.int8))
         self.register_buffer("scales", scale.to(torch.bfloat16))
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.integer = _IntegerRows.pack(self.codes, scale) if w.device.type == "cpu" else None
 
     def quantized(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes,
-                                               self.scales).to(x.dtype)
+        if self.integer is not None and x.device.type == "cpu":
+            y = self.integer(x.float()).to(x.dtype)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes,
+                                                   self.scales).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class _IntegerRows:
+    """x W^T for int8 W on FBGEMM's u8 x s8 GEMM, with each row of x exact to about
+    14 bits and independent of the other rows.
+
+    FBGEMM quantizes its whole input with one range, which would tie a row's result
+    to what it was batched with, and at 7 bits would cost precision. So each row is
+    divided by its largest magnitude, and a constant row holding -1 and +1 pins the
+    range: every call quantizes with the same step S. The rounding residual of each
+    row, scaled up by 1/(2S), goes through the same call as a second row, and the
+    two results add up to x W^T with the activations' error at S^2 instead of S.
+    Integer accumulation is exact, so a row's output is bitwise the same at any
+    batch size.
+    """
+
+    def __init__(self, packed, in_features: int) -> None:
+        probe = torch.quantize_per_tensor_dynamic(torch.tensor([-1.0, 1.0]), torch.quint8, True)
+        self.packed = packed
+        self.step, self.zero = probe.q_scale(), probe.q_zero_point()
+        self.pin = torch.zeros(1, in_features)
+        self.pin[0, 0], self.pin[0, -1] = -1.0, 1.0
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor, scale: torch.Tensor) -> "_IntegerRows | None":
+        """None where FBGEMM is not available (not x86, or a torch without it)."""
+        if "fbgemm" not in torch.backends.quantized.supported_engines or codes.shape[1] < 2:
+            return None
+        try:
+            with warnings.catch_warnings():  # quantized tensors are marked deprecated
+                warnings.simplefilter("ignore")
+                weight = torch._make_per_channel_quantized_tensor(
+                    codes.cpu(), scale.double().cpu(),
+                    torch.zeros(codes.shape[0], dtype=torch.long), 0)
+                return cls(torch.ops.quantized.linear_prepack(weight, None), codes.shape[1])
+        except (RuntimeError, AttributeError):
+            return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, I] float32 -> [T, O] float32
+        rows = x.shape[0]
+        mag = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        u = x / mag
+        # FBGEMM's rounding: to nearest even, and +1 reaches code 128 (reduce_range
+        # narrows the step, not the clamp)
+        codes = torch.round(u / self.step) + self.zero
+        residual = (u - (codes - self.zero) * self.step) * (0.5 / self.step)
+        y = torch.ops.quantized.linear_dynamic(torch.cat([u, residual, self.pin]),
+                                               self.packed, True)
+        return (y[:rows] + y[rows:2 * rows] * (2 * self.step)) * mag
 
 
 class Bf16Linear(nn.Module):
@@ -200,8 +260,8 @@ def quantize_linears(model: nn.Module, kind: str, *, head: str = "int8",
 
     Layers named in ``head_names`` (the output head: its errors reach the logits
     directly, and GGUF files keep it at 8 bits) get ``head``: "int8" (per output row,
-    the default: 4.1 ms for SmolLM2's 49152x576 head at one row on a 2-core AVX2 CPU,
-    22 ms at 16 rows) or "bfloat16" (5.9 ms at one row but 58 ms at 16: torch's bf16
+    the default: 1.8 ms for SmolLM2's 49152x576 head at one row on a 2-core AVX2 CPU,
+    8.5 ms at 16 rows) or "bfloat16" (5.9 ms at one row but 58 ms at 16: torch's bf16
     GEMM there is linear in the rows). Layers whose shape the int4 kernel cannot take
     get int8. Returns how many were replaced. A tied head stops sharing the
     embedding (the embedding stays float).

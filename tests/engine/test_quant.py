@@ -32,6 +32,59 @@ def test_quantized_linear_tracks_float(cls, tol):
     assert ((out - ref).norm() / ref.norm()).item() < tol
 
 
+def _int8_pair(in_f=96, out_f=80, seed=0):
+    torch.manual_seed(seed)
+    lin = nn.Linear(in_f, out_f, bias=True)
+    fast = Int8Linear(lin)
+    if fast.integer is None:
+        pytest.skip("FBGEMM is not available in this torch build")
+    plain = Int8Linear(lin)
+    plain.integer = None          # torch's bfloat16-activation int8 kernel
+    return lin, fast, plain
+
+
+def test_integer_int8_path_is_exact_to_the_int8_weights():
+    # the reference: the same int8 codes dequantized and multiplied in float64
+    lin, fast, plain = _int8_pair()
+    x = torch.randn(9, 96) * torch.linspace(0.1, 30, 96)  # outlier features, as in LLMs
+    x[3] = 0.0                                            # an all-zero row
+    w = fast.codes.double() * fast.scales.double()[:, None]
+    # scales are bfloat16 on the fallback path; the integer path keeps them in float32
+    w_exact = fast.codes.double() * (lin.weight.detach().double().abs().amax(1) / 127)[:, None]
+    ref = x.double() @ w_exact.T + lin.bias.detach().double()
+    out = fast(x)
+    err = (out.double() - ref).abs().max().item()
+    assert err < 2e-3 * ref.abs().max().item(), err
+    assert torch.equal(out[3], lin.bias.detach())
+    # at least as close as the bfloat16-activation kernel it replaces
+    ref_plain = x.double() @ w.T + lin.bias.detach().double()
+    assert err <= (plain(x).double() - ref_plain).abs().max().item()
+
+
+def test_integer_int8_rows_do_not_depend_on_their_batch():
+    _, fast, _ = _int8_pair(seed=1)
+    x = torch.randn(33, 96) * 4
+    x[7] *= 100                     # a row with a far larger range than the others
+    whole = fast(x)
+    for rows in ([0], [7], [1, 2], list(range(3, 11)), list(range(33))[::-1]):
+        assert torch.equal(fast(x[rows]), whole[rows])
+
+
+def test_integer_int8_first_pass_sees_the_codes_whose_residual_is_sent():
+    # the residual is only exact if our rounding of a row is FBGEMM's own
+    lin, fast, _ = _int8_pair()
+    rows = fast.integer
+    scale = (lin.weight.detach().abs().amax(1) / 127).double()  # as packed (from float32)
+    w = fast.codes.double() * scale[:, None]
+    x = torch.randn(64, 96) * torch.linspace(0.1, 30, 96)
+    u = x / x.abs().amax(1, keepdim=True)          # rows reach -1 and +1 exactly
+    codes = torch.round(u / rows.step) + rows.zero
+    assert codes.max() == 128 and codes.min() == 0
+    y = torch.ops.quantized.linear_dynamic(torch.cat([u, rows.pin]), rows.packed, True)[:64]
+    expect = ((codes - rows.zero) * rows.step).double() @ w.T
+    assert (y.double() - expect).abs().max().item() < 1e-6
+
+
 def test_quantize_linears_replaces_layers_and_keeps_the_head_at_8_bits():
     model = nn.Sequential()
     model.add_module("body", nn.Linear(64, 32))
