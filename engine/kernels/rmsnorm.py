@@ -11,6 +11,7 @@ model always did); the Triton path runs on CUDA tensors.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from formcast.engine.kernels import use_triton
 
@@ -22,6 +23,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         from formcast.engine.kernels.rmsnorm_triton import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # torch's fused op: the same arithmetic as below (bitwise), in one kernel
+        return F.rms_norm(x, weight.shape, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)

@@ -31,6 +31,10 @@ def test_reference_rms_norm_is_llamas_formula_and_the_fused_add_matches():
     w = torch.rand(576, generator=gen) + 0.5
     expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert torch.equal(rms_norm(x, w, 1e-5), expected)
+    for rows, width in ((1, 64), (3, 100), (17, 576), (2, 2048), (1, 7168)):  # fused op, bitwise
+        xs, ws = torch.randn(rows, width, generator=gen), torch.rand(width, generator=gen) + 0.5
+        assert torch.equal(rms_norm(xs, ws, 1e-6),
+                           ws * (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6)))
     total, normed = add_rms_norm(x, a, w, 1e-5)
     assert torch.equal(total, x + a) and torch.equal(normed, rms_norm(x + a, w, 1e-5))
     with pytest.raises(ValueError, match="unknown backend"):
