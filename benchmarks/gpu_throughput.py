@@ -8,7 +8,12 @@
 3. The batch-1 decode step of a larger shape against its bytes-moved bound:
    (weight bytes + KV bytes read) / the copy bandwidth measured on this device.
 
-    python benchmarks/gpu_throughput.py --tokenizer-dir DIR [--skip hf,constrained,bound]
+``--shape`` takes a Llama shape (``smollm2-135m``, ``llama-1b``) or a DeepSeek-V4
+one (``deepseek-v4-small``; parts 1 and 2): random weights either way, the same
+tensors on both sides (transformers' DeepSeek-V4 where the installed transformers
+has it). ``--device cpu`` with ``--shape deepseek-v4-tiny`` is a smoke run.
+
+    python benchmarks/gpu_throughput.py --tokenizer-dir DIR [--shape S] [--skip hf,constrained,bound]
 """
 
 from __future__ import annotations
@@ -22,8 +27,17 @@ import time
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
+from formcast.engine.config import DeepseekV4Config
 from formcast.engine.engine import build_model
-from formcast.engine.models.shapes import SHAPES, random_llama_weights
+from formcast.engine.models.shapes import (DEEPSEEK_V4_SHAPES, SHAPES, random_deepseek_v4_weights,
+                                           random_llama_weights)
+
+DEVICE = torch.device("cuda")
+
+
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 # records that cannot close before the token budget runs out: every row stays
 # constrained for the whole run. (Strings with maxLength are left out: xgrammar
@@ -37,6 +51,21 @@ SCHEMA = {"type": "object", "required": ["records"], "properties": {"records": {
 
 
 def hf_model(shape: str, weights: dict[str, torch.Tensor], dtype: torch.dtype):
+    """transformers' model of ``shape`` holding ``weights``; None (with the reason
+    printed) when the installed transformers has no such architecture."""
+    if shape in DEEPSEEK_V4_SHAPES:
+        try:
+            from transformers import DeepseekV4Config as HFDeepseekConfig
+            from transformers import DeepseekV4ForCausalLM
+        except ImportError:
+            import transformers
+
+            print(f"transformers {transformers.__version__} has no DeepSeek-V4: "
+                  "formcast's side only")
+            return None
+        model = DeepseekV4ForCausalLM(HFDeepseekConfig(**DEEPSEEK_V4_SHAPES[shape]))
+        model.load_state_dict(weights, strict=True)
+        return model.to(DEVICE, dtype).eval()
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM
 
@@ -50,15 +79,21 @@ def hf_model(shape: str, weights: dict[str, torch.Tensor], dtype: torch.dtype):
                    tie_word_embeddings=c.tie_word_embeddings)
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(weights, strict=False)
-    return model.to("cuda", dtype).eval()
+    return model.to(DEVICE, dtype).eval()
 
 
 def make_engine(shape: str, tok: Tokenizer, max_batch: int, **config) -> Engine:
-    weights = random_llama_weights(SHAPES[shape], seed=0, head_std=0.5)
-    model = build_model(SHAPES[shape], weights, device=torch.device("cuda"), dtype=torch.bfloat16)
+    if shape in DEEPSEEK_V4_SHAPES:
+        model_config = DeepseekV4Config.from_dict(DEEPSEEK_V4_SHAPES[shape])
+        weights = random_deepseek_v4_weights(DEEPSEEK_V4_SHAPES[shape], seed=0)
+    else:
+        model_config = SHAPES[shape]
+        weights = random_llama_weights(model_config, seed=0, head_std=0.5)
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    model = build_model(model_config, weights, device=DEVICE, dtype=dtype)
     eng = Engine(model, tok, config=EngineConfig(max_num_seqs=max_batch, num_kv_blocks=8192,
                                                  max_num_batched_tokens=16384, **config),
-                 device=torch.device("cuda"))
+                 device=DEVICE)
     eng.weights = weights  # for the transformers side
     return eng
 
@@ -72,32 +107,33 @@ def timed_generate(eng: Engine, ps, sp, constraints=None) -> tuple[float, int]:
     """Seconds and generated tokens of one ``generate`` (after a short warm-up)."""
     eng.generate(ps, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  constraints=None if constraints is None else constraints())
-    torch.cuda.synchronize()
+    sync()
     t = time.perf_counter()
     outs = eng.generate(ps, sp, constraints=None if constraints is None else constraints())
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
 
 
 def hf_tokens_per_s(hf, ps, n: int) -> float:
     width = max(len(p) for p in ps)
-    ids = torch.tensor([[2] * (width - len(p)) + p for p in ps], device="cuda")
-    mask = (torch.arange(width, device="cuda") >= torch.tensor(
-        [width - len(p) for p in ps], device="cuda").unsqueeze(1)).long()
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in ps], device=DEVICE)
+    mask = (torch.arange(width, device=DEVICE) >= torch.tensor(
+        [width - len(p) for p in ps], device=DEVICE).unsqueeze(1)).long()
     with torch.no_grad():
         hf.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=2)
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                     do_sample=False, pad_token_id=2)
-        torch.cuda.synchronize()
+        sync()
     return len(ps) * n / (time.perf_counter() - t)
 
 
 def part_hf(eng: Engine, tok: Tokenizer, shape: str, sizes: list[int], n: int) -> None:
-    hf = hf_model(shape, eng.weights, torch.bfloat16)
+    dtype = next(eng.model.parameters()).dtype
+    print(f"\n[1] decode vs transformers generate: shape={shape} {dtype} greedy, {n} tokens a row")
+    hf = hf_model(shape, eng.weights, dtype)
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    print(f"\n[1] decode vs transformers generate: shape={shape} bf16 greedy, {n} tokens a row")
     print(f"{'batch':>5} {'formcast tok/s':>15} {'hf tok/s':>10} {'ratio':>8}")
     for bs in sizes:
         ps = prompts(tok, bs)
@@ -105,10 +141,13 @@ def part_hf(eng: Engine, tok: Tokenizer, shape: str, sizes: list[int], n: int) -
         for _ in range(3):  # best of three, sides alternating: the host is noisy
             secs, count = timed_generate(eng, ps, sp)
             ours = max(ours, count / secs)
-            theirs = max(theirs, hf_tokens_per_s(hf, ps, n))
-        print(f"{bs:>5} {ours:>15.0f} {theirs:>10.0f} {ours / theirs:>7.2f}x", flush=True)
+            if hf is not None:
+                theirs = max(theirs, hf_tokens_per_s(hf, ps, n))
+        ratio = f"{ours / theirs:>7.2f}x" if theirs else "      -"
+        print(f"{bs:>5} {ours:>15.0f} {theirs:>10.0f} {ratio}", flush=True)
     del hf
-    torch.cuda.empty_cache()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
@@ -183,31 +222,40 @@ def part_bound(tok: Tokenizer, shape: str, n: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer-dir", required=True)
-    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="smollm2-135m",
+                    choices=sorted(SHAPES) + sorted(DEEPSEEK_V4_SHAPES))
     ap.add_argument("--bound-shape", default="llama-1b", choices=sorted(SHAPES))
     ap.add_argument("--batch-sizes", default="1,64,256")
     ap.add_argument("--constrained-batch-sizes", default="64,256")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--skip", default="", help="comma list of: hf, constrained, bound")
     ap.add_argument("--profile", action="store_true", help="host profile of a constrained run")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     skip = set(filter(None, args.skip.split(",")))
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     csizes = [int(b) for b in args.constrained_batch_sizes.split(",")]
-    print(f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
+    name = torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu"
+    print(f"device={name} torch={torch.__version__}")
     if not {"hf", "constrained"} <= skip:
         t = time.perf_counter()
         eng = make_engine(args.shape, tok, max(sizes + csizes))
-        print(f"engine built with CUDA graphs {eng.runner.graphs.sizes if eng.runner.graphs else None}"
+        graphs = getattr(eng.runner, "graphs", None)
+        print(f"engine built with CUDA graphs {graphs.sizes if graphs else None}"
               f" in {time.perf_counter() - t:.1f} s")
         if "hf" not in skip:
             part_hf(eng, tok, args.shape, sizes, args.tokens)
         if "constrained" not in skip:
             part_constrained(eng, tok, csizes, args.tokens, args.profile)
         del eng
-        torch.cuda.empty_cache()
-    if "bound" not in skip:
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+    if "bound" not in skip and DEVICE.type != "cuda":
+        print("[3] skipped: the bytes-moved bound is measured on CUDA only")
+    elif "bound" not in skip:
         part_bound(tok, args.bound_shape, args.tokens)
     print(json.dumps({"done": True}))
 

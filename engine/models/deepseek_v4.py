@@ -344,6 +344,15 @@ def _module_name(name: str) -> str:
     return name
 
 
+def transformers_name(name: str) -> str:
+    """The transformers name of our parameter or buffer ``name`` (the inverse of the
+    renames :meth:`DeepseekV4ForCausalLM.load_weights` applies)."""
+    for old, new in _INDEXER_RENAMES:
+        if new in name:
+            return name.replace(new, old)
+    return name
+
+
 def _rollback(states: list[DeepseekV4State]) -> int:
     return states[0].max_rollback if states else 0
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
+
+from formcast.engine.models.shapes import randomize_deepseek_v4_ as randomize
 
 TINY: dict[str, Any] = dict(
     vocab_size=97, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=4,
@@ -32,24 +33,6 @@ def reference_model(seed: int = 0, **overrides: Any):
     model = DeepseekV4ForCausalLM(config).eval()
     randomize(model.state_dict(), seed, config.n_routed_experts)
     return model
-
-
-def randomize(weights: dict[str, torch.Tensor], seed: int, n_experts: int) -> None:
-    """Overwrite ``weights`` in place with seeded values of a sensible scale (every
-    bias, sink and routing table random, so no part can hide behind an init of 0)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, w in sorted(weights.items()):
-            if name.endswith("tid2eid"):
-                w.copy_(torch.randint(0, n_experts, w.shape, generator=gen))
-            elif name.endswith("norm.weight"):
-                w.copy_(1 + 0.2 * torch.randn(w.shape, generator=gen))
-            elif name.endswith((".scale", "hc_scale")):
-                w.copy_(1 + 0.3 * torch.randn(w.shape, generator=gen))
-            elif w.dim() >= 2 and not name.endswith("position_bias"):
-                w.copy_(torch.randn(w.shape, generator=gen) / math.sqrt(w.shape[-1]))
-            else:
-                w.copy_(0.5 * torch.randn(w.shape, generator=gen))
 
 
 def our_model(reference):

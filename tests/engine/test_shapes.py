@@ -1,0 +1,87 @@
+"""Random weights of known shapes: what GPU benchmarks build instead of carrying a
+checkpoint. The DeepSeek-V4 ones must be transformers' model too (the benchmark's
+reference side loads the same dictionary)."""
+
+import pytest
+import torch
+
+from formcast.engine.config import DeepseekV4Config
+from formcast.engine.engine import build_model
+from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from formcast.engine.models.shapes import DEEPSEEK_V4_SHAPES, random_deepseek_v4_weights
+
+
+def test_deepseek_v4_tiny_weights_are_seeded_and_transformers_computes_the_same_logits():
+    transformers = pytest.importorskip("transformers")
+    shape = DEEPSEEK_V4_SHAPES["deepseek-v4-tiny"]
+    weights = random_deepseek_v4_weights(shape, seed=3)
+    again = random_deepseek_v4_weights(shape, seed=3)
+    other = random_deepseek_v4_weights(shape, seed=4)
+    assert weights.keys() == again.keys() == other.keys()
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+    assert not torch.equal(weights["lm_head.weight"], other["lm_head.weight"])
+
+    ours = build_model(DeepseekV4Config.from_dict(shape), weights, device=torch.device("cpu"),
+                       dtype=torch.float32)
+    config = transformers.DeepseekV4Config(**shape)
+    config._attn_implementation = "eager"
+    ref = transformers.DeepseekV4ForCausalLM(config).eval()
+    ref.load_state_dict(weights, strict=True)   # the same names, every tensor given
+
+    # (40 tokens: 10 compressed entries on CSA layers against a top-8; where the top-k
+    # falls among entries of equal score, transformers' torch.topk may break the tie
+    # either way, ours always to the earlier entry)
+    ids = torch.randint(0, shape["vocab_size"], (40,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids[None]).logits[0].float()
+        state = ours.new_state()
+        got = ours.logits(ours(ids, torch.arange(len(ids)), [state], [len(ids)])).float()
+    assert (got - expected).abs().max().item() < 1e-4
+    assert expected.std().item() > 0.5          # not a flat distribution: argmax is decided
+
+
+def test_deepseek_v4_shapes_parse_and_the_small_one_has_its_documented_size():
+    for name, shape in DEEPSEEK_V4_SHAPES.items():
+        config = DeepseekV4Config.from_dict(shape)
+        assert config.vocab_size == 49152, name   # SmolLM2's tokenizer drives them
+    with torch.device("meta"):
+        small = DeepseekV4ForCausalLM(DeepseekV4Config.from_dict(DEEPSEEK_V4_SHAPES["deepseek-v4-small"]))
+    total = sum(p.numel() for p in small.state_dict().values())
+    assert 330e6 < total < 350e6, total
+
+
+def test_random_weights_with_mtp_add_the_mtp_layer():
+    shape = DEEPSEEK_V4_SHAPES["deepseek-v4-tiny"]
+    plain = random_deepseek_v4_weights(shape, seed=0)
+    mtp = random_deepseek_v4_weights(shape, seed=0, with_mtp=True)
+    extra = set(mtp) - set(plain)
+    assert extra and all(k.startswith("mtp.0.") for k in extra)
+    model = build_model(DeepseekV4Config.from_dict(shape), mtp, device=torch.device("cpu"),
+                        dtype=torch.float32)
+    assert model.mtp is not None
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_a_deepseek_v4_shape_on_the_cpu(tmp_path, smollm2_gguf):
+    # the benchmark's own smoke mode: both sides built from the same random weights
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from formcast.engine.tokenizer import cached_gguf_tokenizer
+
+    pytest.importorskip("transformers")
+    cached_gguf_tokenizer(smollm2_gguf).save_pretrained(str(tmp_path / "tok"))
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "gpu_throughput.py"), "--tokenizer-dir",
+         str(tmp_path / "tok"), "--device", "cpu", "--shape", "deepseek-v4-tiny",
+         "--batch-sizes", "2", "--constrained-batch-sizes", "2", "--tokens", "8"],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert "shape=deepseek-v4-tiny" in out and "has no DeepSeek-V4" not in out
+    ratio_rows = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
+    assert len(ratio_rows) == 2 and ratio_rows[0][-1].endswith("x")   # [1] and [2] rows
+    assert json.loads(out.strip().splitlines()[-1]) == {"done": True}
