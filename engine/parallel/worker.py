@@ -14,6 +14,7 @@ one machine), it serves commands from the caller over a pipe.
 
 from __future__ import annotations
 
+import gc
 import os
 import traceback
 from typing import Any
@@ -87,6 +88,8 @@ def worker_main(rank: int, world: int, init_method: str, backend: str, source: s
         conn.send(("fatal", traceback.format_exc()))
         return
     serve(engine, conn)
+    del engine
+    gc.collect()
     dist.destroy_process_group()
 
 
@@ -206,6 +209,13 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.output, "w") as f:
             for i in range(len(items[0])):
                 f.write(json.dumps(merged[i]) + "\n")
+    # leave the group in order: every rank past its last transfer, then the engine
+    # (whose layers hold the group) freed while the interpreter is whole, then the
+    # group destroyed; a group still referenced at interpreter shutdown can abort in
+    # gloo's threads as it is freed
+    dist.barrier()
+    del engine, lockstep
+    gc.collect()
     dist.destroy_process_group()
 
 
