@@ -70,6 +70,19 @@ def test_integer_int8_rows_do_not_depend_on_their_batch():
         assert torch.equal(fast(x[rows]), whole[rows])
 
 
+def test_integer_int8_packs_for_fbgemm_whatever_the_process_engine():
+    _, usual, _ = _int8_pair()
+    x = torch.randn(5, 96) * 3
+    before = torch.backends.quantized.engine
+    try:
+        torch.backends.quantized.engine = "qnnpack"
+        _, other, _ = _int8_pair()
+        assert torch.backends.quantized.engine == "qnnpack"   # restored after packing
+        assert torch.equal(other(x), usual(x))
+    finally:
+        torch.backends.quantized.engine = before
+
+
 def test_integer_int8_first_pass_sees_the_codes_whose_residual_is_sent():
     # the residual is only exact if our rounding of a row is FBGEMM's own
     lin, fast, _ = _int8_pair()
