@@ -130,7 +130,7 @@ def hf_tokens_per_s(hf, ps, n: int) -> float:
 
 
 def part_hf(eng: Engine, tok: Tokenizer, shape: str, sizes: list[int], n: int) -> None:
-    dtype = next(eng.model.parameters()).dtype
+    dtype = eng.dtype
     print(f"\n[1] decode vs transformers generate: shape={shape} {dtype} greedy, {n} tokens a row")
     hf = hf_model(shape, eng.weights, dtype)
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
