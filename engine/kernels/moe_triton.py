@@ -15,17 +15,34 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_rows(tile_expert_ptr, slot_pair_ptr, num_pairs, BLOCK_M: tl.constexpr):
+    """This program's tile: its expert (``NUM_EXPERTS`` or more past the last tile),
+    its slots, their pairs and which slots hold one (the rest are padding)."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(slot_pair_ptr + slots)
+    return expert, slots, pair, pair < num_pairs
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` in float32; IEEE: exact float32 products (no TF32)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, h_ptr, slot_pair_ptr, tile_expert_ptr, num_pairs, top_k,
                     hidden, inter, limit, stride_xt, stride_we, stride_wn, stride_hs,
                     NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    tile = tl.program_id(0)
     nb = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    expert, slots, pair, live_m = _tile_rows(tile_expert_ptr, slot_pair_ptr, num_pairs, BLOCK_M)
     if expert < NUM_EXPERTS:
-        slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(slot_pair_ptr + slots)
-        live_m = pair < num_pairs
         token = (pair // top_k).to(tl.int64)
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         live_n = n < inter
@@ -41,12 +58,8 @@ def _gate_up_kernel(x_ptr, w_ptr, h_ptr, slot_pair_ptr, tile_expert_ptr, num_pai
             wg = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)
             wu = tl.load(w_base + (n[None, :] + inter) * stride_wn + k[:, None], mask=wmask,
                          other=0.0)
-            if IEEE:
-                acc_g += tl.dot(a, wg, input_precision="ieee")
-                acc_u += tl.dot(a, wu, input_precision="ieee")
-            else:
-                acc_g += tl.dot(a, wg)
-                acc_u += tl.dot(a, wu)
+            acc_g += _dot(a, wg, IEEE)
+            acc_u += _dot(a, wu, IEEE)
         g = tl.minimum(acc_g, limit)
         u = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = g / (1.0 + tl.exp(-g)) * u
@@ -59,13 +72,9 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, slot_pair_ptr, tile_expert_pt
                  hidden, inter, stride_hs, stride_we, stride_wn, stride_yp,
                  NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    tile = tl.program_id(0)
     nb = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    expert, slots, pair, live_m = _tile_rows(tile_expert_ptr, slot_pair_ptr, num_pairs, BLOCK_M)
     if expert < NUM_EXPERTS:
-        slots = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(slot_pair_ptr + slots)
-        live_m = pair < num_pairs
         n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         live_n = n < hidden
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -77,10 +86,7 @@ def _down_kernel(h_ptr, w_ptr, y_ptr, weights_ptr, slot_pair_ptr, tile_expert_pt
                         mask=live_m[:, None] & live_k[None, :], other=0.0)
             w = tl.load(w_base + n[None, :] * stride_wn + k[:, None],
                         mask=live_k[:, None] & live_n[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(a, w, input_precision="ieee")
-            else:
-                acc += tl.dot(a, w)
+            acc += _dot(a, w, IEEE)
         rw = tl.load(weights_ptr + pair, mask=live_m, other=0.0).to(tl.float32)
         acc = acc * rw[:, None]
         tl.store(y_ptr + pair.to(tl.int64)[:, None] * stride_yp + n[None, :], acc,
