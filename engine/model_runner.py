@@ -12,6 +12,7 @@ import torch
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.cuda_graph import DecodeGraphs
+from formcast.engine.kernels.paged_attention import pack_prefills
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
 from formcast.engine.layers.quant import prompt_rows
 from formcast.engine.models.llama import LlamaForCausalLM
@@ -186,14 +187,20 @@ class ModelRunner:
         tables = layout.decode_tables
         max_blocks = max((len(t) for t in tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        spans, packed = (), None
+        if layout.prefills:
+            # every chunk's table in one padded tensor, one copy for the step
+            starts, lengths, contexts, ptables = zip(*layout.prefills)
+            packed = pack_prefills(list(starts), list(lengths), list(contexts), ptables, dev)
+            spans = tuple(PrefillSpan(start=row0, length=n, context_len=ctx,
+                                      block_table=packed[1][i, :len(table)])
+                          for i, (row0, n, ctx, table) in enumerate(layout.prefills))
         meta = AttentionMetadata(
             slot_mapping=to_dev(layout.slots),
             decode_rows=to_dev(layout.decode_rows),
             decode_block_tables=to_dev(padded).view(len(padded), max_blocks),
             decode_lens=to_dev(layout.decode_lens),
-            prefills=tuple(PrefillSpan(start=row0, length=n, context_len=ctx,
-                                       block_table=to_dev(table))
-                           for row0, n, ctx, table in layout.prefills),
+            prefills=spans, prefill_packed=packed,
         )
         return (to_dev(layout.tokens), to_dev(layout.positions), meta,
                 to_dev(layout.sample_rows))

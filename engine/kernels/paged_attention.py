@@ -65,26 +65,48 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.matmul(probs, vv).view(b, h, d)
 
 
+def pack_prefills(starts: list[int], lengths: list[int], context_lens: list[int],
+                  block_tables: list, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill chunks as two ``device`` tensors, each moved in one copy: (starts,
+    lengths, context lengths) [3, P] long, and the block tables (lists or 1-D
+    tensors) [P, NB] long, padded with block 0."""
+    rows = [t.tolist() if isinstance(t, torch.Tensor) else list(t) for t in block_tables]
+    width = max(map(len, rows))
+    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
+    meta = torch.tensor([starts, lengths, context_lens], dtype=torch.long)
+    pinned = device.type == "cuda"
+    if pinned:
+        tables, meta = tables.pin_memory(), meta.pin_memory()
+    return (meta.to(device, non_blocking=pinned), tables.to(device, non_blocking=pinned))
+
+
 def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, starts: list[int], lengths: list[int],
                              context_lens: list[int], block_tables: list[torch.Tensor],
                              scale: float, *, k: torch.Tensor | None = None,
-                             v: torch.Tensor | None = None, backend: str = "auto") -> None:
+                             v: torch.Tensor | None = None,
+                             packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             backend: str = "auto") -> None:
     """Causal attention of prefill chunks, written into ``out`` [T, H, D] in place.
 
     Chunk ``i`` is rows ``starts[i] : starts[i] + lengths[i]`` of ``q`` [T, H, D]: the
     last ``lengths[i]`` of its sequence's ``context_lens[i]`` tokens, whose keys and
     values (this chunk's included) are in the cache blocks ``block_tables[i]`` [NB].
     ``k``, ``v`` [T, Hkv, D]: this step's keys/values, which the torch path reads
-    directly for a chunk with nothing cached before it.
+    directly for a chunk with nothing cached before it. ``packed``: the same
+    chunks as (starts, lengths, context lengths) [3, P] and padded block tables
+    [P, NB], on the device already (the Triton path then moves nothing).
     """
     if not starts:
         return
     if use_triton(q, backend):
         from formcast.engine.kernels.paged_attention_triton import paged_prefill_attention_triton_
 
-        paged_prefill_attention_triton_(out, q, k_cache, v_cache, starts, lengths, context_lens,
-                                        block_tables, scale)
+        if packed is None:
+            packed = pack_prefills(starts, lengths, context_lens, block_tables, q.device)
+        paged_prefill_attention_triton_(out, q, k_cache, v_cache, *packed, scale,
+                                        max_length=max(lengths))
         return
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     for start, length, context, table in zip(starts, lengths, context_lens, block_tables):

@@ -186,22 +186,19 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, ctx_ptr,
 
 
 def paged_prefill_attention_triton_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                                    v_cache: torch.Tensor, starts: list[int], lengths: list[int],
-                                    context_lens: list[int], block_tables: list[torch.Tensor],
-                                    scale: float) -> None:
+                                    v_cache: torch.Tensor, meta: torch.Tensor,
+                                    tables: torch.Tensor, scale: float, *, max_length: int
+                                    ) -> None:
+    """``meta`` [3, P] (starts, lengths, context lengths) and ``tables`` [P, NB] on
+    the device (:func:`formcast.engine.kernels.paged_attention.pack_prefills`);
+    ``max_length``: the longest chunk, which sizes the grid."""
     h, d = q.shape[1], q.shape[2]
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 \
             or v_cache.stride(-1) != 1:
         raise ValueError("paged attention: the head dimension must be contiguous")
-    dev = q.device
-    width = max(len(t) for t in block_tables)
-    tables = torch.zeros(len(block_tables), width, dtype=torch.long, device=dev)
-    for i, t in enumerate(block_tables):
-        tables[i, :len(t)] = t
-    meta = torch.tensor([starts, lengths, context_lens], dtype=torch.long).to(dev)
-    block_m = 64 if max(lengths) > 32 else 16
-    grid = (len(starts), triton.cdiv(max(lengths), block_m), h)
+    block_m = 64 if max_length > 32 else 16
+    grid = (meta.shape[1], triton.cdiv(max_length, block_m), h)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta[0], meta[1], meta[2], tables, scale, h // hkv, d,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),

@@ -37,6 +37,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor   # [Bd, NB] long (padded with block 0)
     decode_lens: torch.Tensor           # [Bd] long: context length of each decode row
     prefills: tuple[PrefillSpan, ...]
+    # the prefills as two device tensors, made once a step for every layer: (starts,
+    # lengths, context lengths) [3, P] long and the block tables [P, NB] long, padded
+    prefill_packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_decodes(self) -> int:
@@ -84,6 +87,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     spans = meta.prefills
     paged_prefill_attention_(out, q, k_cache, v_cache, [p.start for p in spans],
                              [p.length for p in spans], [p.context_len for p in spans],
-                             [p.block_table for p in spans], scale, k=k, v=v)
+                             [p.block_table for p in spans], scale, k=k, v=v,
+                             packed=meta.prefill_packed)
     return out
 
