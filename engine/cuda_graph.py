@@ -13,10 +13,17 @@ lengths, block tables) filled from one pinned host buffer with two
 non-blocking copies. Block tables are as wide as the longest context the engine
 admits; attention reads a row's table only up to its length, so stale entries
 past it are harmless.
+
+In steady decoding the host buffer is kept from step to step
+(:class:`DecodeStaging`): the same requests in the same rows only move one
+position on, so a step writes positions, lengths and slots as whole arrays and
+a table entry only for a row that opened a block, rather than every row's
+table; rows of requests that finished are dropped by one gather.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from formcast.engine.layers.attention import AttentionMetadata
@@ -30,6 +37,91 @@ def graph_ladder(max_rows: int) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+class DecodeStaging:
+    """The host buffer of a decode graph's inputs, ``max_rows`` rows: token ids,
+    positions, cache slots, context lengths, then the block tables
+    (``max_rows`` x ``max_blocks``), as one long tensor (pinned when ``pin``).
+
+    :meth:`stage` writes a step from explicit lists; :meth:`stage_seqs` from the
+    sequences themselves, reusing what the last :meth:`stage_seqs` wrote: a row
+    keeps its table entries for as long as it holds the same sequence, so only
+    the entries a sequence gained since are written. That is valid while tables
+    only grow between calls (steady decoding); anything else calls
+    :meth:`invalidate` first (:meth:`stage` does).
+    """
+
+    def __init__(self, max_rows: int, max_blocks: int, *, block_size: int, scratch_slot: int,
+                 pin: bool) -> None:
+        m = self.max_rows = max_rows
+        self.max_blocks = max_blocks
+        self.block_size = block_size
+        self.scratch_slot = scratch_slot
+        self.host = torch.zeros(4 * m + m * max_blocks, dtype=torch.long, pin_memory=pin)
+        h = self.host.numpy()
+        self.tokens, self.positions = h[:m], h[m:2 * m]
+        self.slots, self.lens = h[2 * m:3 * m], h[3 * m:4 * m]
+        self.tables = h[4 * m:].reshape(m, max_blocks)
+        self._rows: list[int] | None = None          # id() of each row's sequence
+        self._table_len = np.zeros(m, dtype=np.int64)  # entries written for that sequence
+        self.pad(0, m)
+
+    def invalidate(self) -> None:
+        self._rows = None
+
+    def pad(self, start: int, stop: int) -> None:
+        """Rows ``start:stop`` as padding: token 0 at position 0, keys to the
+        scratch slot, attending to that slot alone (table entry 0 holds it)."""
+        self.tokens[start:stop] = 0
+        self.positions[start:stop] = 0
+        self.slots[start:stop] = self.scratch_slot
+        self.lens[start:stop] = 1
+        self.tables[start:stop, 0] = self.scratch_slot // self.block_size
+
+    def stage(self, tokens: list[int] | None, positions: list[int], slots: list[int],
+              tables: list[list[int]], lens: list[int], padded: int) -> None:
+        """Rows from lists (``tokens`` None: they come from the device), padding up
+        to ``padded`` rows."""
+        self.invalidate()
+        n = len(positions)
+        if tokens is not None:
+            self.tokens[:n] = tokens
+        self.positions[:n] = positions
+        self.slots[:n] = slots
+        self.lens[:n] = lens
+        for i, table in enumerate(tables):
+            self.tables[i, :len(table)] = table
+        self.pad(n, padded)
+
+    def stage_seqs(self, seqs: list, padded: int) -> None:
+        """Rows for ``seqs``, each decoding at its ``num_computed_tokens`` over its
+        ``block_table`` (tokens come from the device), padding up to ``padded``."""
+        n, bs = len(seqs), self.block_size
+        ids = list(map(id, seqs))
+        if ids != self._rows:
+            # rows move: gather what each sequence's old row holds; new ones start empty
+            old = {} if self._rows is None else {r: i for i, r in enumerate(self._rows)}
+            src = np.fromiter((old.get(r, -1) for r in ids), dtype=np.int64, count=n)
+            kept = src >= 0
+            width = int(self._table_len[src[kept]].max(initial=0))
+            self.tables[:n][kept, :width] = self.tables[src[kept], :width]
+            self._table_len[:n] = np.where(kept, self._table_len[src], 0)
+            self._rows = ids
+        pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        block = pos // bs
+        for i in np.flatnonzero(block >= self._table_len[:n]).tolist():
+            table = seqs[i].block_table
+            if block[i] >= len(table):
+                raise RuntimeError(f"sequence {seqs[i].request_id}: no KV block allocated for "
+                                   f"position {pos[i]}")
+            start = int(self._table_len[i])
+            self.tables[i, start:len(table)] = table[start:]
+            self._table_len[i] = len(table)
+        self.positions[:n] = pos
+        self.lens[:n] = pos + 1
+        self.slots[:n] = self.tables[np.arange(n), block] * bs + pos % bs
+        self.pad(n, padded)
+
+
 class DecodeGraphs:
     """CUDA graphs of ``model``'s decode step (hidden states through the head) at
     ``sizes`` rows, over ``kv_caches`` whose last block is scratch."""
@@ -41,22 +133,17 @@ class DecodeGraphs:
         self.sizes = tuple(sorted(sizes))
         self.max_rows = self.sizes[-1]
         self.max_blocks = max_blocks
-        self.scratch_slot = scratch_slot
-        self.scratch_block = scratch_slot // block_size
         device = kv_caches[0].device
         m = self.max_rows
-        n = 4 * m + m * max_blocks
-        self._host = torch.zeros(n, dtype=torch.long, pin_memory=True)
-        self._host_np = self._host.numpy()
-        self._dev = torch.zeros(n, dtype=torch.long, device=device)
-        self._tables_np = self._host_np[4 * m:].reshape(m, max_blocks)
+        self.staging = DecodeStaging(m, max_blocks, block_size=block_size,
+                                     scratch_slot=scratch_slot, pin=True)
+        self._dev = torch.zeros(4 * m + m * max_blocks, dtype=torch.long, device=device)
         self._rows = torch.arange(m, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served from a graph
         self._copied = torch.cuda.Event()  # the host buffer is free again once it fires
-        self._reset_padding(0, m)
-        self._dev.copy_(self._host)
+        self._dev.copy_(self.staging.host)
         self._capture()
 
     def _inputs(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -86,17 +173,6 @@ class DecodeGraphs:
                  meta: AttentionMetadata) -> torch.Tensor:
         return self.model.logits(self.model(tokens, positions, self.kv_caches, meta))
 
-    def _reset_padding(self, start: int, stop: int | None = None) -> None:
-        """Padding rows ``start:stop``: token 0 at position 0, keys to the scratch
-        slot, attending to that slot alone (table entry 0 holds it)."""
-        m, h = self.max_rows, self._host_np
-        stop = m if stop is None else stop
-        h[start:stop] = 0
-        h[m + start:m + stop] = 0
-        h[2 * m + start:2 * m + stop] = self.scratch_slot
-        h[3 * m + start:3 * m + stop] = 1
-        self._tables_np[start:stop, 0] = self.scratch_block
-
     def size_for(self, rows: int) -> int | None:
         """The captured size a step of ``rows`` decode rows replays, or None."""
         for b in self.sizes:
@@ -111,21 +187,31 @@ class DecodeGraphs:
         last step's samples, never seen by the host)."""
         n = len(positions)
         b = self.size_for(n)
-        m, h = self.max_rows, self._host_np
         self._copied.synchronize()  # the last step's copies have read the host buffer
         on_device = isinstance(tokens, torch.Tensor)
-        if not on_device:
-            h[:n] = tokens
-        h[m:m + n] = positions
-        h[2 * m:2 * m + n] = slots
-        h[3 * m:3 * m + n] = lens
-        self._reset_padding(n, b)
-        for i, table in enumerate(tables):
-            self._tables_np[i, :len(table)] = table
-        self._dev[:4 * m].copy_(self._host[:4 * m], non_blocking=True)
+        self.staging.stage(None if on_device else tokens, positions, slots, tables, lens, b)
+        return self._replay(n, b, tokens if on_device else None)
+
+    def run_seqs(self, seqs: list, tokens: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` for ``seqs`` decoding at their ``num_computed_tokens``, their
+        input tokens ``tokens`` [n] on the device, the host buffer kept from the
+        last call (:meth:`DecodeStaging.stage_seqs`)."""
+        n = len(seqs)
+        b = self.size_for(n)
+        self._copied.synchronize()
+        self.staging.stage_seqs(seqs, b)
+        return self._replay(n, b, tokens)
+
+    def invalidate(self) -> None:
+        """Something other than steady decoding changed the sequences' tables."""
+        self.staging.invalidate()
+
+    def _replay(self, n: int, b: int, tokens: torch.Tensor | None) -> torch.Tensor:
+        m, host = self.max_rows, self.staging.host
+        self._dev[:4 * m].copy_(host[:4 * m], non_blocking=True)
         width = b * self.max_blocks
-        self._dev[4 * m:4 * m + width].copy_(self._host[4 * m:4 * m + width], non_blocking=True)
-        if on_device:
+        self._dev[4 * m:4 * m + width].copy_(host[4 * m:4 * m + width], non_blocking=True)
+        if tokens is not None:
             self._dev[:n].copy_(tokens)
         self._copied.record()
         self._graphs[b].replay()

@@ -387,7 +387,9 @@ class Engine:
         except Exception as exc:
             raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self._inflight = None
-        taken, ok = (self._take(prev) if prev is not None else ([], None))
+        constrained = any(s.constraint is not None for s in launch)
+        fill = _ChunkedFill(self, len(launch)) if constrained else None
+        taken, ok = self._take(prev, launch, fill) if prev is not None else ([], None)
         rows, live = [], []
         for i, s in enumerate(launch):
             # a request that finished, or backed out of a dead end, drops its row
@@ -397,16 +399,16 @@ class Engine:
                     bm.commit(s)
                 rows.append(i)
                 live.append(s)
+        if fill is not None and prev is None:  # the first pipelined step: nothing taken
+            fill.add_all(launch)
+        masks = fill.result(rows, live) if fill is not None else None
         if not live:
             return taken
         if len(rows) < len(launch):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
-        masks = None
-        if any(s.constraint is not None for s in live):
-            masks = self.sampler.fill_masks(live)
-            if masks.errors:  # a broken constraint: sample this step the ordinary way
-                self._sample_and_append(logits, live, masks)
-                return taken + live
+        if masks is not None and masks.errors:  # a broken constraint: the ordinary way
+            self._sample_and_append(logits, live, masks)
+            return taken + live
         sampled, dead, _ = self.sampler.sample_on_device(logits, live, masks)
         cuda = sampled.is_cuda
         host = torch.empty(2, len(live), dtype=torch.long, pin_memory=cuda)
@@ -418,22 +420,42 @@ class Engine:
         self._inflight = _InFlight(seqs=live, tokens=sampled, host=host, ready=ready)
         return taken
 
-    def _take(self, prev: "_InFlight") -> tuple[list[Sequence], set[int]]:
+    def _take(self, prev: "_InFlight", launch: list[Sequence] | None = None,
+              fill: "_ChunkedFill | None" = None) -> tuple[list[Sequence], set[int]]:
         """Append a launched step's tokens to its requests (waiting for the copy).
         Returns the requests (the step's outputs) and the ids of those that took
-        their token."""
+        their token.
+
+        Grammars take their tokens first, so that ``fill`` (the step ``launch``
+        whose rows are on the device now) fills those rows' next masks on the
+        mask thread, a chunk at a time, while this thread appends the tokens,
+        detokenizes and checks stops."""
         if prev.ready is not None:
             prev.ready.synchronize()
         token_list, dead_list = prev.host.tolist()
         errors: dict[int, str] = {}
         token_list = Sampler.finish_rows(token_list, dead_list, errors)
+        verdicts: dict[int, tuple[bool, bool]] = {}  # row -> (accepted, terminated)
+        if fill is not None:
+            where = {id(s): j for j, s in enumerate(launch)}
+            for i, seq in enumerate(prev.seqs):
+                c = seq.constraint
+                if c is None or seq.is_finished or i in errors:
+                    continue
+                accepted = self._accept(seq, token_list[i])
+                terminated = accepted and c.is_terminated()
+                verdicts[i] = (accepted, terminated)
+                j = where.get(id(seq))
+                if accepted and not terminated and j is not None:
+                    fill.add(j, c)
+            fill.flush()
         ok: set[int] = set()
         outputs = []
         for i, seq in enumerate(prev.seqs):
             if seq.is_finished:
                 continue  # aborted meanwhile: its output went out with the abort
             outputs.append(seq)
-            if self._settle(seq, token_list[i], None, errors.get(i)):
+            if self._settle(seq, token_list[i], None, errors.get(i), verdicts.get(i)):
                 ok.add(id(seq))
         return outputs, ok
 
@@ -450,12 +472,13 @@ class Engine:
             self._settle(seq, result.token_ids[i], result.logprobs[i], result.errors.get(i))
 
     def _settle(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
-                error: str | None) -> bool:
+                error: str | None, verdict: tuple[bool, bool] | None = None) -> bool:
         """Give ``seq`` its sampled token, or handle the sampling's ``error``: roll
         back out of the dead end (the value is resampled next step) or end the
-        request. True when the token was appended."""
+        request. True when the token was appended. ``verdict``: what the
+        constraint said of the token already (see :meth:`_append_token`)."""
         if error is None:
-            self._append_token(seq, token, logprob)
+            self._append_token(seq, token, logprob, verdict)
             return True
         if not self._roll_back_dead_end(seq):
             seq.error = _dead_end_message(seq, error)
@@ -613,14 +636,26 @@ class Engine:
         self._detok[seq.request_id] = detok
         return True
 
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
+    def _accept(self, seq: Sequence, token: int) -> bool:
+        """Offer ``token`` to the request's constraint; False (the reason in
+        ``seq.error``) when it refuses or fails."""
+        try:
+            ok = seq.constraint.accept(token)
+        except Exception as exc:
+            ok, seq.error = False, f"constraint failed: {type(exc).__name__}: {exc}"
+        if not ok:
+            seq.error = seq.error or f"constraint rejected sampled token {token}"
+        return ok
+
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
+                      verdict: tuple[bool, bool] | None = None) -> None:
+        """Append one sampled token and apply the stop conditions. ``verdict``
+        (accepted, terminated): the constraint has been offered the token already
+        (and must not be touched now: its next mask may be being filled)."""
+        terminated = None
         if seq.constraint is not None:
-            try:
-                ok = seq.constraint.accept(token)
-            except Exception as exc:
-                ok, seq.error = False, f"constraint failed: {type(exc).__name__}: {exc}"
-            if not ok:
-                seq.error = seq.error or f"constraint rejected sampled token {token}"
+            accepted, terminated = verdict or (self._accept(seq, token), None)
+            if not accepted:
                 self._finish(seq, "abort")
                 return
         if seq.first_token_time is None:
@@ -636,7 +671,8 @@ class Engine:
             self._finish(seq, "stop")
         elif seq.status is SequenceStatus.FINISHED:
             return  # a stop string matched
-        elif seq.constraint is not None and seq.constraint.is_terminated():
+        elif seq.constraint is not None and (seq.constraint.is_terminated() if terminated is None
+                                             else terminated):
             self._finish(seq, "stop")
         elif len(seq) >= seq.max_total_len:
             self._finish(seq, "length")
@@ -820,3 +856,57 @@ class _InFlight:
     tokens: torch.Tensor            # [B] long, on the device: the next step's input
     host: torch.Tensor              # [2, B] long (tokens, dead-end flags), being copied in
     ready: torch.cuda.Event | None  # fires once ``host`` is filled (None off CUDA)
+
+
+class _ChunkedFill:
+    """Grammar masks of a launched step's rows, filled on the engine's mask thread
+    a chunk at a time while the host thread goes on. Row ``j`` of the buffer is
+    the step's row ``j``; only rows handed to :meth:`add` are filled."""
+
+    CHUNK = 64
+
+    def __init__(self, engine: "Engine", rows: int) -> None:
+        if engine._mask_pool is None:
+            engine._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-masks")
+        self._pool = engine._mask_pool
+        self._sampler = engine.sampler
+        self.bitmask = engine.sampler.mask_buffer(rows)
+        self._rows: list[int] = []
+        self._constraints: list = []
+        self._done: set[int] = set()
+        self._futures = []
+
+    def add(self, row: int, constraint) -> None:
+        self._rows.append(row)
+        self._constraints.append(constraint)
+        if len(self._rows) >= self.CHUNK:
+            self.flush()
+
+    def add_all(self, seqs: list[Sequence]) -> None:
+        for j, s in enumerate(seqs):
+            if s.constraint is not None:
+                self.add(j, s.constraint)
+        self.flush()
+
+    def flush(self) -> None:
+        if self._rows:
+            self._done.update(self._rows)
+            self._futures.append(self._pool.submit(self._sampler.fill_rows, self._constraints,
+                                                   self.bitmask, self._rows))
+            self._rows, self._constraints = [], []
+
+    def result(self, rows: list[int], live: list[Sequence]) -> FilledMasks:
+        """The masks of ``live`` (the step's rows ``rows`` that go on), once filled."""
+        self.flush()
+        failed: dict[int, str] = {}
+        for f in self._futures:
+            failed.update(f.result())
+        mine = [k for k, s in enumerate(live) if s.constraint is not None]
+        missing = [k for k in mine if rows[k] not in self._done]
+        if missing:  # a constraint that took no token here (cannot happen in steady decoding)
+            failed.update(self._sampler.fill_rows([live[k].constraint for k in missing],
+                                                  self.bitmask, [rows[k] for k in missing]))
+        src = [rows[k] for k in mine]
+        bitmask = self.bitmask if src == list(range(len(self.bitmask))) else self.bitmask[src]
+        return FilledMasks(rows=mine, bitmask=bitmask,
+                           errors={k: failed[rows[k]] for k in mine if rows[k] in failed})

@@ -101,6 +101,8 @@ class ModelRunner:
         False. Decode steps replay a CUDA graph when one fits (the logits are then a
         view that the next step overwrites)."""
         layout = self._layout(batch)
+        if self.graphs is not None:
+            self.graphs.invalidate()  # ordinary steps may cut and regrow block tables
         if self.graphs is not None and layout.only_decodes \
                 and self.graphs.size_for(len(layout.tokens)) is not None:
             logits = self.graphs.run(layout.tokens, layout.positions, layout.slots,
@@ -124,14 +126,13 @@ class ModelRunner:
         the device (the previous step's samples: the host need not have them yet), at
         position ``seq.num_computed_tokens``, whose KV block must be allocated.
         Returns float32 logits ``[B, V]`` (a graph's output view when one ran)."""
+        if self.graphs is not None and self.graphs.size_for(len(seqs)) is not None:
+            return self.graphs.run_seqs(seqs, tokens)
         layout = StepLayout()
         for seq in seqs:
             p = seq.num_computed_tokens
             layout.add_decode(None, p, seq.block_table, p < seq.num_prompt_tokens,
                               self.block_size)
-        if self.graphs is not None and self.graphs.size_for(len(seqs)) is not None:
-            return self.graphs.run(tokens, layout.positions, layout.slots,
-                                   layout.decode_tables, layout.decode_lens)
         _, pos, meta, _ = self._prepare(layout)
         with prompt_rows(layout.is_prompt, self.device):
             hidden = self.model(tokens, pos, self.kv_caches, meta)

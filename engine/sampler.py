@@ -216,36 +216,52 @@ class Sampler:
         read, not changed). Safe on a worker thread while the model runs: it touches
         only the constraints and a fresh tensor (``buffer(n)`` gives one to reuse)."""
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
-        errors: dict[int, str] = {}
         if buffer is not None:
             bitmask = buffer(len(rows))
             bitmask.zero_()
         else:
             bitmask = torch.zeros(len(rows), self.bitmask_width, dtype=torch.int32,
                                   pin_memory=self._pin and len(rows) > 0)
-        single = list(range(len(rows)))  # mask rows filled one by one
+        failed = self.fill_rows([seqs[i].constraint for i in rows], bitmask,
+                                list(range(len(rows))))
+        errors = {rows[j]: msg for j, msg in failed.items()}
+        return FilledMasks(rows=rows, bitmask=bitmask, errors=errors)
+
+    def mask_buffer(self, n: int) -> torch.Tensor:
+        """A fresh ``[n, words]`` int32 mask buffer (pinned on CUDA engines)."""
+        return torch.empty(n, self.bitmask_width, dtype=torch.int32,
+                           pin_memory=self._pin and n > 0)
+
+    def fill_rows(self, constraints: list, bitmask: torch.Tensor, rows: list[int]
+                  ) -> dict[int, str]:
+        """Fill row ``rows[k]`` of ``bitmask`` from ``constraints[k]`` (read, not
+        changed), many rows a call where a constraint class has ``fill_bitmasks``
+        and ``batch_fill`` is on. Returns ``{row: why}`` for constraints that failed;
+        their rows allow everything. Safe on a worker thread while the model runs."""
+        errors: dict[int, str] = {}
+        single = list(range(len(rows)))  # filled one by one
         if self.batch_fill and len(rows) > 1:
             single = []
             groups: dict = {}
-            for j, i in enumerate(rows):
-                many = getattr(type(seqs[i].constraint), "fill_bitmasks", None)
+            for k, c in enumerate(constraints):
+                many = getattr(type(c), "fill_bitmasks", None)
                 if many is None:
-                    single.append(j)
+                    single.append(k)
                 else:
-                    groups.setdefault(many, []).append(j)
-            for many, js in groups.items():
+                    groups.setdefault(many, []).append(k)
+            for many, ks in groups.items():
                 try:
-                    many([seqs[rows[j]].constraint for j in js], bitmask, js)
+                    many([constraints[k] for k in ks], bitmask, [rows[k] for k in ks])
                 except Exception:  # find the broken one row by row
-                    single.extend(js)
-        for j in single:
-            i = rows[j]
+                    single.extend(ks)
+        for k in single:
             try:
-                seqs[i].constraint.fill_bitmask(bitmask, j)
+                constraints[k].fill_bitmask(bitmask, rows[k])
             except Exception as exc:  # a broken constraint fails its own request only
-                errors[i] = f"constraint failed to fill its mask: {type(exc).__name__}: {exc}"
-                bitmask[j] = -1
-        return FilledMasks(rows=rows, bitmask=bitmask, errors=errors)
+                errors[rows[k]] = (f"constraint failed to fill its mask: "
+                                   f"{type(exc).__name__}: {exc}")
+                bitmask[rows[k]] = -1
+        return errors
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator

@@ -1,0 +1,84 @@
+"""The decode graphs' host staging: kept from step to step, it must hold exactly
+what staging every row afresh would, however rows grow, finish, arrive or move."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from formcast.engine.cuda_graph import DecodeStaging, graph_ladder
+
+BS, MAX_BLOCKS, ROWS = 4, 12, 16
+SCRATCH = 100 * BS
+
+
+def fresh(seqs, padded: int) -> DecodeStaging:
+    """Every row staged from explicit lists, as an ordinary step does."""
+    st = DecodeStaging(ROWS, MAX_BLOCKS, block_size=BS, scratch_slot=SCRATCH, pin=False)
+    pos = [s.num_computed_tokens for s in seqs]
+    st.stage(None, pos, [s.block_table[p // BS] * BS + p % BS for s, p in zip(seqs, pos)],
+             [s.block_table[:p // BS + 1] for s, p in zip(seqs, pos)], [p + 1 for p in pos],
+             padded)
+    return st
+
+
+def assert_same(kept: DecodeStaging, ref: DecodeStaging, seqs, padded: int) -> None:
+    n = len(seqs)
+    for name in ("positions", "slots", "lens"):
+        np.testing.assert_array_equal(getattr(kept, name)[:padded], getattr(ref, name)[:padded],
+                                      err_msg=name)
+    for i, s in enumerate(seqs):  # entries attention reads: up to the row's block
+        used = s.num_computed_tokens // BS + 1
+        np.testing.assert_array_equal(kept.tables[i, :used], ref.tables[i, :used],
+                                      err_msg=f"row {i}")
+    np.testing.assert_array_equal(kept.tables[n:padded, 0], ref.tables[n:padded, 0])
+
+
+def test_kept_staging_equals_staging_afresh() -> None:
+    rng = random.Random(0)
+    next_block = iter(range(10**6))
+    st = DecodeStaging(ROWS, MAX_BLOCKS, block_size=BS, scratch_slot=SCRATCH, pin=False)
+
+    def new_seq(k: int):
+        p = rng.randrange(0, 20)
+        return SimpleNamespace(request_id=f"r{k}", num_computed_tokens=p,
+                               block_table=[next(next_block) for _ in range(p // BS + 1)])
+
+    seqs = [new_seq(k) for k in range(10)]
+    made = 10
+    for step in range(300):
+        padded = next(b for b in graph_ladder(ROWS) if b >= len(seqs))
+        st.stage_seqs(seqs, padded)
+        assert_same(st, fresh(seqs, padded), seqs, padded)
+        # one decode step on: every row moves a position, opening blocks as it goes
+        for s in seqs:
+            s.num_computed_tokens += 1
+            if s.num_computed_tokens // BS >= len(s.block_table):
+                s.block_table.append(next(next_block))
+        r = rng.random()
+        if r < 0.15 and len(seqs) > 1:      # requests finish
+            for _ in range(rng.randrange(1, 3)):
+                if len(seqs) > 1:
+                    seqs.pop(rng.randrange(len(seqs)))
+        elif r < 0.25 and len(seqs) < ROWS:  # a request joins
+            seqs.insert(rng.randrange(len(seqs) + 1), new_seq(made))
+            made += 1
+        elif r < 0.3:                        # an ordinary step cut and regrew a table
+            st.invalidate()
+            s = rng.choice(seqs)
+            keep = s.num_computed_tokens // BS
+            s.block_table[keep:] = [next(next_block)]
+        if any(s.num_computed_tokens // BS >= MAX_BLOCKS - 1 for s in seqs):
+            seqs = [s for s in seqs if s.num_computed_tokens // BS < MAX_BLOCKS - 1] \
+                or [new_seq(made)]
+            made += 1
+
+
+def test_a_row_without_its_block_is_refused() -> None:
+    st = DecodeStaging(ROWS, MAX_BLOCKS, block_size=BS, scratch_slot=SCRATCH, pin=False)
+    seq = SimpleNamespace(request_id="r0", num_computed_tokens=BS, block_table=[3])
+    with pytest.raises(RuntimeError, match="no KV block allocated for position 4"):
+        st.stage_seqs([seq], 1)
