@@ -5,7 +5,8 @@ key/value head (padded to 16 rows for ``tl.dot``) walks the row's context
 ``BLOCK_N`` tokens at a time, loading each token's key and value straight from
 its cache block, with an online softmax in float32. With few rows (batch 1 has
 only Hkv programs) the context is split over ``SPLITS`` programs whose partial
-results are merged by a second small kernel (flash-decoding).
+results are merged by a second small kernel (flash-decoding); with enough rows
+for one split, the kernel writes the output itself.
 
 Prefill: one program per (chunk, tile of ``BLOCK_M`` queries, query head), over
 the chunk's keys up to the tile's last position (causal), read from the cache
@@ -86,9 +87,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
     out = acc / tl.maximum(total, 1e-30)[:, None]
     lse = m + tl.log(total)
     base = (row * tl.num_programs(1) * group + heads) * SPLITS + split        # [G]
-    tl.store(out_ptr + base[:, None] * head_dim + d[None, :], out,
-             mask=live_g[:, None] & live_d[None, :])
-    tl.store(lse_ptr + base, lse, mask=live_g)
+    tl.store(out_ptr + base[:, None] * head_dim + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=live_g[:, None] & live_d[None, :])
+    if SPLITS > 1:  # one split writes the output itself: nothing to merge
+        tl.store(lse_ptr + base, lse, mask=live_g)
 
 
 @triton.jit
@@ -128,8 +130,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     block_n = 64
     max_len = block_tables.shape[1] * block_size
     splits = num_splits(b, hkv, max_len, block_n)
-    part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
+    if splits == 1:  # the kernel writes the output: no partial results to merge
+        part = lse = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    else:
+        part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, part, lse, scale,
         group, d, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -138,6 +143,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
         IEEE=q.dtype == torch.float32)
+    if splits == 1:
+        return part
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     _merge_kernel[(b * h,)](part, lse, out, d, SPLITS=splits,
                             BLOCK_D=triton.next_power_of_2(d))

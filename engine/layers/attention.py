@@ -18,6 +18,7 @@ import torch
 
 from formcast.engine.kernels.paged_attention import (decode_masked_out, paged_decode_attention,
                                                      paged_prefill_attention_)
+from formcast.engine.kernels.rope import store_kv_
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,23 +56,18 @@ class AttentionMetadata:
         return cached
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    # caches [NBtotal, BS, Hkv, D]; k, v [T, Hkv, D]
-    hkv, d = k.shape[1], k.shape[2]
-    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v)
-
-
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, *, stored: bool = False
+                    ) -> torch.Tensor:
     """Causal attention of the step's queries over their sequences' cached keys.
 
     q [T, H, D]; k, v [T, Hkv, D] (this step's, already rotated); caches
-    [NBtotal, BS, Hkv, D]. Returns [T, H, D]. Writes k, v into the caches.
+    [NBtotal, BS, Hkv, D]. Returns [T, H, D]. Writes k, v into the caches first,
+    unless ``stored`` (the rotation wrote them already).
     """
-    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    if not stored:
+        store_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
     t, h, d = q.shape
     out = q.new_empty(t, h, d)
     if meta.num_decodes:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from formcast.engine.kernels import triton_available
-from formcast.engine.kernels.rope import apply_rope_
+from formcast.engine.kernels.rope import apply_rope_, apply_rope_and_store_kv_
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -64,6 +64,17 @@ class RotaryEmbedding(nn.Module):
             return apply_rope_(x, positions, *self.tables(positions.device))
         cos, sin = self.halves(positions, x.dtype)
         return _rotate(x, cos, sin)
+
+    def rotate_and_store(self, positions: torch.Tensor, qk: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+                         ) -> tuple[torch.Tensor, bool]:
+        """:meth:`rotate` of ``qk`` [T, H + Hkv, D]; on CUDA the same kernel writes the
+        rotated key heads and ``v`` to the cache ``slots``. Returns the rotated
+        ``qk`` and whether the keys and values were stored."""
+        if qk.is_cuda and triton_available():
+            return apply_rope_and_store_kv_(qk, v, positions, *self.tables(positions.device),
+                                            k_cache, v_cache, slots), True
+        return self.rotate(positions, qk), False
 
     def halves(self, positions: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:

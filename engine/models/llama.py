@@ -8,10 +8,10 @@ Shapes: T tokens of the step (flattened over sequences), E hidden size.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from formcast.engine.config import LlamaConfig
+from formcast.engine.kernels.activation import silu_and_mul
 from formcast.engine.layers.attention import AttentionMetadata, paged_attention
 from formcast.engine.layers.linear import Linear
 from formcast.engine.layers.norm import RMSNorm
@@ -35,12 +35,14 @@ class LlamaAttention(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         qk, v = self.qkv_proj.forward(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotate together (one set of ops for both): [T, H + Hkv, D]
-        qk = rotary.rotate(positions, qk.view(t, self.num_heads + self.num_kv_heads,
-                                              self.head_dim))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        # q and k rotate together (one set of ops for both): [T, H + Hkv, D]; on CUDA
+        # the keys and values go to the cache in the same kernel
+        qk, stored = rotary.rotate_and_store(
+            positions, qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), v,
+            kv_cache[0], kv_cache[1], meta.slot_mapping)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, stored=stored)
         return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
@@ -54,8 +56,7 @@ class LlamaMLP(nn.Module):
                                    bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.forward(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj.forward(F.silu(gate) * up)
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -66,14 +67,21 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
+                rotary: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the residual stream, ``pending``: the last layer's MLP output not
+        yet added to it (None before the first layer); the add is fused into this
+        layer's input norm. Returns the stream and this layer's MLP output."""
         # .forward directly: a decode step makes ~10 module calls per layer, and
         # nn.Module.__call__'s hook machinery costs more than some of the ops
-        attn = self.self_attn.forward(self.input_layernorm.forward(x), positions, rotary,
-                                      kv_cache, meta)
+        if pending is None:
+            h = self.input_layernorm.forward(x)
+        else:
+            x, h = self.input_layernorm.add_forward(x, pending)
+        attn = self.self_attn.forward(h, positions, rotary, kv_cache, meta)
         x, h = self.post_attention_layernorm.add_forward(x, attn)  # x + attn, its norm
-        return x + self.mlp.forward(h)
+        return x, self.mlp.forward(h)
 
 
 class LlamaModel(nn.Module):
@@ -107,9 +115,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # token_ids, positions [T]; kv_caches[layer] [2, NBtotal, BS, Hkv, D] -> [T, E]
         x = self.model.embed_tokens(token_ids)
+        pending = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer.forward(x, positions, self.model.rotary, kv_cache, meta)
-        return x
+            x, pending = layer.forward(x, pending, positions, self.model.rotary, kv_cache, meta)
+        return x if pending is None else x + pending
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, E] -> [N, V] in float32

@@ -17,7 +17,8 @@ from formcast.engine.kernels.moe import grouped_expert_mlp
 from formcast.engine.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_
 from formcast.engine.kernels.sampling import sample, sampling_thresholds
 from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
-from formcast.engine.kernels.rope import apply_rope_
+from formcast.engine.kernels.activation import silu_and_mul
+from formcast.engine.kernels.rope import apply_rope_, apply_rope_and_store_kv_
 from formcast.engine.layers.rotary import RotaryEmbedding
 
 
@@ -84,6 +85,34 @@ def _compare(backend_device: str) -> None:
         apply_rope_(got[:, :768].view(7, 12, 64), pos, cos, sin, backend="triton")
         assert (got[:, :768].view(7, 12, 64).float() - ref.float()).abs().max().item() <= tol
         assert torch.equal(got[:, 768:], qkv[:, 768:])
+        # rotation fused with the stores of the new keys and values to the paged cache
+        k_cache = torch.randn(6, 16, 3, 64, generator=gen).to(dtype).to(backend_device)
+        v_cache = torch.randn(6, 16, 3, 64, generator=gen).to(dtype).to(backend_device)
+        slots = torch.tensor([0, 17, 95, 40, 41, 3, 64]).to(backend_device)
+        out = {}
+        for backend in ("torch", "triton"):
+            x, kc, vc = qkv.clone(), k_cache.clone(), v_cache.clone()
+            apply_rope_and_store_kv_(x[:, :768].view(7, 12, 64), x[:, 768:].view(7, 3, 64),
+                                     pos, cos, sin, kc, vc, slots, backend=backend)
+            out[backend] = (x, kc, vc)
+        for (a, b) in zip(out["torch"], out["triton"]):
+            assert (a.float() - b.float()).abs().max().item() <= tol
+        assert torch.equal(out["triton"][1].view(-1, 3, 64)[slots],
+                           out["triton"][0][:, 576:768].view(7, 3, 64))   # rotated keys stored
+        assert torch.equal(out["triton"][2].view(-1, 3, 64)[slots],
+                           qkv[:, 768:].view(7, 3, 64))                   # values stored
+        untouched = torch.ones(96, dtype=torch.bool)
+        untouched[slots.cpu()] = False
+        assert torch.equal(out["triton"][2].view(-1, 3, 64)[untouched.to(backend_device)],
+                           v_cache.view(-1, 3, 64)[untouched.to(backend_device)])
+        # silu(gate) * up, rounding where torch's two ops round
+        for rows, width in ((1, 3072), (5, 100), (0, 64)):
+            gu = torch.randn(rows, width, generator=gen).to(dtype).to(backend_device) * 3
+            ref = silu_and_mul(gu, backend="torch")
+            got = silu_and_mul(gu, backend="triton")
+            assert got.shape == ref.shape and got.dtype == dtype
+            rel = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5  # an ulp at each rounding
+            assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + 1e-6)
 
 
 def _compare_paged(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
@@ -96,7 +125,8 @@ def _compare_paged(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) 
         if dtype not in dtypes:
             continue
         for h, hkv, d, bs, lens in ((9, 3, 64, 16, [1, 16, 17, 300, 95]), (8, 2, 64, 16, [700]),
-                                    (4, 4, 32, 32, [5, 64, 65]), (6, 3, 64, 16, [2100])):
+                                    (4, 4, 32, 32, [5, 64, 65]), (6, 3, 64, 16, [2100]),
+                                    (9, 3, 64, 16, [1 + 7 * i for i in range(48)])):
             nb_total = sum(-(-n // bs) for n in lens) + 3
             k_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
             v_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
