@@ -111,6 +111,19 @@ class EngineConfig:
         On CUDA, capture the decode step as CUDA graphs at batch sizes 1, 2, 4, ...
         up to ``max_num_seqs`` when the engine starts (Llama models), and replay
         them for decode steps. False runs every step eagerly.
+    async_scheduling : bool | None
+        In steady decoding, launch each step with the last step's samples still on
+        the device and take them on the host (grammars, text, stops, next masks)
+        while it runs. None: on CUDA (Llama models).
+    freeze_gc : bool | None
+        Once the engine is built, collect garbage and then move every object alive
+        to the garbage collector's permanent generation (``gc.freeze()``,
+        process-wide), so that its full collections, which the allocations of
+        steady decoding set off now and then, walk only newer objects rather than
+        the whole heap (the tokenizer's tables, torch's modules: tens to hundreds
+        of milliseconds a collection). The catch: objects alive then are never
+        freed by the cycle collector later, only by reference counting. None: on
+        CUDA.
     """
 
     block_size: int = 16
@@ -125,6 +138,7 @@ class EngineConfig:
     overlap_masks: bool = True
     cuda_graphs: bool = True
     async_scheduling: bool | None = None
+    freeze_gc: bool | None = None
     spec: Any = None  # SpecConfig after __post_init__
 
     def __post_init__(self) -> None:

@@ -14,6 +14,9 @@ non-blocking copies. Block tables are as wide as the longest context the engine
 admits; attention reads a row's table only up to its length, so stale entries
 past it are harmless.
 
+Each graph also samples greedily (argmax and dead-end flag, one reduction), so a
+step of unconstrained greedy rows needs no sampling launches of its own.
+
 In steady decoding the host buffer is kept from step to step
 (:class:`DecodeStaging`): the same requests in the same rows only move one
 position on, so a step writes positions, lengths and slots as whole arrays and
@@ -127,8 +130,12 @@ class DecodeGraphs:
     ``sizes`` rows, over ``kv_caches`` whose last block is scratch."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], *, sizes: tuple[int, ...],
-                 max_blocks: int, block_size: int, scratch_slot: int) -> None:
+                 max_blocks: int, block_size: int, scratch_slot: int,
+                 sample_vocab: int | None = None) -> None:
+        """``sample_vocab``: the logits columns greedy sampling may pick (the
+        tokenizer's vocabulary; default all)."""
         self.model = model
+        self.sample_vocab = sample_vocab
         self.kv_caches = kv_caches
         self.sizes = tuple(sorted(sizes))
         self.max_rows = self.sizes[-1]
@@ -141,7 +148,10 @@ class DecodeGraphs:
         self._rows = torch.arange(m, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
+        self._greedy: dict[int, torch.Tensor] = {}
+        self._last = 0  # the size the last replay ran
         self.replays = 0  # steps served from a graph
+        self.greedy_reads = 0  # of them, steps whose tokens the graph sampled
         self._copied = torch.cuda.Event()  # the host buffer is free again once it fires
         self._dev.copy_(self.staging.host)
         self._capture()
@@ -164,7 +174,11 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self._forward(tokens, positions, meta)
+                self._logits[b] = logits = self._forward(tokens, positions, meta)
+                # greedy sampling inside the graph: the argmax (the first of equal
+                # maxima, as argmax takes) and whether the row is a dead end
+                values, ids = logits[:, :self.sample_vocab].max(dim=-1)
+                self._greedy[b] = torch.stack((ids, torch.isneginf(values).long()))
             pool = graph.pool()
             self._graphs[b] = graph
         torch.cuda.synchronize()
@@ -215,5 +229,13 @@ class DecodeGraphs:
             self._dev[:n].copy_(tokens)
         self._copied.record()
         self._graphs[b].replay()
+        self._last = b
         self.replays += 1
         return self._logits[b][:n]
+
+    def greedy(self, n: int) -> torch.Tensor:
+        """``[2, n]`` long on the device: the last replay's greedy tokens and dead-end
+        flags of its first ``n`` rows, as :meth:`Sampler.sample_on_device` gives them
+        for unmasked greedy rows (valid until the next replay)."""
+        self.greedy_reads += 1
+        return self._greedy[self._last][:, :n]

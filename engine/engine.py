@@ -7,6 +7,7 @@ apply stop conditions, and return what changed.
 
 from __future__ import annotations
 
+import gc
 import itertools
 from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +99,8 @@ class Engine:
             self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs,
                                       device=self.device, dtype=self.dtype,
                                       cuda_graph_sizes=graph_sizes,
-                                      max_model_len=self._max_len(num_blocks))
+                                      max_model_len=self._max_len(num_blocks),
+                                      sample_vocab=min(tokenizer.vocab_size, mcfg.vocab_size))
         if spec.enabled and spec.method == "mtp" and self._mtp is None:
             raise ValueError("spec method 'mtp' needs a model with an MTP layer (a DeepSeek-V4 "
                              "checkpoint with mtp.0.* weights); use 'prompt_lookup' or 'auto'")
@@ -113,7 +115,6 @@ class Engine:
         self._draft_memory: DraftMemory | None = None  # the model's habits, for drafting
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Sequence] = []  # outputs owed to the next step (aborts, drains)
         self._inflight: _InFlight | None = None  # a launched step the host has not taken
         asynchronous = self.config.async_scheduling
@@ -125,6 +126,10 @@ class Engine:
         self._mask_pool: ThreadPoolExecutor | None = None  # fills masks during the forward
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
+        freeze = self.config.freeze_gc
+        if freeze if freeze is not None else self.device.type == "cuda":
+            gc.collect()
+            gc.freeze()
 
     def _max_len(self, num_blocks: int) -> int:
         mpe = self.model.config.max_position_embeddings
@@ -253,7 +258,7 @@ class Engine:
 
     def _queue(self, seq: Sequence) -> None:
         self._seqs[seq.request_id] = seq
-        self._detok[seq.request_id] = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -387,9 +392,7 @@ class Engine:
         except Exception as exc:
             raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self._inflight = None
-        constrained = any(s.constraint is not None for s in launch)
-        fill = _ChunkedFill(self, len(launch)) if constrained else None
-        taken, ok = self._take(prev, launch, fill) if prev is not None else ([], None)
+        taken, ok = self._take(prev) if prev is not None else ([], None)
         rows, live = [], []
         for i, s in enumerate(launch):
             # a request that finished, or backed out of a dead end, drops its row
@@ -399,63 +402,51 @@ class Engine:
                     bm.commit(s)
                 rows.append(i)
                 live.append(s)
-        if fill is not None and prev is None:  # the first pipelined step: nothing taken
-            fill.add_all(launch)
-        masks = fill.result(rows, live) if fill is not None else None
         if not live:
             return taken
         if len(rows) < len(launch):
             logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+        # (filled here, on this thread: a worker thread would wait for the
+        # interpreter lock until this one blocked, which in steady decoding is
+        # only at the end of the step)
+        masks = self.sampler.fill_masks(live) \
+            if any(s.constraint is not None for s in live) else None
         if masks is not None and masks.errors:  # a broken constraint: the ordinary way
             self._sample_and_append(logits, live, masks)
             return taken + live
-        sampled, dead, _ = self.sampler.sample_on_device(logits, live, masks)
-        cuda = sampled.is_cuda
+        both = None  # [2, B]: tokens, dead-end flags
+        if masks is None and len(live) == len(launch) and all(
+                s.params.greedy and not s.banned_tokens for s in live):
+            both = self.runner.greedy_samples(len(live))  # sampled inside the graph
+        if both is None:
+            sampled, dead, _ = self.sampler.sample_on_device(logits, live, masks)
+            both = torch.stack((sampled, dead.long()))
+        cuda = both.is_cuda
         host = torch.empty(2, len(live), dtype=torch.long, pin_memory=cuda)
-        host.copy_(torch.stack((sampled, dead.long())), non_blocking=cuda)
+        host.copy_(both, non_blocking=cuda)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
             ready.record()
-        self._inflight = _InFlight(seqs=live, tokens=sampled, host=host, ready=ready)
+        self._inflight = _InFlight(seqs=live, tokens=both[0], host=host, ready=ready)
         return taken
 
-    def _take(self, prev: "_InFlight", launch: list[Sequence] | None = None,
-              fill: "_ChunkedFill | None" = None) -> tuple[list[Sequence], set[int]]:
+    def _take(self, prev: "_InFlight") -> tuple[list[Sequence], set[int]]:
         """Append a launched step's tokens to its requests (waiting for the copy).
         Returns the requests (the step's outputs) and the ids of those that took
-        their token.
-
-        Grammars take their tokens first, so that ``fill`` (the step ``launch``
-        whose rows are on the device now) fills those rows' next masks on the
-        mask thread, a chunk at a time, while this thread appends the tokens,
-        detokenizes and checks stops."""
+        their token."""
         if prev.ready is not None:
             prev.ready.synchronize()
         token_list, dead_list = prev.host.tolist()
         errors: dict[int, str] = {}
         token_list = Sampler.finish_rows(token_list, dead_list, errors)
-        verdicts: dict[int, tuple[bool, bool]] = {}  # row -> (accepted, terminated)
-        if fill is not None:
-            where = {id(s): j for j, s in enumerate(launch)}
-            for i, seq in enumerate(prev.seqs):
-                c = seq.constraint
-                if c is None or seq.is_finished or i in errors:
-                    continue
-                accepted = self._accept(seq, token_list[i])
-                terminated = accepted and c.is_terminated()
-                verdicts[i] = (accepted, terminated)
-                j = where.get(id(seq))
-                if accepted and not terminated and j is not None:
-                    fill.add(j, c)
-            fill.flush()
         ok: set[int] = set()
         outputs = []
         for i, seq in enumerate(prev.seqs):
             if seq.is_finished:
                 continue  # aborted meanwhile: its output went out with the abort
             outputs.append(seq)
-            if self._settle(seq, token_list[i], None, errors.get(i), verdicts.get(i)):
+            if self._settle(seq, token_list[i], None, errors.get(i)):
                 ok.add(id(seq))
         return outputs, ok
 
@@ -472,13 +463,12 @@ class Engine:
             self._settle(seq, result.token_ids[i], result.logprobs[i], result.errors.get(i))
 
     def _settle(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
-                error: str | None, verdict: tuple[bool, bool] | None = None) -> bool:
+                error: str | None) -> bool:
         """Give ``seq`` its sampled token, or handle the sampling's ``error``: roll
         back out of the dead end (the value is resampled next step) or end the
-        request. True when the token was appended. ``verdict``: what the
-        constraint said of the token already (see :meth:`_append_token`)."""
+        request. True when the token was appended."""
         if error is None:
-            self._append_token(seq, token, logprob, verdict)
+            self._append_token(seq, token, logprob)
             return True
         if not self._roll_back_dead_end(seq):
             seq.error = _dead_end_message(seq, error)
@@ -631,31 +621,18 @@ class Engine:
         seq.banned_tokens = {p: t for p, t in seq.banned_tokens.items() if p <= keep}
         seq.banned_tokens.setdefault(keep, set()).add(banned)
         seq.num_rollbacks += 1
-        detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
-        seq.text = "".join(detok.feed(t) for t in seq.output_ids)
-        self._detok[seq.request_id] = detok
+        seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
+        seq.text = "".join(map(seq.detok.feed, seq.output_ids))
         return True
 
-    def _accept(self, seq: Sequence, token: int) -> bool:
-        """Offer ``token`` to the request's constraint; False (the reason in
-        ``seq.error``) when it refuses or fails."""
-        try:
-            ok = seq.constraint.accept(token)
-        except Exception as exc:
-            ok, seq.error = False, f"constraint failed: {type(exc).__name__}: {exc}"
-        if not ok:
-            seq.error = seq.error or f"constraint rejected sampled token {token}"
-        return ok
-
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
-                      verdict: tuple[bool, bool] | None = None) -> None:
-        """Append one sampled token and apply the stop conditions. ``verdict``
-        (accepted, terminated): the constraint has been offered the token already
-        (and must not be touched now: its next mask may be being filled)."""
-        terminated = None
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         if seq.constraint is not None:
-            accepted, terminated = verdict or (self._accept(seq, token), None)
-            if not accepted:
+            try:
+                ok = seq.constraint.accept(token)
+            except Exception as exc:
+                ok, seq.error = False, f"constraint failed: {type(exc).__name__}: {exc}"
+            if not ok:
+                seq.error = seq.error or f"constraint rejected sampled token {token}"
                 self._finish(seq, "abort")
                 return
         if seq.first_token_time is None:
@@ -671,21 +648,21 @@ class Engine:
             self._finish(seq, "stop")
         elif seq.status is SequenceStatus.FINISHED:
             return  # a stop string matched
-        elif seq.constraint is not None and (seq.constraint.is_terminated() if terminated is None
-                                             else terminated):
+        elif seq.constraint is not None and seq.constraint.is_terminated():
             self._finish(seq, "stop")
         elif len(seq) >= seq.max_total_len:
             self._finish(seq, "length")
 
     def _append_text(self, seq: Sequence, token: int) -> None:
-        delta = self._detok[seq.request_id].feed(token)
+        stops = seq.params.stop
+        if not stops:  # nothing reads the text before the request's output does
+            seq.defer_text(token)
+            return
+        delta = seq.detok.feed(token)
         if not delta:
             return
         before = len(seq.text)
         seq.text += delta
-        stops = seq.params.stop
-        if not stops:
-            return
         longest = max(len(s) for s in stops)
         window_start = max(0, before - longest + 1)
         hits = [(seq.text.find(s, window_start), s) for s in stops]
@@ -701,9 +678,11 @@ class Engine:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq)
         self._seqs.pop(seq.request_id, None)
-        detok = self._detok.pop(seq.request_id, None)
-        if detok is not None and reason != "stop":
-            seq.text += detok.flush()  # bytes of a character cut off at the end
+        if seq.detok is not None:
+            text = seq.text  # every token's text made while the detokenizer is here
+            if reason != "stop":
+                text += seq.detok.flush()  # bytes of a character cut off at the end
+            seq.text, seq.detok = text, None
 
     # -- conveniences -------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -856,57 +835,3 @@ class _InFlight:
     tokens: torch.Tensor            # [B] long, on the device: the next step's input
     host: torch.Tensor              # [2, B] long (tokens, dead-end flags), being copied in
     ready: torch.cuda.Event | None  # fires once ``host`` is filled (None off CUDA)
-
-
-class _ChunkedFill:
-    """Grammar masks of a launched step's rows, filled on the engine's mask thread
-    a chunk at a time while the host thread goes on. Row ``j`` of the buffer is
-    the step's row ``j``; only rows handed to :meth:`add` are filled."""
-
-    CHUNK = 64
-
-    def __init__(self, engine: "Engine", rows: int) -> None:
-        if engine._mask_pool is None:
-            engine._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-masks")
-        self._pool = engine._mask_pool
-        self._sampler = engine.sampler
-        self.bitmask = engine.sampler.mask_buffer(rows)
-        self._rows: list[int] = []
-        self._constraints: list = []
-        self._done: set[int] = set()
-        self._futures = []
-
-    def add(self, row: int, constraint) -> None:
-        self._rows.append(row)
-        self._constraints.append(constraint)
-        if len(self._rows) >= self.CHUNK:
-            self.flush()
-
-    def add_all(self, seqs: list[Sequence]) -> None:
-        for j, s in enumerate(seqs):
-            if s.constraint is not None:
-                self.add(j, s.constraint)
-        self.flush()
-
-    def flush(self) -> None:
-        if self._rows:
-            self._done.update(self._rows)
-            self._futures.append(self._pool.submit(self._sampler.fill_rows, self._constraints,
-                                                   self.bitmask, self._rows))
-            self._rows, self._constraints = [], []
-
-    def result(self, rows: list[int], live: list[Sequence]) -> FilledMasks:
-        """The masks of ``live`` (the step's rows ``rows`` that go on), once filled."""
-        self.flush()
-        failed: dict[int, str] = {}
-        for f in self._futures:
-            failed.update(f.result())
-        mine = [k for k, s in enumerate(live) if s.constraint is not None]
-        missing = [k for k in mine if rows[k] not in self._done]
-        if missing:  # a constraint that took no token here (cannot happen in steady decoding)
-            failed.update(self._sampler.fill_rows([live[k].constraint for k in missing],
-                                                  self.bitmask, [rows[k] for k in missing]))
-        src = [rows[k] for k in mine]
-        bitmask = self.bitmask if src == list(range(len(self.bitmask))) else self.bitmask[src]
-        return FilledMasks(rows=mine, bitmask=bitmask,
-                           errors={k: failed[rows[k]] for k in mine if rows[k] in failed})

@@ -64,10 +64,11 @@ class StepLayout:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype,
-                 cuda_graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None
-                 ) -> None:
+                 cuda_graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None,
+                 sample_vocab: int | None = None) -> None:
         """``cuda_graph_sizes``: batch sizes whose decode steps are captured as CUDA
-        graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables."""
+        graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables;
+        ``sample_vocab``: the columns the graphs' greedy sampling may pick."""
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -87,7 +88,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(model, self.kv_caches, sizes=cuda_graph_sizes,
                                        max_blocks=-(-max_len // block_size),
                                        block_size=block_size,
-                                       scratch_slot=num_blocks * block_size)
+                                       scratch_slot=num_blocks * block_size,
+                                       sample_vocab=sample_vocab)
+        self._replayed = False  # the last execute_decode replayed a graph
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], *, all_logits: bool = False,
@@ -101,6 +104,7 @@ class ModelRunner:
         False. Decode steps replay a CUDA graph when one fits (the logits are then a
         view that the next step overwrites)."""
         layout = self._layout(batch)
+        self._replayed = False
         if self.graphs is not None:
             self.graphs.invalidate()  # ordinary steps may cut and regrow block tables
         if self.graphs is not None and layout.only_decodes \
@@ -126,7 +130,8 @@ class ModelRunner:
         the device (the previous step's samples: the host need not have them yet), at
         position ``seq.num_computed_tokens``, whose KV block must be allocated.
         Returns float32 logits ``[B, V]`` (a graph's output view when one ran)."""
-        if self.graphs is not None and self.graphs.size_for(len(seqs)) is not None:
+        self._replayed = self.graphs is not None and self.graphs.size_for(len(seqs)) is not None
+        if self._replayed:
             return self.graphs.run_seqs(seqs, tokens)
         layout = StepLayout()
         for seq in seqs:
@@ -137,6 +142,11 @@ class ModelRunner:
         with prompt_rows(layout.is_prompt, self.device):
             hidden = self.model(tokens, pos, self.kv_caches, meta)
             return self.model.logits(hidden)
+
+    def greedy_samples(self, n: int) -> torch.Tensor | None:
+        """The last :meth:`execute_decode`'s greedy tokens and dead-end flags ``[2, n]``
+        sampled inside its graph (unmasked logits), or None when no graph ran."""
+        return self.graphs.greedy(n) if self._replayed else None
 
     def release(self, seq: Sequence) -> None:
         """Nothing to free: a sequence's KV blocks belong to the block manager."""

@@ -100,8 +100,9 @@ class Sampler:
         errors: dict[int, str] = {}
         self._restrict(logits, seqs, errors, filled=masks)
         greedy_rows = [i for i, s in enumerate(seqs) if s.params.greedy]
-        if len(greedy_rows) == len(seqs):
-            tokens = logits.argmax(dim=-1)
+        if len(greedy_rows) == len(seqs):  # one reduction for both (the first maximum)
+            values, tokens = logits.max(dim=-1)
+            return tokens, torch.isneginf(values), errors
         else:
             tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
             if greedy_rows:

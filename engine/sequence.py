@@ -111,7 +111,9 @@ class Sequence:
         self.spec_lookup_proposed = 0  # prompt-lookup tokens verified / accepted,
         self.spec_lookup_accepted = 0  # for the proposer's confidence estimate
         self.logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        self.text = ""
+        self.detok = None              # the engine's IncrementalDetokenizer, while it runs
+        self._text = ""
+        self._undecoded: list[int] = []  # output tokens whose text is not made yet
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
         self.arrival_time = time.perf_counter()
@@ -121,6 +123,24 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def text(self) -> str:
+        """The output's text; tokens appended with :meth:`defer_text` are
+        detokenized when it is read (most steps of most requests need no text)."""
+        if self._undecoded:
+            self._text += "".join(map(self.detok.feed, self._undecoded))
+            self._undecoded.clear()
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._undecoded.clear()
+        self._text = value
+
+    def defer_text(self, token_id: int) -> None:
+        """Append ``token_id``'s text the next time :attr:`text` is read."""
+        self._undecoded.append(token_id)
 
     @property
     def output_ids(self) -> list[int]:

@@ -337,29 +337,17 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine):
     assert json.loads(synchronous[2][1])["city"]
 
 
-def test_async_masks_filled_in_chunks_give_the_synchronous_outputs(smollm2_engine, monkeypatch):
-    """Pipelined steps fill the next masks on the mask thread, a chunk of rows at a
-    time, as the grammars take their tokens: with chunks of two rows, five JSON
-    requests (sampled, so their values and ends differ) and a free one give their
-    synchronous outputs, including requests whose grammar ends mid-run."""
-    from formcast.engine import engine as engine_module
-    from formcast.grammars import JsonSchema, compile
 
-    monkeypatch.setattr(engine_module._ChunkedFill, "CHUNK", 2)
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}},
-              "required": ["n"], "additionalProperties": False}
-    compiled = compile(JsonSchema(schema), smollm2_engine.tokenizer,
-                       vocab_size=smollm2_engine.model.config.vocab_size)
-    prompt = chat(smollm2_engine, "A number as JSON.")
+def test_freeze_gc_moves_the_heap_out_of_the_collectors_way(smollm2_engine):
+    """``freeze_gc`` (default on CUDA only) freezes what is alive once the engine is
+    built; a CPU engine leaves the collector alone by default."""
+    import gc
 
-    def run(asynchronous: bool):
-        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
-        params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s) for s in range(6)]
-        outs = engine.generate([prompt] * 6, params,
-                               constraints=[compiled.matcher() for _ in range(5)] + [None])
-        assert (engine.num_pipelined_steps > 5) == asynchronous
-        return [(o.token_ids, o.finish_reason) for o in outs]
-
-    synchronous = run(False)
-    assert run(True) == synchronous
-    assert any(reason == "stop" for _, reason in synchronous[:5])
+    before = gc.get_freeze_count()
+    variant(smollm2_engine)
+    assert gc.get_freeze_count() == before
+    try:
+        variant(smollm2_engine, freeze_gc=True)
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()

@@ -114,7 +114,8 @@ def test_cuda_graphs_give_the_eager_outputs(weights, tokenizer, dtype):
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer, graphs):
     """Steps launched with the previous step's tokens still on the GPU: the same
-    greedy, seeded and JSON-constrained outputs as synchronous steps."""
+    greedy (sampled inside the graph when nothing masks the rows), seeded and
+    JSON-constrained outputs as synchronous steps."""
     grammars = pytest.importorskip("formcast.grammars")
     schema = {"type": "object", "required": ["name", "tags"], "properties": {
         "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}}}
@@ -128,11 +129,14 @@ def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer,
         params = [SamplingParams(max_tokens=20 + i, temperature=0.0 if i % 3 else 0.9, seed=i,
                                  ignore_eos=True) for i in range(12)]
         free = eng.generate(ps, params)
+        greedy = eng.generate(ps, SamplingParams(max_tokens=24, temperature=0.0))
         constrained = eng.generate(ps[:6], SamplingParams(max_tokens=60, temperature=0.0),
                                    constraints=[compiled.matcher() for _ in range(6)])
-        results[asynchronous] = ([o.token_ids for o in free],
+        results[asynchronous] = ([o.token_ids for o in free], [o.token_ids for o in greedy],
                                  [(o.token_ids, o.finish_reason) for o in constrained])
         assert (eng.num_pipelined_steps > 0) == asynchronous
+        if graphs and asynchronous:  # unmasked greedy steps took the graph's own samples
+            assert eng.runner.graphs.greedy_reads > 0
     assert results[True] == results[False]
 
 
