@@ -21,6 +21,7 @@ from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.constraint import LogitsConstraint
 from formcast.engine.cuda_graph import graph_ladder
+from formcast.engine.kernels import to_device
 from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -375,15 +376,13 @@ class Engine:
         if len(opening) > bm.num_free_blocks:
             return None  # an ordinary step preempts
         if prev is None:
-            tokens = torch.tensor([s.token_ids[-1] for s in launch], dtype=torch.long,
-                                  device=self.device)
+            tokens = to_device([s.token_ids[-1] for s in launch], torch.long, self.device)
         elif len(launch) == len(prev.seqs):
             tokens = prev.tokens
         else:
             keep = {id(s) for s in launch}
-            tokens = prev.tokens[torch.tensor([i for i, s in enumerate(prev.seqs)
-                                               if id(s) in keep], dtype=torch.long,
-                                              device=self.device)]
+            tokens = prev.tokens[to_device([i for i, s in enumerate(prev.seqs) if id(s) in keep],
+                                           torch.long, self.device)]
         for s in opening:
             bm.grow(s, 1)
         self.num_pipelined_steps += 1
@@ -405,7 +404,7 @@ class Engine:
         if not live:
             return taken
         if len(rows) < len(launch):
-            logits = logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+            logits = logits[to_device(rows, torch.long, logits.device)]
         # (filled here, on this thread: a worker thread would wait for the
         # interpreter lock until this one blocked, which in steady decoding is
         # only at the end of the step)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from formcast.engine.constraint import bitmask_words
-from formcast.engine.kernels import triton_available
+from formcast.engine.kernels import to_device, triton_available
 from formcast.engine.kernels.bitmask import apply_token_bitmask_
 from formcast.engine.kernels.sampling import row_seed, sample
 from formcast.engine.sampling_params import SamplingParams
@@ -36,6 +36,7 @@ class FilledMasks:
     rows: list[int]                            # batch rows that have a constraint
     bitmask: torch.Tensor                      # [len(rows), words] int32
     errors: dict[int, str]                     # row -> why its constraint failed
+    ring_slot: int | None = None               # the sampler's pinned buffer it lives in
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,11 @@ class Sampler:
         self.valid_vocab_size = min(valid_vocab_size, vocab_size)
         self.bitmask_width = bitmask_words(vocab_size)  # int32 words per mask row
         self._bitmask = torch.zeros(0, self.bitmask_width, dtype=torch.int32)
+        # two pinned mask buffers used in turn (allocating pinned memory costs more
+        # than filling it); one is refilled once the device has copied it (event)
+        self._ring: list[torch.Tensor | None] = [None, None]
+        self._ring_used = [torch.cuda.Event(), torch.cuda.Event()] if self._pin else []
+        self._ring_next = 0
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
         if self._bitmask.shape[0] < n:
@@ -104,22 +110,24 @@ class Sampler:
             values, tokens = logits.max(dim=-1)
             return tokens, torch.isneginf(values), errors
         else:
-            tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+            dev = logits.device
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=dev)
             if greedy_rows:
-                idx = torch.tensor(greedy_rows, device=logits.device)
+                idx = to_device(greedy_rows, torch.long, dev)
                 tokens[idx] = logits[idx].argmax(dim=-1)
             drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
             if logits.is_cuda and triton_available():
                 # every drawn row in one kernel, its noise keyed by the request's seed
-                # and the position it samples
+                # and the position it samples; parameters moved in one async copy
                 ps = [seqs[i].params for i in drawn]
-                idx = torch.tensor(drawn, device=logits.device)
-                tokens[idx] = sample(
-                    logits[idx], torch.tensor([p.temperature for p in ps]),
-                    torch.tensor([p.top_k or 0 for p in ps]), torch.tensor([p.top_p for p in ps]),
-                    torch.tensor([p.min_p for p in ps]),
-                    torch.tensor([row_seed(seqs[i].generator.initial_seed(), len(seqs[i]))
-                                  for i in drawn]))[0]
+                knobs = to_device([[p.temperature for p in ps], [p.top_k or 0 for p in ps],
+                                   [p.top_p for p in ps], [p.min_p for p in ps]],
+                                  torch.float32, dev)
+                seeds = to_device([row_seed(seqs[i].generator.initial_seed(), len(seqs[i]))
+                                   for i in drawn], torch.long, dev)
+                idx = to_device(drawn, torch.long, dev)
+                tokens[idx] = sample(logits[idx], knobs[0], knobs[1], knobs[2], knobs[3],
+                                     seeds)[0]
             else:
                 for i in drawn:
                     tokens[i] = _sample_row(logits[i], seqs[i].params, seqs[i].generator)
@@ -206,7 +214,11 @@ class Sampler:
             filled = filled or self.fill_masks(seqs, self._bitmask_rows)
             errors.update(filled.errors)
             if filled.rows:
-                apply_token_bitmask_(logits, filled.bitmask, torch.tensor(filled.rows))
+                every = len(filled.rows) == len(logits)  # then rows are 0..B-1, in order
+                apply_token_bitmask_(logits, filled.bitmask, None if every else
+                                     to_device(filled.rows, torch.long, logits.device))
+                if filled.ring_slot is not None:
+                    self._ring_used[filled.ring_slot].record()
         for i, seq in enumerate(seqs):
             banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
             if banned:
@@ -217,16 +229,30 @@ class Sampler:
         read, not changed). Safe on a worker thread while the model runs: it touches
         only the constraints and a fresh tensor (``buffer(n)`` gives one to reuse)."""
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        slot = None
         if buffer is not None:
             bitmask = buffer(len(rows))
-            bitmask.zero_()
+        elif self._pin and rows:
+            slot, bitmask = self._ring_rows(len(rows))
         else:
-            bitmask = torch.zeros(len(rows), self.bitmask_width, dtype=torch.int32,
-                                  pin_memory=self._pin and len(rows) > 0)
+            bitmask = torch.empty(len(rows), self.bitmask_width, dtype=torch.int32)
+        bitmask.zero_()
         failed = self.fill_rows([seqs[i].constraint for i in rows], bitmask,
                                 list(range(len(rows))))
         errors = {rows[j]: msg for j, msg in failed.items()}
-        return FilledMasks(rows=rows, bitmask=bitmask, errors=errors)
+        return FilledMasks(rows=rows, bitmask=bitmask, errors=errors, ring_slot=slot)
+
+    def _ring_rows(self, n: int) -> tuple[int, torch.Tensor]:
+        """The next pinned mask buffer (``n`` rows), once the device has read it."""
+        slot = self._ring_next
+        self._ring_next ^= 1
+        self._ring_used[slot].synchronize()  # its last copy to the device is done
+        buf = self._ring[slot]
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(max(n, 64), self.bitmask_width, dtype=torch.int32,
+                              pin_memory=True)
+            self._ring[slot] = buf
+        return slot, buf[:n]
 
     def mask_buffer(self, n: int) -> torch.Tensor:
         """A fresh ``[n, words]`` int32 mask buffer (pinned on CUDA engines)."""

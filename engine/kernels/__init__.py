@@ -25,3 +25,13 @@ def use_triton(x: torch.Tensor, backend: str) -> bool:
     if backend == "triton":
         return True
     return backend == "auto" and x.is_cuda and triton_available()
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A list as a tensor on ``device`` without a host sync: a CUDA copy from
+    pageable memory waits for the stream to drain (in steady decoding, for the
+    forward in flight), so it goes through pinned memory, non-blocking."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

@@ -142,7 +142,10 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         block_tables.stride(0),
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
-        IEEE=q.dtype == torch.float32)
+        IEEE=q.dtype == torch.float32,
+        # measured on the H200 (9 heads over 3, head dim 64): with a program per row
+        # and head, two warps; split contexts, four warps and two stages
+        num_warps=2 if splits == 1 else 4, num_stages=3 if splits == 1 else 2)
     if splits == 1:
         return part
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
