@@ -41,6 +41,8 @@ from formcast.engine.spec.schedule import StepCostModel, choose_lengths
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
 from formcast.errors import EngineError, RequestError
 
+FINISHED = SequenceStatus.FINISHED
+
 
 def resolve_device(device: str | torch.device) -> torch.device:
     if isinstance(device, torch.device):
@@ -369,7 +371,7 @@ class Engine:
         if prev is None:
             launch = running
         else:  # a request whose token in flight is its last gets no row
-            launch = [s for s in running if len(s) + 1 < s.max_total_len]
+            launch = [s for s in running if len(s.token_ids) + 1 < s.max_total_len]
         bs = self.config.block_size
         # the new position opens a block every block_size steps
         opening = [s for s in launch if s.num_computed_tokens >= len(s.block_table) * bs]
@@ -380,8 +382,8 @@ class Engine:
         elif len(launch) == len(prev.seqs):
             tokens = prev.tokens
         else:
-            keep = {id(s) for s in launch}
-            tokens = prev.tokens[to_device([i for i, s in enumerate(prev.seqs) if id(s) in keep],
+            keep = set(launch)
+            tokens = prev.tokens[to_device([i for i, s in enumerate(prev.seqs) if s in keep],
                                            torch.long, self.device)]
         for s in opening:
             bm.grow(s, 1)
@@ -395,7 +397,7 @@ class Engine:
         rows, live = [], []
         for i, s in enumerate(launch):
             # a request that finished, or backed out of a dead end, drops its row
-            if not s.is_finished and (ok is None or id(s) in ok):
+            if s.status is not FINISHED and (ok is None or s in ok):
                 s.num_computed_tokens += 1
                 if s.num_computed_tokens % bs == 0:  # a block just filled: hash it
                     bm.commit(s)
@@ -430,23 +432,23 @@ class Engine:
         self._inflight = _InFlight(seqs=live, tokens=both[0], host=host, ready=ready)
         return taken
 
-    def _take(self, prev: "_InFlight") -> tuple[list[Sequence], set[int]]:
+    def _take(self, prev: "_InFlight") -> tuple[list[Sequence], set[Sequence]]:
         """Append a launched step's tokens to its requests (waiting for the copy).
-        Returns the requests (the step's outputs) and the ids of those that took
+        Returns the requests (the step's outputs) and those of them that took
         their token."""
         if prev.ready is not None:
             prev.ready.synchronize()
         token_list, dead_list = prev.host.tolist()
         errors: dict[int, str] = {}
         token_list = Sampler.finish_rows(token_list, dead_list, errors)
-        ok: set[int] = set()
+        ok: set[Sequence] = set()
         outputs = []
         for i, seq in enumerate(prev.seqs):
-            if seq.is_finished:
+            if seq.status is FINISHED:
                 continue  # aborted meanwhile: its output went out with the abort
             outputs.append(seq)
             if self._settle(seq, token_list[i], None, errors.get(i)):
-                ok.add(id(seq))
+                ok.add(seq)
         return outputs, ok
 
     def _drain(self) -> list[Sequence]:
@@ -642,21 +644,22 @@ class Engine:
         params = seq.params
         is_eos = token in self.eos_token_ids and not params.ignore_eos
         if not is_eos:
-            self._append_text(seq, token)
+            if params.stop:
+                self._append_text(seq, token)
+            else:  # nothing reads the text before the request's output does
+                seq.defer_text(token)
         if is_eos or token in params.stop_token_ids:
             self._finish(seq, "stop")
         elif seq.status is SequenceStatus.FINISHED:
             return  # a stop string matched
         elif seq.constraint is not None and seq.constraint.is_terminated():
             self._finish(seq, "stop")
-        elif len(seq) >= seq.max_total_len:
+        elif len(seq.token_ids) >= seq.max_total_len:
             self._finish(seq, "length")
 
     def _append_text(self, seq: Sequence, token: int) -> None:
+        """Detokenize now and look for the request's stop strings."""
         stops = seq.params.stop
-        if not stops:  # nothing reads the text before the request's output does
-            seq.defer_text(token)
-            return
         delta = seq.detok.feed(token)
         if not delta:
             return
