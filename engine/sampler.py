@@ -227,7 +227,8 @@ class Sampler:
     def fill_masks(self, seqs: list[Sequence], buffer=None) -> FilledMasks:
         """Fill the bitmask of every constrained row of ``seqs`` (their matchers are
         read, not changed). Safe on a worker thread while the model runs: it touches
-        only the constraints and a fresh tensor (``buffer(n)`` gives one to reuse)."""
+        only the constraints and its buffer (``buffer(n)`` gives one; else, on CUDA,
+        the next of two pinned buffers used in turn, else a fresh tensor)."""
         rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         slot = None
         if buffer is not None:
@@ -253,11 +254,6 @@ class Sampler:
                               pin_memory=True)
             self._ring[slot] = buf
         return slot, buf[:n]
-
-    def mask_buffer(self, n: int) -> torch.Tensor:
-        """A fresh ``[n, words]`` int32 mask buffer (pinned on CUDA engines)."""
-        return torch.empty(n, self.bitmask_width, dtype=torch.int32,
-                           pin_memory=self._pin and n > 0)
 
     def fill_rows(self, constraints: list, bitmask: torch.Tensor, rows: list[int]
                   ) -> dict[int, str]:
