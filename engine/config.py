@@ -121,9 +121,9 @@ class EngineConfig:
         process-wide), so that its full collections, which the allocations of
         steady decoding set off now and then, walk only newer objects rather than
         the whole heap (the tokenizer's tables, torch's modules: tens to hundreds
-        of milliseconds a collection). The catch: objects alive then are never
-        freed by the cycle collector later, only by reference counting. None: on
-        CUDA.
+        of milliseconds a collection). The catch: objects alive then (the engine
+        too) are never freed by the cycle collector later, only by reference
+        counting. None: on CUDA.
     """
 
     block_size: int = 16

@@ -227,7 +227,7 @@ class DecodeGraphs:
         self._dev[4 * m:4 * m + width].copy_(host[4 * m:4 * m + width], non_blocking=True)
         if tokens is not None:
             self._dev[:n].copy_(tokens)
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(self._dev.device))
         self._graphs[b].replay()
         self._last = b
         self.replays += 1

@@ -428,7 +428,7 @@ class Engine:
         ready = None
         if cuda:
             ready = torch.cuda.Event()
-            ready.record()
+            ready.record(torch.cuda.current_stream(self.device))
         self._inflight = _InFlight(seqs=live, tokens=both[0], host=host, ready=ready)
         return taken
 

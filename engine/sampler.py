@@ -217,8 +217,9 @@ class Sampler:
                 every = len(filled.rows) == len(logits)  # then rows are 0..B-1, in order
                 apply_token_bitmask_(logits, filled.bitmask, None if every else
                                      to_device(filled.rows, torch.long, logits.device))
-                if filled.ring_slot is not None:
-                    self._ring_used[filled.ring_slot].record()
+                if filled.ring_slot is not None:  # on the stream that copies the mask
+                    self._ring_used[filled.ring_slot].record(
+                        torch.cuda.current_stream(logits.device))
         for i, seq in enumerate(seqs):
             banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
             if banned:

@@ -78,6 +78,9 @@ def worker_main(rank: int, world: int, init_method: str, backend: str, source: s
         options = dict(engine_options)
         if backend == "nccl":
             options["device"] = f"cuda:{rank % torch.cuda.device_count()}"
+            # the rank's GPU is this process's: streams, events and graph captures
+            # follow the current device
+            torch.cuda.set_device(options["device"])
         engine = Engine.from_pretrained(source, **options)
         if placements is not None:
             shard_experts(engine.model, placements)
@@ -170,6 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
+    if cuda:
+        torch.cuda.set_device(device)  # streams, events and graph captures follow it
     engine = Engine.from_pretrained(args.model, device=device, spec="none")
     cfg = engine.model.config
     ep = args.ep or world
