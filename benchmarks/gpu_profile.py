@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from formcast.engine import SamplingParams, Tokenizer
-from gpu_throughput import SCHEMA, make_engine, prompts
+from gpu_throughput import SCHEMA, make_engine, prompts, timed_generate
 
 CONTEXT = 150
 
@@ -57,18 +57,13 @@ def host_profiles(eng, tok: Tokenizer, sizes: list[int]) -> None:
     sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for bs in sizes:
         ps = prompts(tok, bs)
-        for name, make in (("free", lambda: None),
+        for name, make in (("free", None),
                            ("json", lambda: [compiled.matcher() for _ in ps])):
-            eng.generate(ps, sp, constraints=make())
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            eng.generate(ps, sp, constraints=make())
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t
-            print(f"{name} bs{bs}: {bs * 64 / dt:.0f} tok/s, {dt / 64 * 1e3:.3f} ms/step",
+            secs, count = timed_generate(eng, ps, sp, make)
+            print(f"{name} bs{bs}: {count / secs:.0f} tok/s, {secs / 64 * 1e3:.3f} ms/step",
                   flush=True)
             prof = cProfile.Profile()
-            constraints = make()
+            constraints = make() if make else None
             prof.enable()
             eng.generate(ps, sp, constraints=constraints)
             prof.disable()

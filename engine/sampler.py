@@ -239,9 +239,29 @@ class Sampler:
         else:
             bitmask = torch.empty(len(rows), self.bitmask_width, dtype=torch.int32)
         bitmask.zero_()
-        failed = self.fill_rows([seqs[i].constraint for i in rows], bitmask,
-                                list(range(len(rows))))
-        errors = {rows[j]: msg for j, msg in failed.items()}
+        errors: dict[int, str] = {}
+        single = list(range(len(rows)))  # mask rows filled one by one
+        if self.batch_fill and len(rows) > 1:
+            single = []
+            groups: dict = {}
+            for j, i in enumerate(rows):
+                many = getattr(type(seqs[i].constraint), "fill_bitmasks", None)
+                if many is None:
+                    single.append(j)
+                else:
+                    groups.setdefault(many, []).append(j)
+            for many, js in groups.items():
+                try:
+                    many([seqs[rows[j]].constraint for j in js], bitmask, js)
+                except Exception:  # find the broken one row by row
+                    single.extend(js)
+        for j in single:
+            i = rows[j]
+            try:
+                seqs[i].constraint.fill_bitmask(bitmask, j)
+            except Exception as exc:  # a broken constraint fails its own request only
+                errors[i] = f"constraint failed to fill its mask: {type(exc).__name__}: {exc}"
+                bitmask[j] = -1
         return FilledMasks(rows=rows, bitmask=bitmask, errors=errors, ring_slot=slot)
 
     def _ring_rows(self, n: int) -> tuple[int, torch.Tensor]:
@@ -251,42 +271,11 @@ class Sampler:
         self._ring_used[slot].synchronize()  # its last copy to the device is done
         buf = self._ring[slot]
         if buf is None or buf.shape[0] < n:
-            buf = torch.empty(max(n, 64), self.bitmask_width, dtype=torch.int32,
-                              pin_memory=True)
+            with torch.inference_mode(False):  # a normal tensor: filled in either mode
+                buf = torch.empty(max(n, 64), self.bitmask_width, dtype=torch.int32,
+                                  pin_memory=True)
             self._ring[slot] = buf
         return slot, buf[:n]
-
-    def fill_rows(self, constraints: list, bitmask: torch.Tensor, rows: list[int]
-                  ) -> dict[int, str]:
-        """Fill row ``rows[k]`` of ``bitmask`` from ``constraints[k]`` (read, not
-        changed), many rows a call where a constraint class has ``fill_bitmasks``
-        and ``batch_fill`` is on. Returns ``{row: why}`` for constraints that failed;
-        their rows allow everything. Safe on a worker thread while the model runs."""
-        errors: dict[int, str] = {}
-        single = list(range(len(rows)))  # filled one by one
-        if self.batch_fill and len(rows) > 1:
-            single = []
-            groups: dict = {}
-            for k, c in enumerate(constraints):
-                many = getattr(type(c), "fill_bitmasks", None)
-                if many is None:
-                    single.append(k)
-                else:
-                    groups.setdefault(many, []).append(k)
-            for many, ks in groups.items():
-                try:
-                    many([constraints[k] for k in ks], bitmask, [rows[k] for k in ks])
-                except Exception:  # find the broken one row by row
-                    single.extend(ks)
-        for k in single:
-            try:
-                constraints[k].fill_bitmask(bitmask, rows[k])
-            except Exception as exc:  # a broken constraint fails its own request only
-                errors[rows[k]] = (f"constraint failed to fill its mask: "
-                                   f"{type(exc).__name__}: {exc}")
-                bitmask[rows[k]] = -1
-        return errors
-
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
                 ) -> torch.Tensor:
