@@ -4,7 +4,9 @@
    bfloat16) at each batch size: tokens/s and their ratio.
 2. Constrained vs unconstrained on the same engine: every row under a JSON Schema
    (a list of records that cannot close before the token budget) against free
-   text, at each batch size: tokens/s and the ratio.
+   text, at each batch size: tokens/s and the ratio, with the engine's default
+   (greedy rows pick unmasked and the grammar checks the pick) and with a mask
+   filled for every row at every step (``unmasked_greedy=False``).
 3. The batch-1 decode step of a larger shape against its bytes-moved bound:
    (weight bytes + KV bytes read) / the copy bandwidth measured on this device.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import pstats
 import time
@@ -156,22 +159,35 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
 
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    print(f"\n[2] constrained (JSON Schema, every row) vs unconstrained, {n} tokens a row")
-    print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>7}")
+    print(f"\n[2] constrained (JSON Schema, every row) vs unconstrained, {n} tokens a row"
+          "\n    json: unmasked greedy picks checked by the grammar (the default);"
+          " masked: a mask filled for every row at every step (unmasked_greedy=False)")
+    print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>7} "
+          f"{'masked tok/s':>13} {'ratio':>7} {'picks refused':>14}")
+    unmasked = eng.config
+    masked = dataclasses.replace(unmasked, unmasked_greedy=False)
     for bs in sizes:
         ps = prompts(tok, bs)
         # alternate sides, best of three each: the host is shared and noisy
-        free, json_ = [], []
+        free, json_, json_masked = [], [], []
+        picks, refused = eng.num_unmasked_picks, eng.num_refused_picks
         for _ in range(3):
             secs, count = timed_generate(eng, ps, sp)
             free.append(count / secs)
             secs, count = timed_generate(eng, ps, sp,
                                          lambda: [compiled.matcher() for _ in ps])
             json_.append(count / secs)
+            eng.config = masked
+            secs, count = timed_generate(eng, ps, sp,
+                                         lambda: [compiled.matcher() for _ in ps])
+            json_masked.append(count / secs)
+            eng.config = unmasked
+        picks, refused = eng.num_unmasked_picks - picks, eng.num_refused_picks - refused
         out = eng.generate(ps[:1], sp, constraints=[compiled.matcher()])[0]
         assert '"records"' in out.text[:60], out.text[:80]
         print(f"{bs:>5} {max(free):>11.0f} {max(json_):>11.0f} "
-              f"{max(json_) / max(free):>6.3f}", flush=True)
+              f"{max(json_) / max(free):>6.3f} {max(json_masked):>13.0f} "
+              f"{max(json_masked) / max(free):>6.3f} {picks:>8} {refused:>5}", flush=True)
         if profile:  # where the host's time goes (main thread), free then constrained
             for constraints in (None, [compiled.matcher() for _ in ps]):
                 prof = cProfile.Profile()

@@ -107,6 +107,18 @@ class EngineConfig:
     overlap_masks : bool
         Fill the grammar masks of a step's constrained rows on a worker thread while
         the model runs (the grammar library releases the GIL), instead of after it.
+    unmasked_greedy : bool
+        In asynchronous decoding, a greedy constrained request takes the argmax of
+        its unmasked logits (on CUDA sampled inside the decode graph, with the
+        unconstrained rows) and the host checks that token against the constraint
+        when it takes it, instead of filling a mask before sampling. Only a refused
+        pick costs a mask: the row is resampled under it from the same logits (kept
+        on the device for one more step) and its forward in the step already
+        launched is dropped. The tokens are exactly those of masked greedy decoding
+        (when the unmasked argmax is allowed it is the argmax among allowed tokens),
+        and while the model's picks conform the host fills no masks at all. After a
+        refused pick a request is masked as usual until its masked pick is again
+        its unmasked argmax (both are computed on the device).
     cuda_graphs : bool
         On CUDA, capture the decode step as CUDA graphs at batch sizes 1, 2, 4, ...
         up to ``max_num_seqs`` when the engine starts (Llama models), and replay
@@ -136,6 +148,7 @@ class EngineConfig:
     max_constraint_rollbacks: int = 8
     num_threads: int | None = None
     overlap_masks: bool = True
+    unmasked_greedy: bool = True
     cuda_graphs: bool = True
     async_scheduling: bool | None = None
     freeze_gc: bool | None = None

@@ -23,7 +23,11 @@ class LogitsConstraint(Protocol):
         """
 
     def accept(self, token_id: int) -> bool:
-        """Advance by ``token_id``; False (state unchanged) if it is not allowed."""
+        """Advance by ``token_id``; False (state unchanged) if it is not allowed.
+
+        It must take exactly the tokens :meth:`fill_bitmask` allows: a greedy
+        request's unmasked pick is checked by ``accept`` alone
+        (``EngineConfig.unmasked_greedy``)."""
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""

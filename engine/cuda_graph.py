@@ -17,6 +17,11 @@ past it are harmless.
 Each graph also samples greedily (argmax and dead-end flag, one reduction), so a
 step of unconstrained greedy rows needs no sampling launches of its own.
 
+Every size is captured twice, each copy with outputs of its own, and replays
+alternate between the copies: a step's logits stay valid through the next
+step's replay. The asynchronous engine reads them then, to resample under its
+mask a row whose unmasked greedy pick the grammar refused.
+
 In steady decoding the host buffer is kept from step to step
 (:class:`DecodeStaging`): the same requests in the same rows only move one
 position on, so a step writes positions, lengths and slots as whole arrays and
@@ -146,9 +151,11 @@ class DecodeGraphs:
                                      scratch_slot=scratch_slot, pin=True)
         self._dev = torch.zeros(4 * m + m * max_blocks, dtype=torch.long, device=device)
         self._rows = torch.arange(m, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
-        self._greedy: dict[int, torch.Tensor] = {}
+        # per size, two copies (see the module doc); replays alternate between them
+        self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self._logits: dict[int, list[torch.Tensor]] = {}
+        self._greedy: dict[int, list[torch.Tensor]] = {}
+        self._copy = 0  # the copy the last replay ran
         self._last = 0  # the size the last replay ran
         self.replays = 0  # steps served from a graph
         self.greedy_reads = 0  # of them, steps whose tokens the graph sampled
@@ -172,15 +179,19 @@ class DecodeGraphs:
             tokens, positions, meta = self._inputs(b)
             self._forward(tokens, positions, meta)  # compiles the kernels for this size
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = logits = self._forward(tokens, positions, meta)
-                # greedy sampling inside the graph: the argmax (the first of equal
-                # maxima, as argmax takes) and whether the row is a dead end
-                values, ids = logits[:, :self.sample_vocab].max(dim=-1)
-                self._greedy[b] = torch.stack((ids, torch.isneginf(values).long()))
-            pool = graph.pool()
-            self._graphs[b] = graph
+            self._graphs[b], self._logits[b], self._greedy[b] = [], [], []
+            for _ in range(2):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(tokens, positions, meta)
+                    # greedy sampling inside the graph: the argmax (the first of equal
+                    # maxima, as argmax takes) and whether the row is a dead end
+                    values, ids = logits[:, :self.sample_vocab].max(dim=-1)
+                    greedy = torch.stack((ids, torch.isneginf(values).long()))
+                pool = graph.pool()
+                self._graphs[b].append(graph)
+                self._logits[b].append(logits)
+                self._greedy[b].append(greedy)
         torch.cuda.synchronize()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor,
@@ -197,7 +208,7 @@ class DecodeGraphs:
     def run(self, tokens: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             tables: list[list[int]], lens: list[int]) -> torch.Tensor:
         """Logits ``[n, V]`` float32 of ``n`` decode rows (a view into the graph's
-        output, valid until the next replay). ``tokens`` may be a device tensor (the
+        output, valid until the replay after next). ``tokens`` may be a device tensor (the
         last step's samples, never seen by the host)."""
         n = len(positions)
         b = self.size_for(n)
@@ -228,14 +239,15 @@ class DecodeGraphs:
         if tokens is not None:
             self._dev[:n].copy_(tokens)
         self._copied.record(torch.cuda.current_stream(self._dev.device))
-        self._graphs[b].replay()
+        self._copy ^= 1
+        self._graphs[b][self._copy].replay()
         self._last = b
         self.replays += 1
-        return self._logits[b][:n]
+        return self._logits[b][self._copy][:n]
 
     def greedy(self, n: int) -> torch.Tensor:
         """``[2, n]`` long on the device: the last replay's greedy tokens and dead-end
         flags of its first ``n`` rows, as :meth:`Sampler.sample_on_device` gives them
-        for unmasked greedy rows (valid until the next replay)."""
+        for unmasked greedy rows (valid until the replay after next)."""
         self.greedy_reads += 1
-        return self._greedy[self._last][:, :n]
+        return self._greedy[self._last][self._copy][:, :n]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from concurrent.futures import ThreadPoolExecutor
 import secrets
 import time
@@ -125,6 +125,10 @@ class Engine:
             asynchronous = self.device.type == "cuda"
         self._async = asynchronous and isinstance(self.runner, ModelRunner)
         self.num_pipelined_steps = 0  # steps launched before the host had their input
+        # greedy picks made without masks for constrained rows, and those refused
+        # (EngineConfig.unmasked_greedy)
+        self.num_unmasked_picks = 0
+        self.num_refused_picks = 0
         self._ids = itertools.count()
         self._mask_pool: ThreadPoolExecutor | None = None  # fills masks during the forward
         if self.config.num_threads is not None and self.device.type == "cpu":
@@ -393,63 +397,209 @@ class Engine:
         except Exception as exc:
             raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self._inflight = None
-        taken, ok = self._take(prev) if prev is not None else ([], None)
+        taken, ok, refused = self._take(prev, defer=True) if prev is not None else ([], None, [])
         rows, live = [], []
         for i, s in enumerate(launch):
-            # a request that finished, or backed out of a dead end, drops its row
+            # a request that finished, backed out of a dead end or had its pick
+            # refused drops its row
             if s.status is not FINISHED and (ok is None or s in ok):
                 s.num_computed_tokens += 1
                 if s.num_computed_tokens % bs == 0:  # a block just filled: hash it
                     bm.commit(s)
                 rows.append(i)
                 live.append(s)
-        if not live:
+        # rows whose unmasked pick was refused: sampled again under their masks
+        fixed, fixed_both = self._resample(prev, refused) if refused else ([], None)
+        if not live and not fixed:
             return taken
-        if len(rows) < len(launch):
-            logits = logits[to_device(rows, torch.long, logits.device)]
-        # (filled here, on this thread: a worker thread would wait for the
-        # interpreter lock until this one blocked, which in steady decoding is
-        # only at the end of the step)
-        masks = self.sampler.fill_masks(live) \
-            if any(s.constraint is not None for s in live) else None
-        if masks is not None and masks.errors:  # a broken constraint: the ordinary way
-            self._sample_and_append(logits, live, masks)
-            return taken + live
-        both = None  # [2, B]: tokens, dead-end flags
-        if masks is None and len(live) == len(launch) and all(
-                s.params.greedy and not s.banned_tokens for s in live):
-            both = self.runner.greedy_samples(len(live))  # sampled inside the graph
-        if both is None:
-            sampled, dead, _ = self.sampler.sample_on_device(logits, live, masks)
-            both = torch.stack((sampled, dead.long()))
+        picked = None
+        if live:
+            keep = None
+            if len(rows) < len(launch):
+                keep = to_device(rows, torch.long, logits.device)
+                logits = logits[keep]
+            picked = self._sample_live(logits, live, len(launch), keep)
+            if picked is None:  # a broken constraint: the ordinary way, here and now
+                masks = self.sampler.fill_masks(live)
+                self._sample_and_append(logits, live, masks)
+                if fixed:
+                    self._settle_on_host(fixed, fixed_both)
+                return taken + live + fixed
+        both, unchecked, watched, agree = picked if picked is not None else (None, {}, [], None)
+        seqs = live
+        if fixed:  # in-flight rows keep the running order
+            members = set(live).union(fixed)
+            seqs = [s for s in running if s in members]
+            at = {s: k for k, s in enumerate(seqs)}
+            dev = fixed_both.device
+            merged = torch.empty(2, len(seqs), dtype=torch.long, device=dev)
+            merged[:, to_device([at[s] for s in fixed], torch.long, dev)] = fixed_both
+            if live:
+                merged[:, to_device([at[s] for s in live], torch.long, dev)] = both
+                unchecked = {at[live[j]]: r for j, r in unchecked.items()}
+                watched = [at[live[j]] for j in watched]
+            both = merged
         cuda = both.is_cuda
-        host = torch.empty(2, len(live), dtype=torch.long, pin_memory=cuda)
+        host = torch.empty(2, len(seqs), dtype=torch.long, pin_memory=cuda)
         host.copy_(both, non_blocking=cuda)
+        agree_host = None
+        if watched:
+            agree_host = torch.empty(len(watched), dtype=torch.bool, pin_memory=cuda)
+            agree_host.copy_(agree, non_blocking=cuda)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-        self._inflight = _InFlight(seqs=live, tokens=both[0], host=host, ready=ready)
+        self._inflight = _InFlight(seqs=seqs, tokens=both[0], host=host, ready=ready,
+                                   logits=logits if unchecked else None, unchecked=unchecked,
+                                   watched=watched, agree=agree_host)
         return taken
 
-    def _take(self, prev: "_InFlight") -> tuple[list[Sequence], set[Sequence]]:
+    def _sample_live(self, logits: torch.Tensor, live: list[Sequence], launched: int,
+                     keep: torch.Tensor | None):
+        """Sample a pipelined step's rows on the device. ``keep``: the rows of the
+        ``launched`` that ``logits`` holds (None: all).
+
+        Greedy rows take the graph's argmax (or one reduction) unless banned
+        tokens apply, or masks serve them (constrained rows under
+        ``unmasked_greedy`` off, or since a refused pick); the rest go through the
+        sampler, with masks. Returns ``[2, B]`` tokens and dead-end flags; the rows
+        given an unmasked pick that their constraint has yet to check (row -> its
+        logits row); the masked greedy rows watched for agreement and, on the
+        device, whether each one's masked pick is its unmasked argmax. None when a
+        constraint failed to fill its mask."""
+        unmasked = self.config.unmasked_greedy
+        plain, drawn, unchecked, watch = [], [], {}, []
+        for j, s in enumerate(live):
+            if s.params.greedy and not s.banned_tokens and (
+                    s.constraint is None or unmasked and not s.masked):
+                plain.append(j)
+                if s.constraint is not None:
+                    unchecked[j] = j
+            else:
+                if unmasked and s.masked and s.params.greedy and not s.banned_tokens:
+                    watch.append(len(drawn))
+                drawn.append(j)
+        greedy = None
+        if plain or watch:  # (before the sampler masks the logits in place)
+            greedy = self.runner.greedy_samples(launched)
+            if greedy is None:
+                greedy = self.sampler.greedy_unmasked(logits)
+            elif keep is not None:
+                greedy = greedy[:, keep]  # the graph sampled every launched row
+        if not drawn:
+            return greedy, unchecked, [], None
+        seqs = live if not plain else [live[j] for j in drawn]
+        masks = None
+        if any(s.constraint is not None for s in seqs):
+            # (filled here, on this thread: a worker thread would wait for the
+            # interpreter lock until this one blocked, which in steady decoding is
+            # only at the end of the step)
+            masks = self.sampler.fill_masks(seqs)
+            if masks.errors:
+                return None
+        dev = logits.device
+        at = to_device(drawn, torch.long, dev) if plain else None
+        sampled, dead, _ = self.sampler.sample_on_device(logits if at is None else logits[at],
+                                                         seqs, masks)
+        both = torch.stack((sampled, dead.long()))
+        watched, agree = [drawn[k] for k in watch], None
+        if watch:
+            w = to_device(watch, torch.long, dev)
+            agree = sampled[w] == greedy[0, to_device(watched, torch.long, dev)]
+        if not plain:
+            return both, unchecked, watched, agree
+        greedy = greedy.clone()  # (the graph's own output otherwise)
+        greedy[:, at] = both
+        return greedy, unchecked, watched, agree
+
+    def _resample(self, prev: "_InFlight", refused: list[int]
+                  ) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Sample again, under their masks, the rows of ``prev`` (indices) whose
+        unmasked greedy pick the constraint refused, from the logits they were
+        picked from. Returns those rows and their ``[2, r]`` tokens and dead-end
+        flags on the device; a row whose constraint fails to fill its mask is
+        settled here instead (backed out or ended)."""
+        seqs = [prev.seqs[i] for i in refused]
+        logits = prev.logits[to_device([prev.unchecked[i] for i in refused], torch.long,
+                                       prev.logits.device)]
+        masks = self.sampler.fill_masks(seqs)
+        tokens, dead, errors = self.sampler.sample_on_device(logits, seqs, masks)
+        if errors:
+            for j in sorted(errors):
+                self._settle(seqs[j], -1, None, errors[j])
+            ok = [j for j in range(len(seqs)) if j not in errors]
+            if not ok:
+                return [], None
+            idx = to_device(ok, torch.long, tokens.device)
+            seqs, tokens, dead = [seqs[j] for j in ok], tokens[idx], dead[idx]
+        return seqs, torch.stack((tokens, dead.long()))
+
+    def _settle_on_host(self, seqs: list[Sequence], both: torch.Tensor) -> None:
+        """Give ``seqs`` their tokens from ``both`` ``[2, B]`` (tokens, dead-end
+        flags) on the device, waiting for them."""
+        token_list, dead_list = both.tolist()
+        errors: dict[int, str] = {}
+        token_list = Sampler.finish_rows(token_list, dead_list, errors)
+        for i, seq in enumerate(seqs):
+            self._settle(seq, token_list[i], None, errors.get(i))
+
+    def _take(self, prev: "_InFlight", *, defer: bool = False
+              ) -> tuple[list[Sequence], set[Sequence], list[int]]:
         """Append a launched step's tokens to its requests (waiting for the copy).
-        Returns the requests (the step's outputs) and those of them that took
-        their token."""
+
+        Returns the requests that took a token or ended (the step's outputs), those
+        of them that took their token, and the rows (indices into ``prev.seqs``)
+        whose unmasked greedy pick their constraint refused. Those rows are
+        sampled again under their masks by the caller when ``defer``, else here
+        (waiting for the device), and then count among the outputs."""
         if prev.ready is not None:
             prev.ready.synchronize()
         token_list, dead_list = prev.host.tolist()
         errors: dict[int, str] = {}
         token_list = Sampler.finish_rows(token_list, dead_list, errors)
+        if prev.watched:
+            for i, agreed in zip(prev.watched, prev.agree.tolist()):
+                if agreed:
+                    prev.seqs[i].masked = False
+        unchecked = prev.unchecked
         ok: set[Sequence] = set()
-        outputs = []
+        outputs, refused = [], []
         for i, seq in enumerate(prev.seqs):
             if seq.status is FINISHED:
                 continue  # aborted meanwhile: its output went out with the abort
+            if i in unchecked and i not in errors:
+                seq.num_unmasked_picks += 1
+                self.num_unmasked_picks += 1
+                try:
+                    allowed = seq.constraint.accept(token_list[i])
+                except Exception as exc:
+                    allowed = None
+                    errors[i] = seq.error = f"constraint failed: {type(exc).__name__}: {exc}"
+                if allowed is False:
+                    seq.num_refused_picks += 1
+                    self.num_refused_picks += 1
+                    seq.masked = True  # until the model agrees with its grammar again
+                    refused.append(i)
+                    continue
+                if allowed is None:
+                    self._finish(seq, "abort")
+                    outputs.append(seq)
+                    continue
+                outputs.append(seq)
+                self._append_token(seq, token_list[i], None, accepted=True)
+                ok.add(seq)
+                continue
             outputs.append(seq)
             if self._settle(seq, token_list[i], None, errors.get(i)):
                 ok.add(seq)
-        return outputs, ok
+        if refused and not defer:
+            seqs, both = self._resample(prev, refused)
+            if seqs:
+                self._settle_on_host(seqs, both)
+            outputs.extend(prev.seqs[i] for i in refused)
+            refused = []
+        return outputs, ok, refused
 
     def _drain(self) -> list[Sequence]:
         """Take the step in flight, if any: afterwards every request is in an
@@ -626,8 +776,10 @@ class Engine:
         seq.text = "".join(map(seq.detok.feed, seq.output_ids))
         return True
 
-    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        if seq.constraint is not None:
+    def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, *,
+                      accepted: bool = False) -> None:
+        """Append a sampled token; ``accepted``: the constraint took it already."""
+        if seq.constraint is not None and not accepted:
             try:
                 ok = seq.constraint.accept(token)
             except Exception as exc:
@@ -837,3 +989,11 @@ class _InFlight:
     tokens: torch.Tensor            # [B] long, on the device: the next step's input
     host: torch.Tensor              # [2, B] long (tokens, dead-end flags), being copied in
     ready: torch.cuda.Event | None  # fires once ``host`` is filled (None off CUDA)
+    # rows given an unmasked greedy pick their constraint has yet to check, each
+    # to its row of ``logits`` (kept to sample it again under its mask if refused)
+    unchecked: dict[int, int] = field(default_factory=dict)
+    logits: torch.Tensor | None = None
+    # masked greedy rows (after a refused pick) and, being copied in, whether each
+    # one's masked pick was its unmasked argmax: those go back to unmasked picks
+    watched: list[int] = field(default_factory=list)
+    agree: torch.Tensor | None = None

@@ -102,7 +102,7 @@ class ModelRunner:
         Rows of prompt tokens run on a quantized model's float32 weights
         (:func:`formcast.engine.layers.quant.prompt_rows`) unless ``prompt_float`` is
         False. Decode steps replay a CUDA graph when one fits (the logits are then a
-        view that the next step overwrites)."""
+        view that the step after next overwrites)."""
         layout = self._layout(batch)
         self._replayed = False
         if self.graphs is not None:

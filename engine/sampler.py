@@ -134,6 +134,12 @@ class Sampler:
         dead = torch.isneginf(logits.max(dim=-1).values)
         return tokens, dead, errors
 
+    def greedy_unmasked(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[2, B]`` long: each row's argmax over the tokenizer's vocabulary (the
+        first maximum) and whether it is a dead end; ``logits`` are left as they are."""
+        values, ids = logits[:, :self.valid_vocab_size].max(dim=-1)
+        return torch.stack((ids, torch.isneginf(values).long()))
+
     @staticmethod
     def finish_rows(token_list: list[int], dead_list: list, errors: dict[int, str]) -> list[int]:
         """Host side of a sampled batch: dead ends join ``errors``; failed rows get -1."""

@@ -103,6 +103,11 @@ class Sequence:
         self.num_rollbacks = 0         # constraint dead ends backed out of
         # position -> token ids the sampler must not pick there (set by rollbacks)
         self.banned_tokens: dict[int, set[int]] = {}
+        # greedy picks made without the constraint's mask, and those it refused
+        # (Engine: EngineConfig.unmasked_greedy)
+        self.num_unmasked_picks = 0
+        self.num_refused_picks = 0
+        self.masked = False            # masks serve it since a refused pick
         self.draft = None              # spec.Draft to verify in the next step, if any
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0

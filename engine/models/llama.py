@@ -122,7 +122,11 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden [N, E] -> [N, V] in float32
-        return self.lm_head(self.model.norm(hidden)).float()
+        hidden = self.model.norm(hidden)
+        head = self.lm_head
+        if isinstance(head, Linear):  # (a quantized head is another module)
+            return head.forward_float32(hidden)
+        return head(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -351,3 +351,53 @@ def test_freeze_gc_moves_the_heap_out_of_the_collectors_way(smollm2_engine):
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
+
+
+def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
+    """Greedy constrained rows of pipelined steps take their unmasked argmax and
+    the grammar checks it afterwards; a refused pick is sampled again under the
+    mask from the same logits. The outputs are those of masked decoding, with
+    and without the pipeline: for prompts whose answers follow the schema (picks
+    taken) and for prose prompts (picks refused, then masks for good), with
+    requests arriving mid-run so that the pipeline drains with refused picks in
+    flight (resampled there and then)."""
+    from formcast.grammars import JsonSchema, compile
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "year": {"type": "integer"}},
+              "required": ["city", "year"], "additionalProperties": False}
+    tok = smollm2_engine.tokenizer
+    compiled = compile(JsonSchema(schema), tok, vocab_size=smollm2_engine.model.config.vocab_size)
+    texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
+             "Reply in JSON with a city and the year it was founded.", "Name three colours.",
+             "What is the capital of France? Answer as JSON with city and year.",
+             "Write a haiku."]
+    greedy = SamplingParams(max_tokens=40, temperature=0.0)
+
+    def run(asynchronous: bool, unmasked: bool):
+        engine = variant(smollm2_engine, async_scheduling=asynchronous, unmasked_greedy=unmasked,
+                         spec="none")
+        drained = []
+        settle = engine._settle_on_host
+        engine._settle_on_host = lambda *a: (drained.append(len(a[0])), settle(*a))
+        ids = [engine.add_request(chat(engine, t), greedy, constraint=compiled.matcher())
+               for t in texts[:4]]
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            steps += 1
+            if steps in (4, 9):  # the pipeline drains
+                ids.append(engine.add_request(chat(engine, texts[4 + (steps == 9)]), greedy,
+                                              constraint=compiled.matcher()))
+        return [(done[i].token_ids, done[i].finish_reason) for i in ids], engine, drained
+
+    masked, _, _ = run(False, False)
+    pipelined_masked, eng, _ = run(True, False)
+    assert eng.num_pipelined_steps > 10 and eng.num_unmasked_picks == 0
+    unmasked, eng, drained = run(True, True)
+    assert unmasked == masked == pipelined_masked
+    assert all(json.loads(tok.decode(list(t), skip_special_tokens=True)) for t, r in masked
+               if r == "stop")
+    assert eng.num_unmasked_picks > 30
+    assert 0 < eng.num_refused_picks < eng.num_unmasked_picks
+    assert drained  # refused picks were in flight when the pipeline drained

@@ -140,6 +140,44 @@ def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer,
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, graphs):
+    """Greedy JSON rows of pipelined steps pick unmasked (in the graph) and are
+    checked afterwards; refused picks are resampled under their masks from logits
+    that must survive the next step's replay. Outputs equal masked decoding's."""
+    grammars = pytest.importorskip("formcast.grammars")
+    schema = {"type": "object", "required": ["name", "age"], "properties": {
+        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "additionalProperties": False}
+    results = {}
+    for unmasked in (False, True):
+        eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
+                          max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
+                          unmasked_greedy=unmasked)
+        compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
+                                    vocab_size=eng.model.config.vocab_size)
+        ps = prompts(tokenizer, 10)
+        outs = eng.generate(ps, SamplingParams(max_tokens=48, temperature=0.0),
+                            constraints=[compiled.matcher() for _ in ps])
+        results[unmasked] = [(o.token_ids, o.finish_reason) for o in outs]
+        if unmasked:
+            assert eng.num_refused_picks > 0
+            assert eng.num_unmasked_picks > eng.num_refused_picks
+    assert results[True] == results[False]
+
+
+def test_cuda_head_writes_float32_logits_directly():
+    from formcast.engine.layers.linear import Linear
+
+    head = Linear(64, 1000, bias=False).to("cuda", torch.bfloat16)
+    x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    got = head.forward_float32(x)
+    exact = x.double() @ head.weight.double().t()
+    assert got.dtype == torch.float32 and got.shape == (5, 1000)
+    assert (got.double() - exact).abs().max() < 1e-4 * exact.abs().max()  # never rounded to bf16
+    assert torch.allclose(got, head(x).float(), rtol=1e-2, atol=1e-2)
+
+
 def test_cuda_greedy_matches_cpu(cuda32, cpu32, tokenizer):
     ps = prompts(tokenizer, 4)
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
