@@ -46,6 +46,12 @@ class LogitsConstraint(Protocol):
 # (a static or class method) that fills ``bitmask[rows[i]]`` for each of several of its
 # instances in one call. On CUDA the engine uses it for a step's rows of that class
 # (falling back to ``fill_bitmask`` row by row if it raises).
+#
+# Optional: ``accept_tokens(constraints, tokens) -> list[int]`` (static or class
+# method) accepts ``tokens[i]`` into ``constraints[i]`` for several instances in one
+# call, giving per row 0 (refused, state unchanged), 1 (taken) or 2 (taken, and the
+# constraint is now terminated). The engine uses it for the unmasked greedy picks of
+# a pipelined step; if it raises, every constraint in the call fails its request.
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -563,36 +563,33 @@ class Engine:
                 if agreed:
                     prev.seqs[i].masked = False
         unchecked = prev.unchecked
+        verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
         ok: set[Sequence] = set()
         outputs, refused = [], []
         for i, seq in enumerate(prev.seqs):
             if seq.status is FINISHED:
                 continue  # aborted meanwhile: its output went out with the abort
-            if i in unchecked and i not in errors:
-                seq.num_unmasked_picks += 1
-                self.num_unmasked_picks += 1
-                try:
-                    allowed = seq.constraint.accept(token_list[i])
-                except Exception as exc:
-                    allowed = None
-                    errors[i] = seq.error = f"constraint failed: {type(exc).__name__}: {exc}"
-                if allowed is False:
-                    seq.num_refused_picks += 1
-                    self.num_refused_picks += 1
-                    seq.masked = True  # until the model agrees with its grammar again
-                    refused.append(i)
-                    continue
-                if allowed is None:
-                    self._finish(seq, "abort")
-                    outputs.append(seq)
-                    continue
+            verdict = verdicts.get(i)
+            if verdict is None:  # a sampled row (masked, or free)
                 outputs.append(seq)
-                self._append_token(seq, token_list[i], None, accepted=True)
-                ok.add(seq)
+                if self._settle(seq, token_list[i], None, errors.get(i)):
+                    ok.add(seq)
+                continue
+            if verdict < 0:  # the constraint failed (seq.error says how)
+                self._finish(seq, "abort")
+                outputs.append(seq)
+                continue
+            seq.num_unmasked_picks += 1
+            self.num_unmasked_picks += 1
+            if not verdict:
+                seq.num_refused_picks += 1
+                self.num_refused_picks += 1
+                seq.masked = True  # until the model agrees with its grammar again
+                refused.append(i)
                 continue
             outputs.append(seq)
-            if self._settle(seq, token_list[i], None, errors.get(i)):
-                ok.add(seq)
+            self._append_token(seq, token_list[i], None, accepted=True, terminated=verdict == 2)
+            ok.add(seq)
         if refused and not defer:
             seqs, both = self._resample(prev, refused)
             if seqs:
@@ -600,6 +597,37 @@ class Engine:
             outputs.extend(prev.seqs[i] for i in refused)
             refused = []
         return outputs, ok, refused
+
+    def _check_picks(self, prev: "_InFlight", token_list: list[int], errors: dict[int, str]
+                     ) -> dict[int, int]:
+        """Offer each unchecked row of ``prev`` its unmasked pick. Per row: 0
+        refused (state unchanged), 1 taken, 2 taken and the constraint is now
+        terminated, -1 the constraint failed (``seq.error`` says how). A
+        constraint class's ``accept_tokens`` hook takes all its rows in one call."""
+        verdicts: dict[int, int] = {}
+        groups: dict = {}
+        for i in prev.unchecked:
+            seq = prev.seqs[i]
+            if i in errors or seq.status is FINISHED:
+                continue
+            many = getattr(type(seq.constraint), "accept_tokens", None)
+            if many is not None:
+                groups.setdefault(many, []).append(i)
+                continue
+            try:
+                verdicts[i] = 0 if not seq.constraint.accept(token_list[i]) else \
+                    2 if seq.constraint.is_terminated() else 1
+            except Exception as exc:
+                seq.error, verdicts[i] = f"constraint failed: {type(exc).__name__}: {exc}", -1
+        for many, rows in groups.items():
+            try:
+                got = many([prev.seqs[i].constraint for i in rows], [token_list[i] for i in rows])
+            except Exception as exc:  # which of them moved is unknown: all of them fail
+                got = [-1] * len(rows)
+                for i in rows:
+                    prev.seqs[i].error = f"constraint failed: {type(exc).__name__}: {exc}"
+            verdicts.update(zip(rows, got))
+        return verdicts
 
     def _drain(self) -> list[Sequence]:
         """Take the step in flight, if any: afterwards every request is in an
@@ -777,8 +805,9 @@ class Engine:
         return True
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, *,
-                      accepted: bool = False) -> None:
-        """Append a sampled token; ``accepted``: the constraint took it already."""
+                      accepted: bool = False, terminated: bool | None = None) -> None:
+        """Append a sampled token; ``accepted``: the constraint took it already
+        (``terminated``, when known: whether that ended the constraint)."""
         if seq.constraint is not None and not accepted:
             try:
                 ok = seq.constraint.accept(token)
@@ -804,7 +833,8 @@ class Engine:
             self._finish(seq, "stop")
         elif seq.status is SequenceStatus.FINISHED:
             return  # a stop string matched
-        elif seq.constraint is not None and seq.constraint.is_terminated():
+        elif seq.constraint is not None and (
+                seq.constraint.is_terminated() if terminated is None else terminated):
             self._finish(seq, "stop")
         elif len(seq.token_ids) >= seq.max_total_len:
             self._finish(seq, "length")

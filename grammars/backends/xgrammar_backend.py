@@ -39,6 +39,7 @@ class XGrammarBackend(Backend):
         # Non-stop special tokens (and padding) are never allowed; checking them here
         # keeps xgrammar from logging a warning for each such accept.
         self.blocked = frozenset(vocab.special_token_ids - vocab.eos_token_ids)
+        self.stops = frozenset(vocab.eos_token_ids)
 
     def compile(self, source: GrammarSource) -> XGrammarGrammar:
         try:
@@ -72,7 +73,7 @@ class XGrammarGrammar(BackendGrammar):
 
     def matcher(self) -> XGrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(self.compiled), self.backend.blocked,
-                               self.backend.vocab.tokenizer_size)
+                               self.backend.vocab.tokenizer_size, self.backend.stops)
 
 
 class XGrammarMatcher(Matcher):
@@ -83,10 +84,12 @@ class XGrammarMatcher(Matcher):
     xgrammar's "needs applying" flag, which callers may ignore).
     """
 
-    def __init__(self, matcher: xgr.GrammarMatcher, blocked: frozenset[int], size: int) -> None:
+    def __init__(self, matcher: xgr.GrammarMatcher, blocked: frozenset[int], size: int,
+                 stops: frozenset[int]) -> None:
         self._m = matcher
         self._blocked = blocked
         self._size = size
+        self._stops = stops  # xgrammar's stop tokens: only accepting one ends a matcher
         self._moved = False  # a token or text was offered (see Matcher._is_fresh)
         self._accept = matcher.accept_token
         self.fill_bitmask = matcher.fill_next_token_bitmask   # type: ignore[method-assign]
@@ -100,6 +103,27 @@ class XGrammarMatcher(Matcher):
                       rows: list[int]) -> None:
         """Several matchers' rows in one call (the engine's optional batch hook)."""
         batch_fill(matchers, bitmask, rows)
+
+    @staticmethod
+    def accept_tokens(matchers: list["XGrammarMatcher"], tokens: list[int]) -> list[int]:
+        """Advance each matcher by its token, the xgrammar part in one native call
+        (the engine's optional batch hook). Per row: 0 refused (state unchanged),
+        1 taken, 2 taken and now terminated."""
+        status = [0] * len(matchers)
+        rows, handles, taken = [], [], []
+        for i, (m, t) in enumerate(zip(matchers, tokens)):
+            m._moved = True
+            if t not in m._blocked and 0 <= t < m._size:
+                rows.append(i)
+                handles.append(m._m)
+                taken.append(t)
+        if rows:
+            for i, ok in zip(rows, xgr.BatchGrammarMatcher.batch_accept_token(handles, taken)):
+                if ok:
+                    m = matchers[i]
+                    # (matchers are made with terminate_without_stop_token=False)
+                    status[i] = 2 if tokens[i] in m._stops and m._m.is_terminated() else 1
+        return status
 
     def _is_fresh(self) -> bool:
         return not self._moved
@@ -133,7 +157,7 @@ class XGrammarMatcher(Matcher):
         return self._m.find_jump_forward_tokens()
 
     def fork(self) -> XGrammarMatcher:
-        return XGrammarMatcher(self._m.fork(), self._blocked, self._size)
+        return XGrammarMatcher(self._m.fork(), self._blocked, self._size, self._stops)
 
     @property
     def xgrammar_matcher(self) -> xgr.GrammarMatcher:

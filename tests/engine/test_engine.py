@@ -6,6 +6,7 @@ transformers' LlamaForCausalLM, loaded from the same GGUF, is the oracle.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -360,8 +361,9 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
     and without the pipeline: for prompts whose answers follow the schema (picks
     taken) and for prose prompts (picks refused, then masks for good), with
     requests arriving mid-run so that the pipeline drains with refused picks in
-    flight (resampled there and then)."""
-    from formcast.grammars import JsonSchema, compile
+    flight (resampled there and then). xgrammar matchers take their picks through
+    the batch hook, outlines-core ones row by row."""
+    from formcast.grammars import JsonSchema, Regex, compile
 
     schema = {"type": "object", "properties": {"city": {"type": "string"},
                                                "year": {"type": "integer"}},
@@ -373,6 +375,8 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
              "What is the capital of France? Answer as JSON with city and year.",
              "Write a haiku."]
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
+    words = compile(Regex(r"[A-Z][a-z]+( [a-z]+)*\."), tok, backend="outlines-core",
+                    vocab_size=smollm2_engine.model.config.vocab_size)
 
     def run(asynchronous: bool, unmasked: bool):
         engine = variant(smollm2_engine, async_scheduling=asynchronous, unmasked_greedy=unmasked,
@@ -382,6 +386,8 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
         engine._settle_on_host = lambda *a: (drained.append(len(a[0])), settle(*a))
         ids = [engine.add_request(chat(engine, t), greedy, constraint=compiled.matcher())
                for t in texts[:4]]
+        ids.append(engine.add_request(chat(engine, "Name two rivers."), greedy,
+                                      constraint=words.matcher()))
         done, steps = {}, 0
         while engine.has_unfinished_requests():
             done.update((o.request_id, o) for o in engine.step() if o.finished)
@@ -396,8 +402,9 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
     assert eng.num_pipelined_steps > 10 and eng.num_unmasked_picks == 0
     unmasked, eng, drained = run(True, True)
     assert unmasked == masked == pipelined_masked
-    assert all(json.loads(tok.decode(list(t), skip_special_tokens=True)) for t, r in masked
-               if r == "stop")
+    texts_out = [(tok.decode(list(t), skip_special_tokens=True), r) for t, r in masked]
+    assert all(json.loads(t) for k, (t, r) in enumerate(texts_out) if r == "stop" and k != 4)
+    assert re.fullmatch(r"[A-Z][a-z]+( [a-z]+)*\.", texts_out[4][0]), texts_out[4]
     assert eng.num_unmasked_picks > 30
     assert 0 < eng.num_refused_picks < eng.num_unmasked_picks
     assert drained  # refused picks were in flight when the pipeline drained

@@ -268,3 +268,31 @@ def test_a_fresh_matcher_travels_to_another_process_by_its_recipe(compiler, tiny
             pickle.dumps(m)
         with pytest.raises(TypeError, match="another process"):
             pickle.dumps(m.fork())
+
+
+def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab):
+    """The engine's accept hook on xgrammar matchers: the verdicts and the states
+    it leaves are those of ``accept`` row by row (refused tokens leave no trace),
+    and a stop token that ends a matcher says so."""
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    brace, one = _ids(tiny_vocab, "{")[0], _ids(tiny_vocab, "1")[0]
+    cases = [(person, [], brace, 1), (person, [], one, 0), (digits, [one], EOS, 2),
+             (digits, [], EOS, 0), (digits, [], PAD_SPECIAL, 0),
+             (digits, [], tiny_vocab.vocab_size - 1, 0), (digits, [], -1, 0),
+             (digits, [one], one, 1)]
+    hooked, plain = [], []
+    for grammar, before, _, _ in cases:
+        for group in (hooked, plain):
+            m = grammar.matcher()
+            for t in before:
+                assert m.accept(t)
+            group.append(m)
+    tokens = [t for _, _, t, _ in cases]
+    got = type(hooked[0]).accept_tokens(hooked, tokens)
+    assert got == [want for _, _, _, want in cases]
+    for h, p, t, want in zip(hooked, plain, tokens, got):
+        assert p.accept(t) == bool(want)
+        assert h.is_terminated() == p.is_terminated() == (want == 2)
+        if want != 2:
+            assert torch.equal(_mask(h, person), _mask(p, person))
