@@ -490,6 +490,20 @@ class Engine:
         if not drawn:
             return greedy, unchecked, [], None
         seqs = live if not plain else [live[j] for j in drawn]
+        watched = [drawn[k] for k in watch]
+        dev = logits.device
+        if all(s.params.greedy and not s.banned_tokens and s.constraint is not None
+               for s in seqs):  # masked greedy rows: one kernel picks them all
+            masks = self.sampler.fill_masks(seqs)
+            if masks.errors:
+                return None
+            at = to_device(drawn, torch.long, dev)
+            out = greedy.clone() if greedy is not None else \
+                torch.empty(2, len(live), dtype=torch.long, device=dev)
+            agree = self.sampler.greedy_masked_(out, logits, at, at, masks)
+            if len(watch) < len(drawn):
+                agree = agree[to_device(watch, torch.long, dev)] if watch else None
+            return out, unchecked, watched, agree
         masks = None
         if any(s.constraint is not None for s in seqs):
             # (filled here, on this thread: a worker thread would wait for the
@@ -498,12 +512,11 @@ class Engine:
             masks = self.sampler.fill_masks(seqs)
             if masks.errors:
                 return None
-        dev = logits.device
         at = to_device(drawn, torch.long, dev) if plain else None
         sampled, dead, _ = self.sampler.sample_on_device(logits if at is None else logits[at],
                                                          seqs, masks)
         both = torch.stack((sampled, dead.long()))
-        watched, agree = [drawn[k] for k in watch], None
+        agree = None
         if watch:
             w = to_device(watch, torch.long, dev)
             agree = sampled[w] == greedy[0, to_device(watched, torch.long, dev)]
@@ -521,10 +534,15 @@ class Engine:
         flags on the device; a row whose constraint fails to fill its mask is
         settled here instead (backed out or ended)."""
         seqs = [prev.seqs[i] for i in refused]
-        logits = prev.logits[to_device([prev.unchecked[i] for i in refused], torch.long,
-                                       prev.logits.device)]
+        dev = prev.logits.device
+        rows = to_device([prev.unchecked[i] for i in refused], torch.long, dev)
         masks = self.sampler.fill_masks(seqs)
-        tokens, dead, errors = self.sampler.sample_on_device(logits, seqs, masks)
+        if not masks.errors and not any(s.banned_tokens for s in seqs):
+            both = torch.empty(2, len(seqs), dtype=torch.long, device=dev)
+            self.sampler.greedy_masked_(both, prev.logits, rows,
+                                        torch.arange(len(seqs), device=dev), masks)
+            return seqs, both
+        tokens, dead, errors = self.sampler.sample_on_device(prev.logits[rows], seqs, masks)
         if errors:
             for j in sorted(errors):
                 self._settle(seqs[j], -1, None, errors[j])

@@ -16,7 +16,7 @@ import torch
 
 from formcast.engine.constraint import bitmask_words
 from formcast.engine.kernels import to_device, triton_available
-from formcast.engine.kernels.bitmask import apply_token_bitmask_
+from formcast.engine.kernels.bitmask import apply_token_bitmask_, masked_argmax_
 from formcast.engine.kernels.sampling import row_seed, sample
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.sequence import Sequence, TokenLogprob
@@ -133,6 +133,19 @@ class Sampler:
                     tokens[i] = _sample_row(logits[i], seqs[i].params, seqs[i].generator)
         dead = torch.isneginf(logits.max(dim=-1).values)
         return tokens, dead, errors
+
+    def greedy_masked_(self, out: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
+                       cols: torch.Tensor, filled: FilledMasks) -> torch.Tensor:
+        """Greedy picks under the masks ``filled`` holds (all of its rows
+        constrained: mask row ``j`` is pick ``j``), from ``logits[rows]`` as they are,
+        into ``out[:, cols]`` (tokens, dead-end flags) in one kernel. Returns, on the
+        device, whether each pick equals the token ``out`` held there before."""
+        agree = torch.empty(len(filled.rows), dtype=torch.bool, device=logits.device)
+        masked_argmax_(out, logits, filled.bitmask, rows, cols, agree,
+                       vocab_size=self.valid_vocab_size)
+        if filled.ring_slot is not None:  # on the stream that copies the mask
+            self._ring_used[filled.ring_slot].record(torch.cuda.current_stream(logits.device))
+        return agree
 
     def greedy_unmasked(self, logits: torch.Tensor) -> torch.Tensor:
         """``[2, B]`` long: each row's argmax over the tokenizer's vocabulary (the

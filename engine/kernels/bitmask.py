@@ -53,3 +53,49 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
     else:
         rows = rows.to(logits.device)
         logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
+                   rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor, *,
+                   vocab_size: int, backend: str = "auto") -> None:
+    """Greedy picks under bitmasks, written into ``out`` in place; ``logits`` are
+    left as they are.
+
+    For each ``i``: the first maximum of ``logits[rows[i], :vocab_size]`` over the
+    tokens bitmask row ``i`` allows goes to ``out[0, cols[i]]``, whether there is
+    none (a dead end; the token is then 0) to ``out[1, cols[i]]``, and whether the
+    pick equals the token ``out[0, cols[i]]`` held before (the row's unmasked
+    argmax, where ``out`` holds those) to ``agree[i]``. This is what applying the
+    masks and taking each row's max gives, without a pass that writes the logits.
+
+    Parameters
+    ----------
+    out : torch.Tensor
+        long ``[2, B]``, contiguous.
+    logits : torch.Tensor
+        float ``[R, V]``, rows contiguous.
+    bitmask : torch.Tensor
+        int32 ``[N, W]`` (may be on the host: copied without waiting).
+    rows, cols : torch.Tensor
+        long ``[N]`` on the logits' device.
+    agree : torch.Tensor
+        bool ``[N]``.
+    vocab_size : int
+        Columns that may be picked (at most ``V``); ids past the mask's width never are.
+    """
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown bitmask backend {backend!r}: use 'auto', 'torch' or 'triton'")
+    vocab_size = min(vocab_size, logits.shape[1])
+    if rows.numel() == 0:
+        return
+    if backend == "triton" or (backend == "auto" and logits.is_cuda and triton_available()):
+        from formcast.engine.kernels.bitmask_triton import masked_argmax_triton_
+
+        masked_argmax_triton_(out, logits, bitmask, rows, cols, agree, vocab_size)
+        return
+    x = logits[rows, :vocab_size].float()
+    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab_size)
+    values, ids = x.masked_fill_(~allowed, float("-inf")).max(dim=-1)
+    agree.copy_(ids == out[0, cols])
+    out[0, cols] = ids
+    out[1, cols] = torch.isneginf(values).long()

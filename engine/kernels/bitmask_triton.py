@@ -43,3 +43,48 @@ def apply_token_bitmask_triton_(logits: torch.Tensor, bitmask: torch.Tensor,
     grid = (n, triton.cdiv(vocab, BLOCK))
     _apply_bitmask_kernel[grid](logits, bitmask, rows, vocab, bitmask.shape[1],
                                 logits.stride(0), bitmask.stride(0), BLOCK_SIZE=BLOCK)
+
+
+ARGMAX_BLOCK = 2048
+
+
+@triton.jit
+def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitmask_stride,
+                          num_words, vocab_size, out_ptr, out_stride, cols_ptr, agree_ptr,
+                          BLOCK_SIZE: tl.constexpr):
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i).to(tl.int64)
+    col = tl.load(cols_ptr + i).to(tl.int64)
+    best = float("-inf")
+    best_idx = 0
+    for start in range(0, vocab_size, BLOCK_SIZE):
+        offs = start + tl.arange(0, BLOCK_SIZE)
+        in_vocab = offs < vocab_size
+        word = offs // 32
+        words = tl.load(bitmask_ptr + i * bitmask_stride + word,
+                        mask=in_vocab & (word < num_words), other=0)
+        allowed = ((words >> (offs % 32)) & 1) != 0
+        x = tl.load(logits_ptr + row * logits_stride + offs, mask=in_vocab & allowed,
+                    other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        first = tl.min(tl.where(x == m, offs, vocab_size), axis=0)  # first index of the max
+        take = m > best  # strictly: an earlier block keeps a tie
+        best_idx = tl.where(take, first, best_idx)
+        best = tl.where(take, m, best)
+    before = tl.load(out_ptr + col)
+    tl.store(out_ptr + col, best_idx.to(tl.int64))
+    tl.store(out_ptr + out_stride + col, (best == float("-inf")).to(tl.int64))
+    tl.store(agree_ptr + i, best_idx.to(tl.int64) == before)
+
+
+def masked_argmax_triton_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
+                          rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor,
+                          vocab_size: int) -> None:
+    """See :func:`formcast.engine.kernels.bitmask.masked_argmax_` (CUDA tensors)."""
+    n = rows.shape[0]
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if logits.stride(1) != 1 or bitmask.stride(1) != 1 or not out.is_contiguous():
+        raise ValueError("logits and bitmask rows, and out, must be contiguous")
+    _masked_argmax_kernel[(n,)](logits, logits.stride(0), rows, bitmask, bitmask.stride(0),
+                                bitmask.shape[1], vocab_size, out, out.stride(0), cols, agree,
+                                BLOCK_SIZE=ARGMAX_BLOCK)

@@ -35,3 +35,30 @@ def test_auto_backend_uses_triton_on_cuda_and_masks_padded_vocab():
     bitmask = torch.full((2, 2), -1, dtype=torch.int32, device="cuda")  # 64 allowed ids
     apply_token_bitmask_(logits, bitmask)
     assert torch.isfinite(logits[:, :64]).all() and torch.isneginf(logits[:, 64:]).all()
+
+
+def _masked_argmax_case(vocab: int, mask_vocab: int, device: str, backend: str):
+    from formcast.engine.kernels.bitmask import masked_argmax_
+
+    gen = torch.Generator().manual_seed(vocab + mask_vocab)
+    logits = torch.randn(7, vocab, generator=gen).round(decimals=1)  # ties
+    logits[2, 5:] = float("-inf")
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(mask_vocab)), generator=gen,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[1] = 0                      # a dead end
+    bitmask[3] = 0
+    bitmask[3, 0] = 1 << 7              # one token allowed
+    rows, cols = torch.tensor([6, 0, 2, 4, 4]), torch.tensor([3, 0, 5, 1, 6])
+    out = torch.stack((torch.arange(7) * 3, torch.full((7,), 9)))
+    agree = torch.zeros(5, dtype=torch.bool)
+    args = [t.to(device) for t in (out, logits, bitmask, rows, cols, agree)]
+    masked_argmax_(*args, vocab_size=vocab - 1, backend=backend)
+    return args[0].cpu(), args[5].cpu()
+
+
+@pytest.mark.parametrize("vocab, mask_vocab", [(49152, 49152), (1000, 999), (50304, 49152),
+                                               (7, 7)])
+def test_triton_masked_argmax_matches_torch(vocab, mask_vocab):
+    assert all(torch.equal(a, b) for a, b in zip(
+        _masked_argmax_case(vocab, mask_vocab, "cpu", "torch"),
+        _masked_argmax_case(vocab, mask_vocab, "cuda", "triton")))

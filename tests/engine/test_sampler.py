@@ -208,3 +208,31 @@ def test_batch_fill_hook_fills_a_class_s_rows_in_one_call_and_falls_back_per_row
     filled = Sampler(64, 64, batch_fill=True).fill_masks(seqs)
     assert list(filled.errors) == [3] and "boom" in filled.errors[3]
     assert torch.equal(filled.bitmask[0], one_by_one.bitmask[0])
+
+
+def test_masked_argmax_is_the_max_of_the_masked_logits():
+    """The fused greedy pick under a bitmask (torch reference here; the CUDA test
+    holds the Triton kernel to it): first maximum among allowed ids below the
+    vocabulary cut, the dead-end flag, and agreement with the token ``out`` held."""
+    from formcast.engine.constraint import bitmask_words
+    from formcast.engine.kernels.bitmask import apply_token_bitmask_, masked_argmax_
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 300
+    logits = torch.randn(4, vocab, generator=gen).round(decimals=1)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, bitmask_words(vocab)), generator=gen,
+                            dtype=torch.int64).to(torch.int32)
+    bitmask[2] = 0
+    rows, cols = torch.tensor([3, 1, 0]), torch.tensor([0, 2, 3])
+    out = torch.stack((logits.argmax(dim=-1), torch.zeros(4, dtype=torch.long)))
+    before = out.clone()
+    agree = torch.zeros(3, dtype=torch.bool)
+    masked_argmax_(out, logits, bitmask, rows, cols, agree, vocab_size=290, backend="torch")
+    masked = logits[rows].clone()
+    masked[:, 290:] = float("-inf")
+    apply_token_bitmask_(masked, bitmask, backend="torch")
+    values, ids = masked.max(dim=-1)
+    assert out[0, cols].tolist() == ids.tolist() and out[1, cols].tolist() == [0, 0, 1]
+    assert out[:, 1].tolist() == before[:, 1].tolist()          # other columns untouched
+    assert agree.tolist() == (ids == before[0, cols]).tolist()
+    assert torch.isneginf(values[2])
