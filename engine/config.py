@@ -118,7 +118,9 @@ class EngineConfig:
         (when the unmasked argmax is allowed it is the argmax among allowed tokens),
         and while the model's picks conform the host fills no masks at all. After a
         refused pick a request is masked as usual until its masked pick is again
-        its unmasked argmax (both are computed on the device).
+        its unmasked argmax (both are computed on the device); when refusals come
+        back before an unmasked pick is taken, until that happens 2, 4, 8, then 16
+        times in a row.
     cuda_graphs : bool
         On CUDA, capture the decode step as CUDA graphs at batch sizes 1, 2, 4, ...
         up to ``max_num_seqs`` when the engine starts (Llama models), and replay

@@ -578,8 +578,12 @@ class Engine:
         token_list = Sampler.finish_rows(token_list, dead_list, errors)
         if prev.watched:
             for i, agreed in zip(prev.watched, prev.agree.tolist()):
-                if agreed:
-                    prev.seqs[i].masked = False
+                seq = prev.seqs[i]
+                if not agreed:
+                    seq.agreements_due = 1 << min(seq.refusal_streak - 1, 4)
+                else:
+                    seq.agreements_due -= 1
+                    seq.masked = seq.agreements_due > 0
         unchecked = prev.unchecked
         verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
         ok: set[Sequence] = set()
@@ -602,9 +606,13 @@ class Engine:
             if not verdict:
                 seq.num_refused_picks += 1
                 self.num_refused_picks += 1
-                seq.masked = True  # until the model agrees with its grammar again
+                # masked until the model agrees with its grammar again: for 1, 2,
+                # 4, ... 16 masked picks in a row as refusals repeat
+                seq.refusal_streak += 1
+                seq.masked, seq.agreements_due = True, 1 << min(seq.refusal_streak - 1, 4)
                 refused.append(i)
                 continue
+            seq.refusal_streak = 0
             outputs.append(seq)
             self._append_token(seq, token_list[i], None, accepted=True, terminated=verdict == 2)
             ok.add(seq)

@@ -107,7 +107,9 @@ class Sequence:
         # (Engine: EngineConfig.unmasked_greedy)
         self.num_unmasked_picks = 0
         self.num_refused_picks = 0
-        self.masked = False            # masks serve it since a refused pick
+        self.masked = False            # masks serve it since a refused pick, until
+        self.agreements_due = 0        # this many masked picks in a row were unmasked ones
+        self.refusal_streak = 0        # refused picks since one was taken
         self.draft = None              # spec.Draft to verify in the next step, if any
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
