@@ -580,7 +580,7 @@ class Engine:
             for i, agreed in zip(prev.watched, prev.agree.tolist()):
                 seq = prev.seqs[i]
                 if not agreed:
-                    seq.agreements_due = 1 << min(seq.refusal_streak - 1, 4)
+                    seq.agreements_due = 1 << min(max(seq.refusal_streak - 1, 0), 4)
                 else:
                     seq.agreements_due -= 1
                     seq.masked = seq.agreements_due > 0
@@ -647,7 +647,11 @@ class Engine:
                 seq.error, verdicts[i] = f"constraint failed: {type(exc).__name__}: {exc}", -1
         for many, rows in groups.items():
             try:
-                got = many([prev.seqs[i].constraint for i in rows], [token_list[i] for i in rows])
+                got = list(many([prev.seqs[i].constraint for i in rows],
+                                [token_list[i] for i in rows]))
+                if len(got) != len(rows):
+                    raise ValueError(f"accept_tokens gave {len(got)} verdicts for {len(rows)} "
+                                     "tokens")
             except Exception as exc:  # which of them moved is unknown: all of them fail
                 got = [-1] * len(rows)
                 for i in rows:

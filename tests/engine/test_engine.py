@@ -408,3 +408,32 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
     assert eng.num_unmasked_picks > 30
     assert 0 < eng.num_refused_picks < eng.num_unmasked_picks
     assert drained  # refused picks were in flight when the pipeline drained
+
+
+def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine):
+    """Unmasked picks of a constraint class with an ``accept_tokens`` hook go to
+    the hook in one call; when it raises, its requests end with the error and
+    everything else runs to the end."""
+
+    class Hooked(AllowOnly):
+        @staticmethod
+        def accept_tokens(constraints, tokens):
+            raise RuntimeError("grammar service down")
+
+    engine = variant(smollm2_engine, async_scheduling=True, spec="none")
+    every = set(range(smollm2_engine.tokenizer.vocab_size))
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    hooked = [engine.add_request(chat(engine, t), greedy, constraint=Hooked(every))
+              for t in ("Say hi.", "Name a fruit.")]
+    plain = engine.add_request(chat(engine, "Name a colour."), greedy,
+                               constraint=AllowOnly(every))
+    free = engine.add_request(chat(engine, "Count to three."), greedy)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    for rid in hooked:
+        assert done[rid].finish_reason == "abort"
+        assert "grammar service down" in done[rid].error
+    for rid in (plain, free):
+        assert done[rid].finish_reason == "length" and len(done[rid].token_ids) == 12
+    assert engine.num_unmasked_picks > 0

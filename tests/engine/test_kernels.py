@@ -280,6 +280,11 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
         _compare_prefill("cpu", dtypes=(torch.float32,))
         _compare_sampling("cpu", backends=("triton",))
         _compare_moe("cpu", dtypes=(torch.float32,))
+        from test_bitmask_cuda import _masked_argmax_case
+        for vocab, mask_vocab in ((1000, 999), (5000, 4097)):
+            ref = _masked_argmax_case(vocab, mask_vocab, "cpu", "torch")
+            got = _masked_argmax_case(vocab, mask_vocab, "cpu", "triton")
+            assert all(torch.equal(a, b) for a, b in zip(ref, got))
         print("ok")
     """).format(here=os.path.dirname(__file__))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
