@@ -23,6 +23,29 @@ def library_message(exc: BaseException) -> str:
     return _LOG_PREFIX.sub("", str(exc)).strip()
 
 
+def _native_batch_accept():
+    """xgrammar's native batch accept, if this xgrammar has the one we know.
+
+    The public ``BatchGrammarMatcher.batch_accept_token`` turns the native result
+    into a list one ``__getitem__`` at a time, about 2 us a row: as long as the
+    native accept itself (256 rows: 0.5-0.6 ms of 1.1 ms on a 2-core host). A
+    slice of the native array takes one plain call a row. None (the public method
+    serves) when the private function is missing or answers differently."""
+    core = getattr(getattr(xgr, "matcher", None), "_core", None)
+    fn = getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
+    if fn is None:
+        return None
+    try:
+        if list(fn([], [], False)[:]) != []:
+            return None
+    except Exception:
+        return None
+    return fn
+
+
+_NATIVE_BATCH_ACCEPT = _native_batch_accept()
+
+
 class XGrammarBackend(Backend):
     name = "xgrammar"
     kinds = frozenset({"regex", "json_schema", "ebnf", "lark"})
@@ -118,7 +141,11 @@ class XGrammarMatcher(Matcher):
                 handles.append(m._m)
                 taken.append(t)
         if rows:
-            for i, ok in zip(rows, xgr.BatchGrammarMatcher.batch_accept_token(handles, taken)):
+            if _NATIVE_BATCH_ACCEPT is not None:
+                verdicts = _NATIVE_BATCH_ACCEPT([h._handle for h in handles], taken, False)[:]
+            else:
+                verdicts = xgr.BatchGrammarMatcher.batch_accept_token(handles, taken)
+            for i, ok in zip(rows, verdicts):
                 if ok:
                     m = matchers[i]
                     # (matchers are made with terminate_without_stop_token=False)
