@@ -131,6 +131,8 @@ class Engine:
         self.num_refused_picks = 0
         self._ids = itertools.count()
         self._mask_pool: ThreadPoolExecutor | None = None  # fills masks during the forward
+        # (rows, masks) filled while a pipelined step's picks were checked, for its sampling
+        self._masks_ahead: tuple[list[Sequence], FilledMasks] | None = None
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
         freeze = self.config.freeze_gc
@@ -397,6 +399,7 @@ class Engine:
         except Exception as exc:
             raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self._inflight = None
+        self._masks_ahead = None
         taken, ok, refused = self._take(prev, defer=True) if prev is not None else ([], None, [])
         rows, live = [], []
         for i, s in enumerate(launch):
@@ -471,8 +474,7 @@ class Engine:
         unmasked = self.config.unmasked_greedy
         plain, drawn, unchecked, watch = [], [], {}, []
         for j, s in enumerate(live):
-            if s.params.greedy and not s.banned_tokens and (
-                    s.constraint is None or unmasked and not s.masked):
+            if self._picks_unmasked(s):
                 plain.append(j)
                 if s.constraint is not None:
                     unchecked[j] = j
@@ -494,7 +496,7 @@ class Engine:
         dev = logits.device
         if all(s.params.greedy and not s.banned_tokens and s.constraint is not None
                for s in seqs):  # masked greedy rows: one kernel picks them all
-            masks = self.sampler.fill_masks(seqs)
+            masks = self._masks_for(seqs)
             if masks.errors:
                 return None
             at = to_device(drawn, torch.long, dev)
@@ -506,10 +508,7 @@ class Engine:
             return out, unchecked, watched, agree
         masks = None
         if any(s.constraint is not None for s in seqs):
-            # (filled here, on this thread: a worker thread would wait for the
-            # interpreter lock until this one blocked, which in steady decoding is
-            # only at the end of the step)
-            masks = self.sampler.fill_masks(seqs)
+            masks = self._masks_for(seqs)
             if masks.errors:
                 return None
         at = to_device(drawn, torch.long, dev) if plain else None
@@ -525,6 +524,21 @@ class Engine:
         greedy = greedy.clone()  # (the graph's own output otherwise)
         greedy[:, at] = both
         return greedy, unchecked, watched, agree
+
+    def _picks_unmasked(self, s: Sequence) -> bool:
+        """Whether a pipelined step gives ``s`` the unmasked argmax (checked later
+        by its constraint, if any) rather than the sampler's draw."""
+        return s.params.greedy and not s.banned_tokens and (
+            s.constraint is None or self.config.unmasked_greedy and not s.masked)
+
+    def _masks_for(self, seqs: list[Sequence]) -> FilledMasks:
+        """``seqs``' masks: those filled ahead while the last tokens were taken when
+        they are for exactly these rows, else filled now."""
+        ahead, self._masks_ahead = self._masks_ahead, None
+        if ahead is not None and len(ahead[0]) == len(seqs) and all(
+                a is b for a, b in zip(ahead[0], seqs)):
+            return ahead[1]
+        return self.sampler.fill_masks(seqs)
 
     def _resample(self, prev: "_InFlight", refused: list[int]
                   ) -> tuple[list[Sequence], torch.Tensor | None]:
@@ -585,37 +599,58 @@ class Engine:
                     seq.agreements_due -= 1
                     seq.masked = seq.agreements_due > 0
         unchecked = prev.unchecked
-        verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
         ok: set[Sequence] = set()
         outputs, refused = [], []
+        # sampled rows (masked, free, or failed) first: the next masks of those
+        # that stay masked are then filled on the mask thread while the unmasked
+        # picks are checked, both in native code without the interpreter lock
         for i, seq in enumerate(prev.seqs):
-            if seq.status is FINISHED:
-                continue  # aborted meanwhile: its output went out with the abort
-            verdict = verdicts.get(i)
-            if verdict is None:  # a sampled row (masked, or free)
-                outputs.append(seq)
-                if self._settle(seq, token_list[i], None, errors.get(i)):
-                    ok.add(seq)
-                continue
-            if verdict < 0:  # the constraint failed (seq.error says how)
-                self._finish(seq, "abort")
-                outputs.append(seq)
-                continue
-            seq.num_unmasked_picks += 1
-            self.num_unmasked_picks += 1
-            if not verdict:
-                seq.num_refused_picks += 1
-                self.num_refused_picks += 1
-                # masked until the model agrees with its grammar again: for 1, 2,
-                # 4, ... 16 masked picks in a row as refusals repeat
-                seq.refusal_streak += 1
-                seq.masked, seq.agreements_due = True, 1 << min(seq.refusal_streak - 1, 4)
-                refused.append(i)
-                continue
-            seq.refusal_streak = 0
+            if seq.status is FINISHED or i in unchecked and i not in errors:
+                continue  # (FINISHED: aborted meanwhile, its output went out then)
             outputs.append(seq)
-            self._append_token(seq, token_list[i], None, accepted=True, terminated=verdict == 2)
-            ok.add(seq)
+            if self._settle(seq, token_list[i], None, errors.get(i)):
+                ok.add(seq)
+        ahead = None
+        if defer and unchecked:  # (the rows the next sampling draws, as it will list them)
+            nxt = [s for s in outputs if s in ok and s.status is not FINISHED
+                   and not self._picks_unmasked(s)]
+            if any(s.constraint is not None for s in nxt):
+                if self._mask_pool is None:
+                    self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-masks")
+                ahead = nxt, self._mask_pool.submit(self.sampler.fill_masks, nxt)
+        try:
+            verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
+            for i in unchecked:
+                seq = prev.seqs[i]
+                verdict = verdicts.get(i)
+                if verdict is None:  # finished meanwhile, or settled above (an error)
+                    continue
+                if verdict < 0:  # the constraint failed (seq.error says how)
+                    self._finish(seq, "abort")
+                    outputs.append(seq)
+                    continue
+                seq.num_unmasked_picks += 1
+                self.num_unmasked_picks += 1
+                if not verdict:
+                    seq.num_refused_picks += 1
+                    self.num_refused_picks += 1
+                    # masked until the model agrees with its grammar again: for 1, 2,
+                    # 4, ... 16 masked picks in a row as refusals repeat
+                    seq.refusal_streak += 1
+                    seq.masked, seq.agreements_due = True, 1 << min(seq.refusal_streak - 1, 4)
+                    refused.append(i)
+                    continue
+                seq.refusal_streak = 0
+                outputs.append(seq)
+                self._append_token(seq, token_list[i], None, accepted=True,
+                                   terminated=verdict == 2)
+                ok.add(seq)
+        finally:
+            if ahead is not None:  # (the mask thread is done before anything else fills)
+                try:
+                    self._masks_ahead = ahead[0], ahead[1].result()
+                except Exception:  # filled again when needed, which reports the error
+                    self._masks_ahead = None
         if refused and not defer:
             seqs, both = self._resample(prev, refused)
             if seqs:
