@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from formcast.engine.kernels.sampling import greedy_picks
 from formcast.engine.layers.attention import AttentionMetadata
 
 
@@ -184,10 +185,7 @@ class DecodeGraphs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._forward(tokens, positions, meta)
-                    # greedy sampling inside the graph: the argmax (the first of equal
-                    # maxima, as argmax takes) and whether the row is a dead end
-                    values, ids = logits[:, :self.sample_vocab].max(dim=-1)
-                    greedy = torch.stack((ids, torch.isneginf(values).long()))
+                    greedy = greedy_picks(logits, self.sample_vocab)  # sampled in the graph
                 pool = graph.pool()
                 self._graphs[b].append(graph)
                 self._logits[b].append(logits)

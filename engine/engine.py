@@ -592,12 +592,7 @@ class Engine:
         token_list = Sampler.finish_rows(token_list, dead_list, errors)
         if prev.watched:
             for i, agreed in zip(prev.watched, prev.agree.tolist()):
-                seq = prev.seqs[i]
-                if not agreed:
-                    seq.agreements_due = 1 << min(max(seq.refusal_streak - 1, 0), 4)
-                else:
-                    seq.agreements_due -= 1
-                    seq.masked = seq.agreements_due > 0
+                prev.seqs[i].masked_pick_seen(agreed)
         unchecked = prev.unchecked
         ok: set[Sequence] = set()
         outputs, refused = [], []
@@ -629,18 +624,13 @@ class Engine:
                     self._finish(seq, "abort")
                     outputs.append(seq)
                     continue
-                seq.num_unmasked_picks += 1
                 self.num_unmasked_picks += 1
                 if not verdict:
-                    seq.num_refused_picks += 1
                     self.num_refused_picks += 1
-                    # masked until the model agrees with its grammar again: for 1, 2,
-                    # 4, ... 16 masked picks in a row as refusals repeat
-                    seq.refusal_streak += 1
-                    seq.masked, seq.agreements_due = True, 1 << min(seq.refusal_streak - 1, 4)
+                    seq.pick_refused()  # masked until the model agrees with its grammar
                     refused.append(i)
                     continue
-                seq.refusal_streak = 0
+                seq.pick_taken()
                 outputs.append(seq)
                 self._append_token(seq, token_list[i], None, accepted=True,
                                    terminated=verdict == 2)

@@ -17,7 +17,7 @@ import torch
 from formcast.engine.constraint import bitmask_words
 from formcast.engine.kernels import to_device, triton_available
 from formcast.engine.kernels.bitmask import apply_token_bitmask_, masked_argmax_
-from formcast.engine.kernels.sampling import row_seed, sample
+from formcast.engine.kernels.sampling import greedy_picks, row_seed, sample
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.sequence import Sequence, TokenLogprob
 
@@ -148,10 +148,8 @@ class Sampler:
         return agree
 
     def greedy_unmasked(self, logits: torch.Tensor) -> torch.Tensor:
-        """``[2, B]`` long: each row's argmax over the tokenizer's vocabulary (the
-        first maximum) and whether it is a dead end; ``logits`` are left as they are."""
-        values, ids = logits[:, :self.valid_vocab_size].max(dim=-1)
-        return torch.stack((ids, torch.isneginf(values).long()))
+        """:func:`greedy_picks` over the tokenizer's vocabulary."""
+        return greedy_picks(logits, self.valid_vocab_size)
 
     @staticmethod
     def finish_rows(token_list: list[int], dead_list: list, errors: dict[int, str]) -> list[int]:

@@ -103,13 +103,12 @@ class Sequence:
         self.num_rollbacks = 0         # constraint dead ends backed out of
         # position -> token ids the sampler must not pick there (set by rollbacks)
         self.banned_tokens: dict[int, set[int]] = {}
-        # greedy picks made without the constraint's mask, and those it refused
-        # (Engine: EngineConfig.unmasked_greedy)
-        self.num_unmasked_picks = 0
-        self.num_refused_picks = 0
-        self.masked = False            # masks serve it since a refused pick, until
-        self.agreements_due = 0        # this many masked picks in a row were unmasked ones
-        self.refusal_streak = 0        # refused picks since one was taken
+        # unmasked greedy picks (EngineConfig.unmasked_greedy): masks serve the
+        # request since a refused pick, until this many masked picks in a row
+        # were its unmasked argmax; refused picks since one was taken
+        self.masked = False
+        self.agreements_due = 0
+        self.refusal_streak = 0
         self.draft = None              # spec.Draft to verify in the next step, if any
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
@@ -144,6 +143,25 @@ class Sequence:
     def text(self, value: str) -> None:
         self._undecoded.clear()
         self._text = value
+
+    def pick_refused(self) -> None:
+        """Its unmasked greedy pick was refused: masks serve it until 1, 2, 4, ...
+        16 masked picks in a row (as refusals repeat) are its unmasked argmax."""
+        self.refusal_streak += 1
+        self.masked = True
+        self.agreements_due = 1 << min(self.refusal_streak - 1, 4)
+
+    def pick_taken(self) -> None:
+        """Its unmasked greedy pick was taken."""
+        self.refusal_streak = 0
+
+    def masked_pick_seen(self, agreed: bool) -> None:
+        """A masked greedy pick was (``agreed``) or was not its unmasked argmax."""
+        if not agreed:
+            self.agreements_due = 1 << min(max(self.refusal_streak - 1, 0), 4)
+        else:
+            self.agreements_due -= 1
+            self.masked = self.agreements_due > 0
 
     def defer_text(self, token_id: int) -> None:
         """Append ``token_id``'s text the next time :attr:`text` is read."""

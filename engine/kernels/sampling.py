@@ -23,6 +23,14 @@ from formcast.engine.kernels import use_triton
 _MASK64 = (1 << 64) - 1
 
 
+def greedy_picks(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """``[2, B]`` long: each row's argmax over its first ``vocab_size`` columns (the
+    first maximum) and whether the row is a dead end (all ``-inf``); ``logits``
+    are left as they are."""
+    values, ids = logits[:, :vocab_size].max(dim=-1)
+    return torch.stack((ids, torch.isneginf(values).long()))
+
+
 def row_seed(seed: int, position: int) -> int:
     """A 31-bit seed for one draw of a request: its seed and the position sampled,
     mixed (splitmix64), so consecutive positions get unrelated noise."""

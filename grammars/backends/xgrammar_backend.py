@@ -133,18 +133,18 @@ class XGrammarMatcher(Matcher):
         (the engine's optional batch hook). Per row: 0 refused (state unchanged),
         1 taken, 2 taken and now terminated."""
         status = [0] * len(matchers)
-        rows, handles, taken = [], [], []
+        rows, inner, taken = [], [], []
         for i, (m, t) in enumerate(zip(matchers, tokens)):
             m._moved = True
-            if t not in m._blocked and 0 <= t < m._size:
+            if m._may_offer(t):
                 rows.append(i)
-                handles.append(m._m)
+                inner.append(m._m)
                 taken.append(t)
         if rows:
             if _NATIVE_BATCH_ACCEPT is not None:
-                verdicts = _NATIVE_BATCH_ACCEPT([h._handle for h in handles], taken, False)[:]
+                verdicts = _NATIVE_BATCH_ACCEPT([x._handle for x in inner], taken, False)[:]
             else:
-                verdicts = xgr.BatchGrammarMatcher.batch_accept_token(handles, taken)
+                verdicts = xgr.BatchGrammarMatcher.batch_accept_token(inner, taken)
             for i, ok in zip(rows, verdicts):
                 if ok:
                     m = matchers[i]
@@ -155,8 +155,13 @@ class XGrammarMatcher(Matcher):
     def _is_fresh(self) -> bool:
         return not self._moved
 
+    def _may_offer(self, token_id: int) -> bool:
+        """Whether ``token_id`` may go to xgrammar at all (not a blocked special
+        token, inside the tokenizer's ids)."""
+        return token_id not in self._blocked and 0 <= token_id < self._size
+
     def accept(self, token_id: int) -> bool:
-        if token_id in self._blocked or not 0 <= token_id < self._size:
+        if not self._may_offer(token_id):
             return False
         self._moved = True
         return self._accept(token_id)
