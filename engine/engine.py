@@ -417,13 +417,12 @@ class Engine:
             return taken
         picked = None
         if live:
-            keep = None
-            if len(rows) < len(launch):
-                keep = to_device(rows, torch.long, logits.device)
-                logits = logits[keep]
-            picked = self._sample_live(logits, live, len(launch), keep)
+            # (rows are read where they lie: no copy of the step's logits)
+            picked = self._sample_live(logits, live, None if len(rows) == len(launch) else rows)
             if picked is None:  # a broken constraint: the ordinary way, here and now
                 masks = self.sampler.fill_masks(live)
+                if len(rows) < len(launch):
+                    logits = logits[to_device(rows, torch.long, logits.device)]
                 self._sample_and_append(logits, live, masks)
                 if fixed:
                     self._settle_on_host(fixed, fixed_both)
@@ -458,51 +457,53 @@ class Engine:
                                    watched=watched, agree=agree_host)
         return taken
 
-    def _sample_live(self, logits: torch.Tensor, live: list[Sequence], launched: int,
-                     keep: torch.Tensor | None):
-        """Sample a pipelined step's rows on the device. ``keep``: the rows of the
-        ``launched`` that ``logits`` holds (None: all).
+    def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
+                     rows: list[int] | None):
+        """Sample a pipelined step's rows on the device: ``live[j]`` from
+        ``logits[rows[j]]`` (``rows`` None: row ``j``), the launched step's logits.
 
         Greedy rows take the graph's argmax (or one reduction) unless banned
         tokens apply, or masks serve them (constrained rows under
         ``unmasked_greedy`` off, or since a refused pick); the rest go through the
-        sampler, with masks. Returns ``[2, B]`` tokens and dead-end flags; the rows
-        given an unmasked pick that their constraint has yet to check (row -> its
-        logits row); the masked greedy rows watched for agreement and, on the
-        device, whether each one's masked pick is its unmasked argmax. None when a
-        constraint failed to fill its mask."""
+        sampler, with masks. Returns ``[2, len(live)]`` tokens and dead-end flags;
+        the rows given an unmasked pick that their constraint has yet to check
+        (index into ``live`` -> its logits row); the masked greedy rows watched for
+        agreement and, on the device, whether each one's masked pick is its
+        unmasked argmax. None when a constraint failed to fill its mask."""
         unmasked = self.config.unmasked_greedy
+        src = (lambda j: j) if rows is None else rows.__getitem__
         plain, drawn, unchecked, watch = [], [], {}, []
         for j, s in enumerate(live):
             if self._picks_unmasked(s):
                 plain.append(j)
                 if s.constraint is not None:
-                    unchecked[j] = j
+                    unchecked[j] = src(j)
             else:
                 if unmasked and s.masked and s.params.greedy and not s.banned_tokens:
                     watch.append(len(drawn))
                 drawn.append(j)
+        dev = logits.device
         greedy = None
         if plain or watch:  # (before the sampler masks the logits in place)
-            greedy = self.runner.greedy_samples(launched)
+            greedy = self.runner.greedy_samples(len(logits))
             if greedy is None:
                 greedy = self.sampler.greedy_unmasked(logits)
-            elif keep is not None:
-                greedy = greedy[:, keep]  # the graph sampled every launched row
+            if rows is not None:
+                greedy = greedy[:, to_device(rows, torch.long, dev)]
         if not drawn:
             return greedy, unchecked, [], None
         seqs = live if not plain else [live[j] for j in drawn]
         watched = [drawn[k] for k in watch]
-        dev = logits.device
         if all(s.params.greedy and not s.banned_tokens and s.constraint is not None
                for s in seqs):  # masked greedy rows: one kernel picks them all
             masks = self._masks_for(seqs)
             if masks.errors:
                 return None
-            at = to_device(drawn, torch.long, dev)
+            cols = to_device(drawn, torch.long, dev)
+            at = cols if rows is None else to_device([rows[j] for j in drawn], torch.long, dev)
             out = greedy.clone() if greedy is not None else \
                 torch.empty(2, len(live), dtype=torch.long, device=dev)
-            agree = self.sampler.greedy_masked_(out, logits, at, at, masks)
+            agree = self.sampler.greedy_masked_(out, logits, at, cols, masks)
             if len(watch) < len(drawn):
                 agree = agree[to_device(watch, torch.long, dev)] if watch else None
             return out, unchecked, watched, agree
@@ -511,9 +512,9 @@ class Engine:
             masks = self._masks_for(seqs)
             if masks.errors:
                 return None
-        at = to_device(drawn, torch.long, dev) if plain else None
-        sampled, dead, _ = self.sampler.sample_on_device(logits if at is None else logits[at],
-                                                         seqs, masks)
+        if plain or rows is not None:  # (the sampler masks its rows in place)
+            logits = logits[to_device([src(j) for j in drawn], torch.long, dev)]
+        sampled, dead, _ = self.sampler.sample_on_device(logits, seqs, masks)
         both = torch.stack((sampled, dead.long()))
         agree = None
         if watch:
@@ -522,7 +523,7 @@ class Engine:
         if not plain:
             return both, unchecked, watched, agree
         greedy = greedy.clone()  # (the graph's own output otherwise)
-        greedy[:, at] = both
+        greedy[:, to_device(drawn, torch.long, dev)] = both
         return greedy, unchecked, watched, agree
 
     def _picks_unmasked(self, s: Sequence) -> bool:
