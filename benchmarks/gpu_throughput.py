@@ -159,17 +159,22 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
 
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    from formcast.grammars.backends import xgrammar_backend
+
+    threads = xgrammar_backend._accept_pool().workers + 1
     print(f"\n[2] constrained (JSON Schema, every row) vs unconstrained, {n} tokens a row"
-          "\n    json: unmasked greedy picks checked by the grammar (the default);"
+          "\n    json: unmasked greedy picks checked by the grammar (the default), a batch's"
+          f" picks on {threads} thread{'s' if threads > 1 else ''};\n    1 thr: the same on one thread;"
           " masked: a mask filled for every row at every step (unmasked_greedy=False)")
     print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>7} "
-          f"{'masked tok/s':>13} {'ratio':>7} {'picks refused':>14}")
+          f"{'1 thr tok/s':>12} {'ratio':>7} {'masked tok/s':>13} {'ratio':>7} "
+          f"{'picks refused':>14}")
     unmasked = eng.config
     masked = dataclasses.replace(unmasked, unmasked_greedy=False)
     for bs in sizes:
         ps = prompts(tok, bs)
         # alternate sides, best of three each: the host is shared and noisy
-        free, json_, json_masked = [], [], []
+        free, json_, json_serial, json_masked = [], [], [], []
         picks, refused = eng.num_unmasked_picks, eng.num_refused_picks
         for _ in range(3):
             secs, count = timed_generate(eng, ps, sp)
@@ -177,6 +182,11 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
             secs, count = timed_generate(eng, ps, sp,
                                          lambda: [compiled.matcher() for _ in ps])
             json_.append(count / secs)
+            xgrammar_backend.set_accept_threads(1)
+            secs, count = timed_generate(eng, ps, sp,
+                                         lambda: [compiled.matcher() for _ in ps])
+            json_serial.append(count / secs)
+            xgrammar_backend.set_accept_threads(threads)
             eng.config = masked
             secs, count = timed_generate(eng, ps, sp,
                                          lambda: [compiled.matcher() for _ in ps])
@@ -186,7 +196,8 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
         out = eng.generate(ps[:1], sp, constraints=[compiled.matcher()])[0]
         assert '"records"' in out.text[:60], out.text[:80]
         print(f"{bs:>5} {max(free):>11.0f} {max(json_):>11.0f} "
-              f"{max(json_) / max(free):>6.3f} {max(json_masked):>13.0f} "
+              f"{max(json_) / max(free):>6.3f} {max(json_serial):>12.0f} "
+              f"{max(json_serial) / max(free):>6.3f} {max(json_masked):>13.0f} "
               f"{max(json_masked) / max(free):>6.3f} {picks:>8} {refused:>5}", flush=True)
         if profile:  # where the host's time goes (main thread), free then constrained
             for constraints in (None, [compiled.matcher() for _ in ps]):

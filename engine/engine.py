@@ -284,12 +284,18 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     # -- the loop -----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
         """Run one scheduling + model + sampling iteration.
 
-        Returns the outputs of requests that got a token or finished in this step.
+        Returns the outputs of requests that got a token or finished in this step;
+        with ``finished_only``, of those that finished (a caller that waits for
+        whole results saves building an output for every running request at
+        every step: microseconds a request, as long as a large batch's step).
         """
-        return [seq.to_output() for seq in self._step()]
+        seqs = self._step()
+        if finished_only:
+            return [seq.to_output() for seq in seqs if seq.status is FINISHED]
+        return [seq.to_output() for seq in seqs]
 
     def _step(self) -> list[Sequence]:
         """:meth:`step`, returning the sequences (their outputs are built on demand:

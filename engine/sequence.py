@@ -89,6 +89,7 @@ class Sequence:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
+        self._prompt_tuple: tuple[int, ...] | None = None  # (for outputs)
         self.params = params
         self.constraint = constraint
         self.generator = generator
@@ -184,26 +185,34 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     def to_output(self) -> RequestOutput:
-        return RequestOutput(
+        # (a step builds one for every request that took a token: each field is
+        # set in one dict update, not through the frozen dataclasses' __init__,
+        # which sets them one by one and costs several times as much)
+        prompt = self._prompt_tuple
+        if prompt is None:
+            prompt = self._prompt_tuple = tuple(self.token_ids[:self.num_prompt_tokens])
+        metrics = object.__new__(RequestMetrics)
+        metrics.__dict__.update(
+            arrival_time=self.arrival_time,
+            first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time,
+            finished_time=self.finished_time,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_output_tokens=len(self.token_ids) - self.num_prompt_tokens,
+            num_cached_prompt_tokens=self.num_cached_prompt_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens,
+            num_forced_tokens=self.num_forced_tokens,
+            num_verification_tokens=self.num_verification_tokens)
+        out = object.__new__(RequestOutput)
+        out.__dict__.update(
             request_id=self.request_id,
-            prompt_token_ids=tuple(self.token_ids[:self.num_prompt_tokens]),
-            token_ids=tuple(self.output_ids),
+            prompt_token_ids=prompt,
+            token_ids=tuple(self.token_ids[self.num_prompt_tokens:]),
             text=self.text,
-            finished=self.is_finished,
+            finished=self.status is SequenceStatus.FINISHED,
             finish_reason=self.finish_reason,
             logprobs=tuple(self.logprobs) if self.logprobs is not None else None,
-            metrics=RequestMetrics(
-                arrival_time=self.arrival_time,
-                first_scheduled_time=self.first_scheduled_time,
-                first_token_time=self.first_token_time,
-                finished_time=self.finished_time,
-                num_prompt_tokens=self.num_prompt_tokens,
-                num_output_tokens=self.num_output_tokens,
-                num_cached_prompt_tokens=self.num_cached_prompt_tokens,
-                num_draft_tokens=self.num_draft_tokens,
-                num_accepted_draft_tokens=self.num_accepted_draft_tokens,
-                num_forced_tokens=self.num_forced_tokens,
-                num_verification_tokens=self.num_verification_tokens,
-            ),
-            error=self.error,
-        )
+            metrics=metrics,
+            error=self.error)
+        return out

@@ -207,14 +207,14 @@ class LLM:
         for rid in list(pending):
             self.engine.abort_request(rid)
         pending.clear()
-        self.engine.step()  # hands back the aborted outputs; frees nothing else
+        self.engine.step(finished_only=True)  # hands back the aborted outputs; frees nothing else
 
     def _drive(self, request_ids: set[str]) -> Iterator[RequestOutput]:
         """Step the engine until every request in ``request_ids`` finished; yield finals."""
         waiting = set(request_ids)
         while waiting:
-            for out in self.engine.step():
-                if out.finished and out.request_id in waiting:
+            for out in self.engine.step(finished_only=True):
+                if out.request_id in waiting:
                     waiting.discard(out.request_id)
                     yield out
 

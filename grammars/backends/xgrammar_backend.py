@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
-from functools import cache
+import queue
 import re
+import threading
+from functools import cache
 
 import torch
 import xgrammar as xgr
@@ -142,7 +144,7 @@ class XGrammarMatcher(Matcher):
                 taken.append(t)
         if rows:
             if _NATIVE_BATCH_ACCEPT is not None:
-                verdicts = _NATIVE_BATCH_ACCEPT([x._handle for x in inner], taken, False)[:]
+                verdicts = _accept_pool().accept([x._handle for x in inner], taken)
             else:
                 verdicts = xgr.BatchGrammarMatcher.batch_accept_token(inner, taken)
             for i, ok in zip(rows, verdicts):
@@ -209,3 +211,88 @@ def _batch_matcher() -> xgr.BatchGrammarMatcher:
 def batch_fill(matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
     """Fill the rows of several xgrammar matchers in one call (GIL released)."""
     _batch_matcher().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
+
+
+class AcceptPool:
+    """Runs a batch accept in shards on several threads.
+
+    xgrammar's native batch accept releases the interpreter lock while it works
+    (2-3 us a row of JSON), so the shards of one batch run in parallel: the calling
+    thread takes the first and ``workers`` threads the rest, each a native call on
+    its own matchers (matchers share nothing mutable but their compiled grammar,
+    which matching only reads, as xgrammar's own threaded batch fill relies on).
+    Batches under two shards of ``min_shard`` rows run on the caller alone."""
+
+    def __init__(self, workers: int, *, min_shard: int = 32) -> None:
+        self.workers = workers
+        self.min_shard = min_shard
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    def _start(self) -> None:
+        with self._lock:
+            while len(self._threads) < self.workers:
+                t = threading.Thread(target=self._work, name="formcast-accept", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _work(self) -> None:
+        while True:
+            handles, tokens, out, k = self._jobs.get()
+            try:
+                out.put((k, _NATIVE_BATCH_ACCEPT(handles, tokens, False)[:]))
+            except BaseException as exc:  # (reported by the caller)
+                out.put((k, exc))
+
+    def accept(self, handles: list, tokens: list[int]) -> list:
+        """xgrammar's native batch accept of ``tokens`` by the matchers whose
+        handles are ``handles``: each row's verdict, in order."""
+        n = len(handles)
+        shards = min(self.workers + 1, n // self.min_shard)
+        if shards < 2:
+            return _NATIVE_BATCH_ACCEPT(handles, tokens, False)[:]
+        if len(self._threads) < self.workers:
+            self._start()
+        size = -(-n // shards)
+        out: queue.SimpleQueue = queue.SimpleQueue()
+        for k in range(1, shards):
+            self._jobs.put((handles[k * size:(k + 1) * size], tokens[k * size:(k + 1) * size],
+                            out, k))
+        parts: list = [None] * shards
+        error = None
+        try:
+            parts[0] = _NATIVE_BATCH_ACCEPT(handles[:size], tokens[:size], False)[:]
+        except BaseException as exc:
+            error = exc
+        for _ in range(1, shards):  # every shard is done before anything returns
+            k, got = out.get()
+            parts[k] = got
+            if isinstance(got, BaseException) and error is None:
+                error = got
+        if error is not None:
+            raise error
+        return [v for part in parts for v in part]
+
+
+_pool: AcceptPool | None = None
+
+
+def _accept_pool() -> AcceptPool:
+    global _pool
+    if _pool is None:
+        set_accept_threads(None)
+    return _pool
+
+
+def set_accept_threads(threads: int | None) -> None:
+    """Threads that batch accepts run on, the caller's included (1: the caller
+    alone). None: ``FORMCAST_ACCEPT_THREADS`` if set, else half the cores, at
+    most 5."""
+    global _pool
+    if threads is None:
+        env = os.environ.get("FORMCAST_ACCEPT_THREADS")
+        threads = int(env) if env else min(5, (os.cpu_count() or 2) // 2)
+    if threads < 1:
+        raise ValueError(f"accept threads must be >= 1, got {threads}")
+    _pool = AcceptPool(threads - 1, min_shard=48)

@@ -187,6 +187,36 @@ def test_stop_token_ids_and_eos_end_generation(smollm2_engine):
     assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
 
 
+def test_finished_only_steps_give_the_same_final_outputs(smollm2_engine):
+    """``step(finished_only=True)`` hands back only finished requests' outputs,
+    the same ones plain steps end with; outputs are frozen and equal to the
+    dataclass built field by field."""
+    import dataclasses
+
+    def run(finished_only: bool):
+        eng = variant(smollm2_engine, async_scheduling=True, spec="none")
+        for n in (3, 9, 5):
+            eng.add_request(chat(eng, PROMPTS[0]),
+                            SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        finals, seen = {}, []
+        while eng.has_unfinished_requests():
+            outs = eng.step(finished_only=finished_only)
+            seen += outs
+            finals.update((o.request_id, o) for o in outs if o.finished)
+        return finals, seen
+
+    plain, every = run(False)
+    lean, only = run(True)
+    assert all(o.finished for o in only) and len(only) == 3 < len(every)
+    strip = lambda o: dataclasses.replace(o, metrics=None)  # (timings differ)
+    assert {k: strip(o) for k, o in lean.items()} == {k: strip(o) for k, o in plain.items()}
+    out = next(iter(lean.values()))
+    assert out == type(out)(**{f.name: getattr(out, f.name) for f in dataclasses.fields(out)})
+    assert out.metrics.num_output_tokens == len(out.token_ids)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        out.text = "x"
+
+
 def test_abort_request_ends_it_and_keeps_the_others(smollm2_engine):
     eng = variant(smollm2_engine, num_kv_blocks=128)
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

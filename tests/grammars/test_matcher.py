@@ -312,3 +312,62 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, native, monk
         assert h.is_terminated() == p.is_terminated() == (want == 2)
         if want != 2:
             assert torch.equal(_mask(h, person), _mask(p, person))
+
+
+@pytest.mark.skipif(not _has_native_batch_accept(),
+                    reason="the installed xgrammar has no native batch accept of the known form")
+def test_batch_accept_in_shards_on_threads_matches_row_by_row(compiler, tiny_vocab, monkeypatch):
+    """A batch accept split over threads (shards of 2 rows on 3 threads here)
+    gives every row the verdict and the state that ``accept`` gives it alone,
+    in row order; a shard whose native call fails fails the whole call only
+    after every shard is done, and the threads serve the next call."""
+    from formcast.grammars.backends import xgrammar_backend
+
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    text = _ids(tiny_vocab, '{"name":"Ann","age":31}')
+    wrong = _ids(tiny_vocab, "x")[0]
+    hooked, plain, tokens = [], [], []
+    for k in range(len(text)):
+        for group in (hooked, plain):
+            m = person.matcher()
+            for t in text[:k]:
+                assert m.accept(t)
+            group.append(m)
+        tokens.append(text[k] if k % 3 else wrong)
+    tokens[-1] = EOS  # (the object is complete only after its last token)
+    monkeypatch.setattr(xgrammar_backend, "_pool", xgrammar_backend.AcceptPool(2, min_shard=2))
+    got = type(hooked[0]).accept_tokens(hooked, tokens)
+    want = [int(p.accept(t)) for p, t in zip(plain, tokens)]
+    assert [min(v, 1) for v in got] == want and 0 < sum(want) < len(want)
+    for h, p in zip(hooked, plain):
+        assert h.is_terminated() == p.is_terminated()
+        assert torch.equal(_mask(h, person), _mask(p, person))
+
+    native = xgrammar_backend._NATIVE_BATCH_ACCEPT
+    calls = []
+
+    def failing(handles, toks, debug):
+        calls.append(len(handles))
+        if len(calls) == 2:
+            raise RuntimeError("shard failed")
+        return native(handles, toks, debug)
+
+    monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", failing)
+    fresh = [person.matcher() for _ in range(6)]
+    with pytest.raises(RuntimeError, match="shard failed"):
+        type(fresh[0]).accept_tokens(fresh, [text[0]] * 6)
+    assert len(calls) == 3
+    monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", native)
+    fresh = [person.matcher() for _ in range(6)]
+    assert type(fresh[0]).accept_tokens(fresh, [text[0]] * 6) == [1] * 6
+
+
+def test_accept_threads_setting_is_checked(monkeypatch):
+    from formcast.grammars.backends import xgrammar_backend
+
+    monkeypatch.setattr(xgrammar_backend, "_pool", None)
+    with pytest.raises(ValueError, match="accept threads must be >= 1"):
+        xgrammar_backend.set_accept_threads(0)
+    monkeypatch.setenv("FORMCAST_ACCEPT_THREADS", "3")
+    xgrammar_backend.set_accept_threads(None)
+    assert xgrammar_backend._accept_pool().workers == 2

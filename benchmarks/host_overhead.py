@@ -1,0 +1,149 @@
+"""The host's share of a pipelined decode step, measured on any machine.
+
+On the GPU, a decode step of a small model at a large batch is as fast as the
+host can schedule it: launching the step, taking the last step's tokens,
+checking constrained rows' picks in their grammars, filling masks, detokenizing.
+This script measures that host work alone, on the CPU, with the forward taken
+out: the engine runs ``gpu_throughput.py``'s part 2 workload (free text, and
+every row under its JSON Schema) through its asynchronous scheduling, while the
+model runner's decode step stages its inputs as the CUDA graph path does and
+returns rows of a fixed pool of random logits (their argmax as the graph's
+greedy picks). The masked-argmax kernel, one launch on the GPU, is timed and
+left out of the figures.
+
+Prints microseconds per pipelined step, free and JSON (with a batch's grammar
+accepts on the default threads and on one thread), and how many picks the
+grammars took and refused. The random logits make a random model, as the GPU
+benchmark's random weights do: most picks inside strings are taken, picks where
+the schema forces punctuation are refused.
+
+    python benchmarks/host_overhead.py --tokenizer-dir DIR [--batch-sizes 64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import time
+import types
+
+import torch
+
+from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
+from formcast.engine.cuda_graph import DecodeStaging
+from formcast.engine.engine import build_model
+from formcast.engine.models.shapes import SHAPES, random_llama_weights
+from formcast.grammars import JsonSchema, compile
+from formcast.grammars.backends import xgrammar_backend
+from gpu_throughput import SCHEMA, prompts
+
+POOL = 2048  # rows of random logits the stub hands out
+
+
+def stub_engine(tok: Tokenizer, max_batch: int) -> tuple[Engine, list[float]]:
+    """An engine on a one-layer model of SmolLM2's vocabulary whose decode steps
+    are stubbed out (see the module doc). Returns it and the seconds its
+    masked-argmax calls took, a list of one, reset by the caller."""
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=1, hidden_size=32,
+                              intermediate_size=32, num_attention_heads=1,
+                              num_key_value_heads=1, head_dim=32)
+    model = build_model(cfg, random_llama_weights(cfg, seed=0), device=torch.device("cpu"),
+                        dtype=torch.float32)
+    eng = Engine(model, tok, config=EngineConfig(
+        max_num_seqs=max_batch, num_kv_blocks=8192, max_num_batched_tokens=16384,
+        async_scheduling=True, spec="none", freeze_gc=True), device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(POOL, cfg.vocab_size, generator=gen)
+    pool[:, tok.vocab_size:] = float("-inf")
+    greedy = torch.stack((pool.argmax(-1), torch.zeros(POOL, dtype=torch.long)))
+    staging = DecodeStaging(max_batch, 1024, block_size=eng.config.block_size, scratch_slot=0,
+                            pin=False)
+    state = {"at": 0}
+
+    def execute_decode(runner, seqs, tokens):
+        runner._replayed = True
+        staging.stage_seqs(seqs, len(seqs))
+        staging.host[:len(seqs)].copy_(tokens)
+        at = state["at"] = (state["at"] * 1103515245 + 12345) % (POOL - len(seqs))
+        return pool[at:at + len(seqs)]
+
+    def greedy_samples(runner, n):
+        return greedy[:, state["at"]:state["at"] + n]
+
+    eng.runner.execute_decode = types.MethodType(execute_decode, eng.runner)
+    eng.runner.greedy_samples = types.MethodType(greedy_samples, eng.runner)
+    masked_secs = [0.0]
+    greedy_masked = eng.sampler.greedy_masked_
+
+    def timed_greedy_masked(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return greedy_masked(*args, **kwargs)
+        finally:
+            masked_secs[0] += time.perf_counter() - t
+
+    eng.sampler.greedy_masked_ = timed_greedy_masked
+    return eng, masked_secs
+
+
+def host_us_per_step(eng: Engine, masked_secs: list[float], ps, sp, constraints
+                     ) -> tuple[float, int, int]:
+    """Microseconds of host work per pipelined step of one run to completion,
+    the picks taken unmasked and refused."""
+    for p, c in zip(ps, constraints or [None] * len(ps)):
+        eng.add_request(p, sp, constraint=c)
+    eng.step()  # prefill
+    eng.step()  # the first pipelined step launches, takes nothing yet
+    steps, picks, refused = (eng.num_pipelined_steps, eng.num_unmasked_picks,
+                             eng.num_refused_picks)
+    masked_secs[0] = 0.0
+    t = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step(finished_only=True)
+    secs = time.perf_counter() - t - masked_secs[0]
+    steps = eng.num_pipelined_steps - steps
+    return (secs / max(steps, 1) * 1e6, eng.num_unmasked_picks - picks,
+            eng.num_refused_picks - refused)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--batch-sizes", default="64,256")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=5, help="runs of each side, alternating")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    eng, masked_secs = stub_engine(tok, max(sizes))
+    compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
+    sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    threads = xgrammar_backend._accept_pool().workers + 1
+    print(f"host us per pipelined step (median of {args.reps}, forward stubbed), "
+          f"{args.tokens} tokens a row; json: accepts on {threads} thread(s), 1 thr: on one")
+    print(f"{'batch':>5} {'free':>7} {'json':>7} {'1 thr':>7} {'json/free':>9} "
+          f"{'picks':>7} {'refused':>7}")
+    for bs in sizes:
+        ps = prompts(tok, bs)
+        host_us_per_step(eng, masked_secs, ps, sp, None)  # warm-up
+        free, json_, serial = [], [], []
+        for _ in range(args.reps):
+            free.append(host_us_per_step(eng, masked_secs, ps, sp, None)[0])
+            us, picks, refused = host_us_per_step(eng, masked_secs, ps, sp,
+                                                  [compiled.matcher() for _ in ps])
+            json_.append(us)
+            xgrammar_backend.set_accept_threads(1)
+            serial.append(host_us_per_step(eng, masked_secs, ps, sp,
+                                           [compiled.matcher() for _ in ps])[0])
+            xgrammar_backend.set_accept_threads(threads)
+        f, j, s = (statistics.median(v) for v in (free, json_, serial))
+        print(f"{bs:>5} {f:>7.0f} {j:>7.0f} {s:>7.0f} {j / f:>9.2f} {picks:>7} {refused:>7}",
+              flush=True)
+    gc.unfreeze()  # (the engine froze the heap: let it go at exit)
+
+
+if __name__ == "__main__":
+    main()
