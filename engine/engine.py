@@ -477,17 +477,19 @@ class Engine:
         agreement and, on the device, whether each one's masked pick is its
         unmasked argmax. None when a constraint failed to fill its mask."""
         unmasked = self.config.unmasked_greedy
-        src = (lambda j: j) if rows is None else rows.__getitem__
         plain, drawn, unchecked, watch = [], [], {}, []
-        for j, s in enumerate(live):
-            if self._picks_unmasked(s):
-                plain.append(j)
-                if s.constraint is not None:
-                    unchecked[j] = src(j)
-            else:
-                if unmasked and s.masked and s.params.greedy and not s.banned_tokens:
+        for j, s in enumerate(live):  # (_picks_unmasked, unrolled: every row, every step)
+            if s.params.greedy and not s.banned_tokens:
+                if s.constraint is None:
+                    plain.append(j)
+                    continue
+                if unmasked and not s.masked:
+                    plain.append(j)
+                    unchecked[j] = j if rows is None else rows[j]
+                    continue
+                if unmasked:  # (masked since a refused pick: watched for agreement)
                     watch.append(len(drawn))
-                drawn.append(j)
+            drawn.append(j)
         dev = logits.device
         greedy = None
         if plain or watch:  # (before the sampler masks the logits in place)
@@ -519,7 +521,8 @@ class Engine:
             if masks.errors:
                 return None
         if plain or rows is not None:  # (the sampler masks its rows in place)
-            logits = logits[to_device([src(j) for j in drawn], torch.long, dev)]
+            logits = logits[to_device(drawn if rows is None else [rows[j] for j in drawn],
+                                      torch.long, dev)]
         sampled, dead, _ = self.sampler.sample_on_device(logits, seqs, masks)
         both = torch.stack((sampled, dead.long()))
         agree = None
@@ -606,11 +609,24 @@ class Engine:
         # sampled rows (masked, free, or failed) first: the next masks of those
         # that stay masked are then filled on the mask thread while the unmasked
         # picks are checked, both in native code without the interpreter lock
+        masked = []  # sampled under their masks: their constraints take them in one go
         for i, seq in enumerate(prev.seqs):
             if seq.status is FINISHED or i in unchecked and i not in errors:
                 continue  # (FINISHED: aborted meanwhile, its output went out then)
             outputs.append(seq)
-            if self._settle(seq, token_list[i], None, errors.get(i)):
+            if seq.constraint is not None and i not in errors:
+                masked.append(i)
+            elif self._settle(seq, token_list[i], None, errors.get(i)):
+                ok.add(seq)
+        if masked:
+            seqs = [prev.seqs[i] for i in masked]
+            tokens = [token_list[i] for i in masked]
+            for seq, token, verdict in zip(seqs, tokens, self._accept_batch(seqs, tokens)):
+                if verdict <= 0:  # a token its own mask allowed, or the constraint failed
+                    seq.error = seq.error or f"constraint rejected sampled token {token}"
+                    self._finish(seq, "abort")
+                    continue
+                self._append_token(seq, token, None, accepted=True, terminated=verdict == 2)
                 ok.add(seq)
         ahead = None
         if defer and unchecked:  # (the rows the next sampling draws, as it will list them)
@@ -622,26 +638,22 @@ class Engine:
                 ahead = nxt, self._mask_pool.submit(self.sampler.fill_masks, nxt)
         try:
             verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
-            for i in unchecked:
+            append = self._append_token
+            for i, verdict in verdicts.items():
                 seq = prev.seqs[i]
-                verdict = verdicts.get(i)
-                if verdict is None:  # finished meanwhile, or settled above (an error)
-                    continue
-                if verdict < 0:  # the constraint failed (seq.error says how)
-                    self._finish(seq, "abort")
+                if verdict > 0:
+                    seq.pick_taken()
                     outputs.append(seq)
-                    continue
-                self.num_unmasked_picks += 1
-                if not verdict:
-                    self.num_refused_picks += 1
+                    append(seq, token_list[i], None, accepted=True, terminated=verdict == 2)
+                    ok.add(seq)
+                elif verdict == 0:
                     seq.pick_refused()  # masked until the model agrees with its grammar
                     refused.append(i)
-                    continue
-                seq.pick_taken()
-                outputs.append(seq)
-                self._append_token(seq, token_list[i], None, accepted=True,
-                                   terminated=verdict == 2)
-                ok.add(seq)
+                else:  # the constraint failed (seq.error says how)
+                    self._finish(seq, "abort")
+                    outputs.append(seq)
+            self.num_unmasked_picks += len(verdicts) - sum(v < 0 for v in verdicts.values())
+            self.num_refused_picks += len(refused)
         finally:
             if ahead is not None:  # (the mask thread is done before anything else fills)
                 try:
@@ -658,37 +670,43 @@ class Engine:
 
     def _check_picks(self, prev: "_InFlight", token_list: list[int], errors: dict[int, str]
                      ) -> dict[int, int]:
-        """Offer each unchecked row of ``prev`` its unmasked pick. Per row: 0
-        refused (state unchanged), 1 taken, 2 taken and the constraint is now
+        """Offer each unchecked row of ``prev`` its unmasked pick (rows that failed
+        or finished meanwhile are left out): row -> :meth:`_accept_batch`'s verdict."""
+        rows = [i for i in prev.unchecked
+                if i not in errors and prev.seqs[i].status is not FINISHED]
+        got = self._accept_batch([prev.seqs[i] for i in rows], [token_list[i] for i in rows])
+        return dict(zip(rows, got))
+
+    @staticmethod
+    def _accept_batch(seqs: list[Sequence], tokens: list[int]) -> list[int]:
+        """Offer each of ``seqs`` its token in its constraint. Per row: 0 refused
+        (state unchanged), 1 taken, 2 taken and the constraint is now
         terminated, -1 the constraint failed (``seq.error`` says how). A
         constraint class's ``accept_tokens`` hook takes all its rows in one call."""
-        verdicts: dict[int, int] = {}
+        verdicts = [0] * len(seqs)
         groups: dict = {}
-        for i in prev.unchecked:
-            seq = prev.seqs[i]
-            if i in errors or seq.status is FINISHED:
-                continue
+        for j, seq in enumerate(seqs):
             many = getattr(type(seq.constraint), "accept_tokens", None)
             if many is not None:
-                groups.setdefault(many, []).append(i)
+                groups.setdefault(many, []).append(j)
                 continue
             try:
-                verdicts[i] = 0 if not seq.constraint.accept(token_list[i]) else \
+                verdicts[j] = 0 if not seq.constraint.accept(tokens[j]) else \
                     2 if seq.constraint.is_terminated() else 1
             except Exception as exc:
-                seq.error, verdicts[i] = f"constraint failed: {type(exc).__name__}: {exc}", -1
+                seq.error, verdicts[j] = f"constraint failed: {type(exc).__name__}: {exc}", -1
         for many, rows in groups.items():
             try:
-                got = list(many([prev.seqs[i].constraint for i in rows],
-                                [token_list[i] for i in rows]))
+                got = list(many([seqs[j].constraint for j in rows], [tokens[j] for j in rows]))
                 if len(got) != len(rows):
                     raise ValueError(f"accept_tokens gave {len(got)} verdicts for {len(rows)} "
                                      "tokens")
             except Exception as exc:  # which of them moved is unknown: all of them fail
                 got = [-1] * len(rows)
-                for i in rows:
-                    prev.seqs[i].error = f"constraint failed: {type(exc).__name__}: {exc}"
-            verdicts.update(zip(rows, got))
+                for j in rows:
+                    seqs[j].error = f"constraint failed: {type(exc).__name__}: {exc}"
+            for j, verdict in zip(rows, got):
+                verdicts[j] = verdict
         return verdicts
 
     def _drain(self) -> list[Sequence]:

@@ -230,6 +230,12 @@ class AcceptPool:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
+    def _forked(self) -> None:
+        """In a forked child: the threads stayed in the parent."""
+        self._jobs = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = []
+
     def _start(self) -> None:
         with self._lock:
             while len(self._threads) < self.workers:
@@ -276,6 +282,14 @@ class AcceptPool:
 
 
 _pool: AcceptPool | None = None
+
+
+def _after_fork() -> None:
+    if _pool is not None:
+        _pool._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _accept_pool() -> AcceptPool:

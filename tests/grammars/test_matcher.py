@@ -371,3 +371,35 @@ def test_accept_threads_setting_is_checked(monkeypatch):
     monkeypatch.setenv("FORMCAST_ACCEPT_THREADS", "3")
     xgrammar_backend.set_accept_threads(None)
     assert xgrammar_backend._accept_pool().workers == 2
+
+
+@pytest.mark.skipif(not _has_native_batch_accept(),
+                    reason="the installed xgrammar has no native batch accept of the known form")
+def test_a_forked_child_gets_accept_threads_of_its_own(compiler, tiny_vocab, monkeypatch):
+    """Threads do not survive a fork: a child process that accepts in shards
+    starts its own instead of waiting on the parent's forever."""
+    import multiprocessing
+
+    from formcast.grammars.backends import xgrammar_backend
+
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    brace = _ids(tiny_vocab, "{")[0]
+    monkeypatch.setattr(xgrammar_backend, "_pool", xgrammar_backend.AcceptPool(2, min_shard=2))
+    ms = [person.matcher() for _ in range(6)]
+    assert type(ms[0]).accept_tokens(ms, [brace] * 6) == [1] * 6  # threads started here
+
+    def child(out):
+        fresh = [person.matcher() for _ in range(6)]
+        out.put(type(fresh[0]).accept_tokens(fresh, [brace] * 6))
+
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=child, args=(out,))
+    proc.start()
+    try:
+        assert out.get(timeout=60) == [1] * 6
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    assert proc.exitcode == 0
