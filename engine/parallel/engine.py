@@ -144,9 +144,11 @@ class ParallelEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._owner)
 
-    def step(self) -> list[RequestOutput]:
-        """One step of every rank; the outputs of all."""
-        outputs = [out for outs in self._gather("step", broadcast=("step", None)) for out in outs]
+    def step(self, *, finished_only: bool = False) -> list[RequestOutput]:
+        """One step of every rank; the outputs of all (``finished_only``: of the
+        requests that finished, as :meth:`Engine.step`)."""
+        outputs = [out for outs in self._gather("step", broadcast=("step", finished_only))
+                   for out in outs]
         for out in outputs:
             if out.finished and out.request_id in self._owner:
                 rank = self._owner.pop(out.request_id)
@@ -166,9 +168,8 @@ class ParallelEngine:
         ids = [self.add_request(p, sp, constraint=c) for p, sp, c in zip(prompts, plist, clist)]
         done: dict[str, RequestOutput] = {}
         while len(done) < n:
-            for out in self.step():
-                if out.finished:
-                    done[out.request_id] = out
+            for out in self.step(finished_only=True):
+                done[out.request_id] = out
         return [done[i] for i in ids]
 
     def forward_logits(self, token_ids: SequenceABC[int]) -> torch.Tensor:

@@ -118,7 +118,7 @@ def serve(engine, conn) -> None:
                 except RequestError as exc:
                     conn.send(("error", str(exc)))
             elif cmd == "step":
-                outputs = engine.step()
+                outputs = engine.step(finished_only=bool(arg))
                 if lockstep is not None:
                     lockstep.finish_step()
                 conn.send(("ok", outputs))
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     lockstep = getattr(engine.model, "lockstep", None)
     while True:
-        for out in engine.step():
+        for out in engine.step(finished_only=True):
             if out.finished:
                 results[mine[out.request_id]] = {"text": out.text, "token_ids": list(out.token_ids),
                                                  "finish_reason": out.finish_reason, "rank": rank}
