@@ -436,6 +436,12 @@ class Tokenizer:
 
     @cached_property
     def _strips_leading_space(self) -> bool:
+        # the decoder's own state is its JSON: 50 us, against 60 ms for the whole
+        # tokenizer's (a cost the first request would pay)
+        decoder = self._backend.decoder
+        state = decoder.__getstate__() if decoder is not None else None
+        if isinstance(state, (bytes, str)):
+            return _decoder_strips_space(json.loads(state))
         return _decoder_strips_space(json.loads(self._backend.to_str()).get("decoder"))
 
     def save_pretrained(self, folder: str | os.PathLike[str]) -> Path:

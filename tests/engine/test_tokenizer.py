@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
-from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from formcast.engine.tokenizer import (IncrementalDetokenizer, Tokenizer, _decoder_strips_space,
+                                       load_tokenizer)
 from formcast.errors import (CorruptModelError, ModelNotFoundError, RequestError,
                              UnsupportedModelError)
 
@@ -446,6 +447,18 @@ def test_sentencepiece_style_folder(tmp_path: Path) -> None:
         deltas = _stream(tok, ids, skip_special_tokens=skip)
         assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
         assert not any("\ufffd" in d for d in deltas)
+
+
+def test_leading_space_stripping_is_read_from_the_decoder(tmp_path: Path, smollm2_gguf) -> None:
+    """Whether the decoder drops the first word's leading space (streamed text
+    must do the same) comes from the decoder's own state: a sentencepiece-style
+    Sequence with a Strip says yes, SmolLM2's ByteLevel no; both as the whole
+    tokenizer's JSON says."""
+    for tok in (load_tokenizer(_sentencepiece_folder(tmp_path)), Tokenizer.from_gguf(smollm2_gguf)):
+        whole = json.loads(tok._backend.to_str()).get("decoder")
+        assert tok._strips_leading_space is _decoder_strips_space(whole)
+    assert load_tokenizer(tmp_path)._strips_leading_space is True
+    assert Tokenizer.from_gguf(smollm2_gguf)._strips_leading_space is False
 
 
 def test_save_pretrained_round_trips_through_from_hf_dir(smollm2_gguf, tmp_path):
