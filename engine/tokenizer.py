@@ -313,6 +313,15 @@ class Tokenizer:
         """
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: Sequence[str], *, add_special_tokens: bool = True
+                     ) -> list[list[int]]:
+        """:meth:`encode` of each of ``texts``, in parallel on the tokenizer's own
+        threads (256 chat prompts: several times faster than one by one). Does not
+        change state."""
+        texts = list(texts)
+        batch = getattr(self._backend, "encode_batch_fast", None) or self._backend.encode_batch
+        return [e.ids for e in batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; bytes that are not valid UTF-8 become U+FFFD. Does not change state.
 

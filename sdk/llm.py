@@ -71,18 +71,24 @@ class LLM:
     def prompt_ids(self, prompt: str | list[dict[str, str]], *, system: str | None = None,
                    raw: bool = False) -> list[int]:
         """Token ids of a prompt: chat-templated unless ``raw`` (no state change)."""
+        text, special = self._prompt_text(prompt, system=system, raw=raw)
+        return self.tokenizer.encode(text, add_special_tokens=special)
+
+    def _prompt_text(self, prompt: str | list[dict[str, str]], *, system: str | None,
+                     raw: bool) -> tuple[str, bool]:
+        """The text :meth:`prompt_ids` encodes, and whether the encoding adds the
+        model's bos/eos (a chat template writes its own)."""
         if raw:
             if not isinstance(prompt, str):
                 raise RequestError("raw=True takes a string prompt")
-            return self.tokenizer.encode(prompt)
+            return prompt, True
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         else:
             messages = list(prompt)
         if system is not None:
             messages = [{"role": "system", "content": system}] + messages
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=True)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True), False
 
     # -- generation -----------------------------------------------------------------
     def generate(self, prompt: str | list[dict[str, str]], *, regex: str | None = None,
@@ -156,13 +162,21 @@ class LLM:
                   params: list[SamplingParams], *, system: str | None, raw: bool,
                   raise_first: bool) -> list[Completion | FormcastError]:
         ids: list[list[int] | FormcastError] = []
+        texts: list[str] = []
         for p in prompts:
             try:
-                ids.append(self.prompt_ids(p, system=system, raw=raw))
+                text, _ = self._prompt_text(p, system=system, raw=raw)
             except FormcastError as exc:
                 if raise_first:
                     raise
                 ids.append(exc)
+                continue
+            ids.append([])  # encoded below, all at once
+            texts.append(text)
+        if texts:
+            # (a chat template writes its own special tokens; a raw prompt gets the model's)
+            encoded = iter(self.tokenizer.encode_batch(texts, add_special_tokens=raw))
+            ids = [item if isinstance(item, FormcastError) else next(encoded) for item in ids]
         return self._run(ids, params, spec, raise_first=raise_first)
 
     def _run(self, ids: list[list[int] | FormcastError], params: list[SamplingParams],

@@ -494,3 +494,12 @@ def test_gguf_tokenizer_is_cached_as_an_hf_folder_and_invalidated_by_changes(smo
     third = cached_gguf_tokenizer(copy)
     assert third.encode(text) == first.encode(text)
     assert (folder / "formcast-stamp").read_text().startswith(f"{copy.stat().st_size}:1:")
+
+
+def test_encode_batch_is_encode_of_each(smollm2_gguf) -> None:
+    tok = Tokenizer.from_gguf(smollm2_gguf)
+    texts = ["Hello  world\n\n", "", "<|im_start|>user\nhi<|im_end|>", "日本語 🎉", "a" * 500]
+    for special in (True, False):
+        assert tok.encode_batch(texts, add_special_tokens=special) == \
+            [tok.encode(t, add_special_tokens=special) for t in texts]
+    assert tok.encode_batch([]) == []
