@@ -341,7 +341,22 @@ class Engine:
         self.scheduler.on_step_done(plan)
         if plain:
             rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
-            self._sample_and_append(rows, plain, None if masks is None else masks.result())
+            # greedy constrained rows about to enter the pipeline: whether their masked
+            # pick is the model's own argmax says whether they start there unmasked
+            watch = [j for j, s in enumerate(plain) if s.constraint is not None
+                     and s.params.greedy and not s.banned_tokens] \
+                if self._async and self.config.unmasked_greedy else []
+            argmax = None
+            if watch:  # (before the sampler masks the rows in place)
+                argmax = self.sampler.greedy_unmasked(
+                    rows if len(watch) == len(plain)
+                    else rows[to_device(watch, torch.long, rows.device)])[0]
+            result = self._sample_and_append(rows, plain,
+                                             None if masks is None else masks.result())
+            if watch:
+                for j, unmasked in zip(watch, argmax.tolist()):
+                    if j not in result.errors:
+                        plain[j].masked_pick_seen(result.token_ids[j] == unmasked)
         for item, start in zip(sampled, starts):
             if item.num_draft:
                 self._verify(item.seq, logits[start:start + 1 + item.num_draft])
@@ -716,10 +731,12 @@ class Engine:
         return self._take(prev)[0] if prev is not None else []
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence],
-                           masks: FilledMasks | None) -> None:
+                           masks: FilledMasks | None):
+        """Sample ``seqs`` from ``logits`` and settle each; returns the sampling."""
         result = self.sampler(logits, seqs, masks=masks)
         for i, seq in enumerate(seqs):
             self._settle(seq, result.token_ids[i], result.logprobs[i], result.errors.get(i))
+        return result
 
     def _settle(self, seq: Sequence, token: int, logprob: TokenLogprob | None,
                 error: str | None) -> bool:

@@ -157,10 +157,13 @@ class Sequence:
         self.refusal_streak = 0
 
     def masked_pick_seen(self, agreed: bool) -> None:
-        """A masked greedy pick was (``agreed``) or was not its unmasked argmax."""
+        """A masked greedy pick was (``agreed``) or was not its unmasked argmax.
+        One that was not masks the request from then on (as a refused pick
+        would, without a step lost to it)."""
         if not agreed:
+            self.masked = True
             self.agreements_due = 1 << min(max(self.refusal_streak - 1, 0), 4)
-        else:
+        elif self.masked:
             self.agreements_due -= 1
             self.masked = self.agreements_due > 0
 

@@ -440,6 +440,40 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
     assert drained  # refused picks were in flight when the pipeline drained
 
 
+def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(smollm2_engine):
+    """A greedy constrained request's first pick (masked, in an ordinary step)
+    is compared with the model's unmasked argmax: where they differ (a prose
+    prompt under a JSON Schema) the request enters the pipeline masked rather
+    than losing a step to a refused pick; where they agree (a prompt that asks
+    for that JSON) unmasked. Outputs are those of masked decoding either way."""
+    from formcast.grammars import JsonSchema, compile
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    tok = smollm2_engine.tokenizer
+    compiled = compile(JsonSchema(schema), tok, vocab_size=smollm2_engine.model.config.vocab_size)
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = {"prose": chat(smollm2_engine, "Tell a story about a dog."),
+               "json": chat(smollm2_engine, 'Reply with only this JSON: {"city": "Paris"}')}
+    first, outputs = {}, {}
+    for unmasked in (True, False):
+        engine = variant(smollm2_engine, async_scheduling=True, unmasked_greedy=unmasked,
+                         spec="none")
+        rids = {k: engine.add_request(p, greedy, constraint=compiled.matcher())
+                for k, p in prompts.items()}
+        engine.step()  # prefill: each request's first token, masked
+        if unmasked:
+            first = {k: (engine._seqs[r].output_ids[0], engine._seqs[r].masked)
+                     for k, r in rids.items()}
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+        outputs[unmasked] = {k: done[r] for k, r in rids.items()}
+    assert first["prose"][1] is True and first["json"][1] is False
+    assert tok.decode([first["json"][0]]).startswith("{")
+    assert outputs[True] == outputs[False]
+
+
 def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine):
     """Unmasked picks of a constraint class with an ``accept_tokens`` hook go to
     the hook in one call; when it raises, its requests end with the error and
