@@ -524,8 +524,10 @@ class Engine:
                 return None
             cols = to_device(drawn, torch.long, dev)
             at = cols if rows is None else to_device([rows[j] for j in drawn], torch.long, dev)
-            out = greedy.clone() if greedy is not None else \
-                torch.empty(2, len(live), dtype=torch.long, device=dev)
+            if greedy is None:
+                out = torch.empty(2, len(live), dtype=torch.long, device=dev)
+            else:  # (a gathered copy already, or the graph's own output)
+                out = greedy if rows is not None else greedy.clone()
             agree = self.sampler.greedy_masked_(out, logits, at, cols, masks)
             if len(watch) < len(drawn):
                 agree = agree[to_device(watch, torch.long, dev)] if watch else None
@@ -546,7 +548,8 @@ class Engine:
             agree = sampled[w] == greedy[0, to_device(watched, torch.long, dev)]
         if not plain:
             return both, unchecked, watched, agree
-        greedy = greedy.clone()  # (the graph's own output otherwise)
+        if rows is None:
+            greedy = greedy.clone()  # (the graph's own output otherwise)
         greedy[:, to_device(drawn, torch.long, dev)] = both
         return greedy, unchecked, watched, agree
 
