@@ -7,6 +7,8 @@ apply stop conditions, and return what changed.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import gc
 import itertools
 from dataclasses import dataclass, field
@@ -56,6 +58,15 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
     return dev
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """Hand frozen objects back to the collector when the interpreter exits: its
+    last collection skips the permanent generation, and extension modules that
+    count their objects at shutdown (Triton's, through nanobind) would report
+    every one of them as leaked."""
+    atexit.register(gc.unfreeze)
 
 
 class Engine:
@@ -139,6 +150,7 @@ class Engine:
         if freeze if freeze is not None else self.device.type == "cuda":
             gc.collect()
             gc.freeze()
+            _unfreeze_at_exit()
 
     def _max_len(self, num_blocks: int) -> int:
         mpe = self.model.config.max_position_embeddings
@@ -456,9 +468,10 @@ class Engine:
             at = {s: k for k, s in enumerate(seqs)}
             dev = fixed_both.device
             merged = torch.empty(2, len(seqs), dtype=torch.long, device=dev)
-            merged[:, to_device([at[s] for s in fixed], torch.long, dev)] = fixed_both
+            index = to_device([at[s] for s in fixed] + [at[s] for s in live], torch.long, dev)
+            merged[:, index[:len(fixed)]] = fixed_both
             if live:
-                merged[:, to_device([at[s] for s in live], torch.long, dev)] = both
+                merged[:, index[len(fixed):]] = both
                 unchecked = {at[live[j]]: r for j, r in unchecked.items()}
                 watched = [at[live[j]] for j in watched]
             both = merged
@@ -506,51 +519,65 @@ class Engine:
                     watch.append(len(drawn))
             drawn.append(j)
         dev = logits.device
+        seqs = live if not plain else [live[j] for j in drawn]
+        watched = [drawn[k] for k in watch]
+        masked_only = bool(drawn) and all(  # masked greedy rows: one kernel picks them all
+            s.params.greedy and not s.banned_tokens and s.constraint is not None for s in seqs)
+        # every index list the sampling needs goes to the device in one upload
+        lists: list[list[int]] = []
+        gather = (plain or watch) and rows is not None
+        if gather:
+            lists.append(rows)
+        if drawn:
+            logit_rows = drawn if rows is None else [rows[j] for j in drawn]
+            if masked_only:
+                lists += [drawn, logit_rows, watch if len(watch) < len(drawn) else []]
+            else:
+                lists += [logit_rows, watch, watched, drawn]
+        index = iter(())
+        if any(lists):
+            flat = to_device([v for part in lists for v in part], torch.long, dev)
+            bounds = itertools.accumulate(map(len, lists), initial=0)
+            starts = list(bounds)
+            index = iter([flat[a:b] for a, b in zip(starts, starts[1:])])
         greedy = None
         if plain or watch:  # (before the sampler masks the logits in place)
             greedy = self.runner.greedy_samples(len(logits))
             if greedy is None:
                 greedy = self.sampler.greedy_unmasked(logits)
-            if rows is not None:
-                greedy = greedy[:, to_device(rows, torch.long, dev)]
+        if gather:
+            greedy = greedy[:, next(index)]  # (a copy: the graph's output stays as it is)
         if not drawn:
             return greedy, unchecked, [], None
-        seqs = live if not plain else [live[j] for j in drawn]
-        watched = [drawn[k] for k in watch]
-        if all(s.params.greedy and not s.banned_tokens and s.constraint is not None
-               for s in seqs):  # masked greedy rows: one kernel picks them all
+        if masked_only:
             masks = self._masks_for(seqs)
             if masks.errors:
                 return None
-            cols = to_device(drawn, torch.long, dev)
-            at = cols if rows is None else to_device([rows[j] for j in drawn], torch.long, dev)
+            cols, at, subset = next(index), next(index), next(index)
             if greedy is None:
                 out = torch.empty(2, len(live), dtype=torch.long, device=dev)
-            else:  # (a gathered copy already, or the graph's own output)
-                out = greedy if rows is not None else greedy.clone()
+            else:
+                out = greedy if gather else greedy.clone()
             agree = self.sampler.greedy_masked_(out, logits, at, cols, masks)
             if len(watch) < len(drawn):
-                agree = agree[to_device(watch, torch.long, dev)] if watch else None
+                agree = agree[subset] if watch else None
             return out, unchecked, watched, agree
+        at, w, w_cols, cols = next(index), next(index), next(index), next(index)
         masks = None
         if any(s.constraint is not None for s in seqs):
             masks = self._masks_for(seqs)
             if masks.errors:
                 return None
         if plain or rows is not None:  # (the sampler masks its rows in place)
-            logits = logits[to_device(drawn if rows is None else [rows[j] for j in drawn],
-                                      torch.long, dev)]
+            logits = logits[at]
         sampled, dead, _ = self.sampler.sample_on_device(logits, seqs, masks)
         both = torch.stack((sampled, dead.long()))
-        agree = None
-        if watch:
-            w = to_device(watch, torch.long, dev)
-            agree = sampled[w] == greedy[0, to_device(watched, torch.long, dev)]
+        agree = sampled[w] == greedy[0, w_cols] if watch else None
         if not plain:
             return both, unchecked, watched, agree
-        if rows is None:
+        if not gather:
             greedy = greedy.clone()  # (the graph's own output otherwise)
-        greedy[:, to_device(drawn, torch.long, dev)] = both
+        greedy[:, cols] = both
         return greedy, unchecked, watched, agree
 
     def _picks_unmasked(self, s: Sequence) -> bool:
@@ -577,12 +604,13 @@ class Engine:
         settled here instead (backed out or ended)."""
         seqs = [prev.seqs[i] for i in refused]
         dev = prev.logits.device
-        rows = to_device([prev.unchecked[i] for i in refused], torch.long, dev)
+        r = len(seqs)  # logits rows, then 0..r-1 (the columns written): one upload
+        index = to_device([prev.unchecked[i] for i in refused] + list(range(r)), torch.long, dev)
+        rows = index[:r]
         masks = self.sampler.fill_masks(seqs)
         if not masks.errors and not any(s.banned_tokens for s in seqs):
-            both = torch.empty(2, len(seqs), dtype=torch.long, device=dev)
-            self.sampler.greedy_masked_(both, prev.logits, rows,
-                                        torch.arange(len(seqs), device=dev), masks)
+            both = torch.empty(2, r, dtype=torch.long, device=dev)
+            self.sampler.greedy_masked_(both, prev.logits, rows, index[r:], masks)
             return seqs, both
         tokens, dead, errors = self.sampler.sample_on_device(prev.logits[rows], seqs, masks)
         if errors:

@@ -384,6 +384,36 @@ def test_freeze_gc_moves_the_heap_out_of_the_collectors_way(smollm2_engine):
         gc.unfreeze()
 
 
+def test_a_frozen_heap_is_handed_back_at_exit():
+    """An engine that froze the heap unfreezes it at exit, so that extension
+    modules counting their objects at shutdown (Triton's, through nanobind)
+    report no leaks."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    script = """
+import dataclasses, gc, torch
+from formcast.engine import Engine, EngineConfig, load_tokenizer
+from formcast.engine.engine import build_model
+from formcast.engine.models.shapes import SHAPES, random_llama_weights
+import triton.language
+cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=1, hidden_size=32,
+                          intermediate_size=32, num_attention_heads=1, num_key_value_heads=1,
+                          head_dim=32)
+model = build_model(cfg, random_llama_weights(cfg, seed=0), device=torch.device("cpu"),
+                    dtype=torch.float32)
+Engine(model, load_tokenizer("smollm2"), config=EngineConfig(freeze_gc=True, num_kv_blocks=16),
+       device=torch.device("cpu"))
+assert gc.get_freeze_count() > 0
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+    assert "leaked" not in done.stderr, done.stderr[-2000:]
+
+
 def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
     """Greedy constrained rows of pipelined steps take their unmasked argmax and
     the grammar checks it afterwards; a refused pick is sampled again under the
