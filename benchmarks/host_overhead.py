@@ -12,7 +12,7 @@ greedy picks). The masked-argmax kernel, one launch on the GPU, is timed and
 left out of the figures.
 
 Prints microseconds per pipelined step, free and JSON (with a batch's grammar
-accepts on the default threads and on one thread), and how many picks the
+accepts on the default threads and on ``--accept-threads``), and how many picks the
 grammars took and refused. The random logits make a random model, as the GPU
 benchmark's random weights do: most picks inside strings are taken, picks where
 the schema forces punctuation are refused.
@@ -114,6 +114,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="64,256")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5, help="runs of each side, alternating")
+    ap.add_argument("--accept-threads", type=int, default=4,
+                    help="the second JSON run accepts on this many threads")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
@@ -122,9 +124,11 @@ def main() -> None:
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     threads = xgrammar_backend._accept_pool().workers + 1
+    alt = f"{args.accept_threads} thr"
     print(f"host us per pipelined step (median of {args.reps}, forward stubbed), "
-          f"{args.tokens} tokens a row; json: accepts on {threads} thread(s), 1 thr: on one")
-    print(f"{'batch':>5} {'free':>7} {'json':>7} {'1 thr':>7} {'json/free':>9} "
+          f"{args.tokens} tokens a row; json: accepts on {threads} thread(s), {alt}: on "
+          f"{args.accept_threads}")
+    print(f"{'batch':>5} {'free':>7} {'json':>7} {alt:>7} {'json/free':>9} "
           f"{'picks':>7} {'refused':>7}")
     for bs in sizes:
         ps = prompts(tok, bs)
@@ -135,7 +139,7 @@ def main() -> None:
             us, picks, refused = host_us_per_step(eng, masked_secs, ps, sp,
                                                   [compiled.matcher() for _ in ps])
             json_.append(us)
-            xgrammar_backend.set_accept_threads(1)
+            xgrammar_backend.set_accept_threads(args.accept_threads)
             serial.append(host_us_per_step(eng, masked_secs, ps, sp,
                                            [compiled.matcher() for _ in ps])[0])
             xgrammar_backend.set_accept_threads(threads)
