@@ -340,9 +340,7 @@ class Engine:
         # while the model runs
         masks = None
         if self.config.overlap_masks and any(s.constraint is not None for s in plain):
-            if self._mask_pool is None:
-                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-masks")
-            masks = self._mask_pool.submit(self.sampler.fill_masks, plain)
+            masks = self._fill_masks_async(plain)
         started = time.perf_counter()
         try:
             logits = self.runner.execute(plan.scheduled)
@@ -506,17 +504,14 @@ class Engine:
         unmasked argmax. None when a constraint failed to fill its mask."""
         unmasked = self.config.unmasked_greedy
         plain, drawn, unchecked, watch = [], [], {}, []
-        for j, s in enumerate(live):  # (_picks_unmasked, unrolled: every row, every step)
-            if s.params.greedy and not s.banned_tokens:
-                if s.constraint is None:
-                    plain.append(j)
-                    continue
-                if unmasked and not s.masked:
-                    plain.append(j)
+        for j, s in enumerate(live):
+            if self._picks_unmasked(s):
+                plain.append(j)
+                if s.constraint is not None:
                     unchecked[j] = j if rows is None else rows[j]
-                    continue
-                if unmasked:  # (masked since a refused pick: watched for agreement)
-                    watch.append(len(drawn))
+                continue
+            if unmasked and s.masked and s.params.greedy and not s.banned_tokens:
+                watch.append(len(drawn))  # (masked since a refused pick: watched for agreement)
             drawn.append(j)
         dev = logits.device
         seqs = live if not plain else [live[j] for j in drawn]
@@ -585,6 +580,12 @@ class Engine:
         by its constraint, if any) rather than the sampler's draw."""
         return s.params.greedy and not s.banned_tokens and (
             s.constraint is None or self.config.unmasked_greedy and not s.masked)
+
+    def _fill_masks_async(self, seqs: list[Sequence]):
+        """``seqs``' masks, filled on the mask thread: a future."""
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-masks")
+        return self._mask_pool.submit(self.sampler.fill_masks, seqs)
 
     def _masks_for(self, seqs: list[Sequence]) -> FilledMasks:
         """``seqs``' masks: those filled ahead while the last tokens were taken when
@@ -679,9 +680,7 @@ class Engine:
             nxt = [s for s in outputs if s in ok and s.status is not FINISHED
                    and not self._picks_unmasked(s)]
             if any(s.constraint is not None for s in nxt):
-                if self._mask_pool is None:
-                    self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-masks")
-                ahead = nxt, self._mask_pool.submit(self.sampler.fill_masks, nxt)
+                ahead = nxt, self._fill_masks_async(nxt)
         try:
             verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
             append = self._append_token

@@ -226,15 +226,20 @@ class AcceptPool:
     def __init__(self, workers: int, *, min_shard: int = 32) -> None:
         self.workers = workers
         self.min_shard = min_shard
+        self._forked()
+
+    def _forked(self) -> None:
+        """No threads yet (also in a forked child: they stayed in the parent)."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
-    def _forked(self) -> None:
-        """In a forked child: the threads stayed in the parent."""
-        self._jobs = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = []
+    def close(self) -> None:
+        """Let the threads go (each ends at its next job)."""
+        with self._lock:
+            for _ in self._threads:
+                self._jobs.put(None)
+            self._threads = []
 
     def _start(self) -> None:
         with self._lock:
@@ -245,7 +250,10 @@ class AcceptPool:
 
     def _work(self) -> None:
         while True:
-            handles, tokens, out, k = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            handles, tokens, out, k = job
             try:
                 out.put((k, _NATIVE_BATCH_ACCEPT(handles, tokens, False)[:]))
             except BaseException as exc:  # (reported by the caller)
@@ -311,4 +319,6 @@ def set_accept_threads(threads: int | None) -> None:
         threads = int(env) if env else 1
     if threads < 1:
         raise ValueError(f"accept threads must be >= 1, got {threads}")
+    if _pool is not None:
+        _pool.close()
     _pool = AcceptPool(threads - 1, min_shard=48)
