@@ -392,12 +392,11 @@ class Engine:
         mode = self._draft_mode(len(running))
         if mode == "all" or mode == "forced" and any(s.constraint is not None for s in running):
             return False  # drafts are made from tokens the host has
-        if prev is not None and (len(prev.seqs) != len(running)
-                                 or any(a is not b for a, b in zip(prev.seqs, running))):
-            return False
-        uncomputed = 0 if prev is not None else 1  # in flight: the token is on the device
-        return all(s.num_uncomputed_tokens == uncomputed and s.params.logprobs is None
-                   for s in running)
+        if prev is not None:
+            # (the rows in flight, unchanged since: their state is the pipeline's own.
+            # Sequences compare by identity, so the list comparison runs in C)
+            return len(prev.seqs) == len(running) and prev.seqs == list(running)
+        return all(s.num_uncomputed_tokens == 1 and s.params.logprobs is None for s in running)
 
     def _pipelined_step(self) -> list[Sequence] | None:
         """Launch a decode step for every running request, take the last step's
@@ -684,19 +683,21 @@ class Engine:
         try:
             verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
             append = self._append_token
+            taken = []
             for i, verdict in verdicts.items():
                 seq = prev.seqs[i]
                 if verdict > 0:
-                    seq.pick_taken()
-                    outputs.append(seq)
+                    seq.refusal_streak = 0  # a pick taken ends the streak of refusals
+                    taken.append(seq)
                     append(seq, token_list[i], None, accepted=True, terminated=verdict == 2)
-                    ok.add(seq)
                 elif verdict == 0:
                     seq.pick_refused()  # masked until the model agrees with its grammar
                     refused.append(i)
                 else:  # the constraint failed (seq.error says how)
                     self._finish(seq, "abort")
                     outputs.append(seq)
+            outputs += taken
+            ok.update(taken)
             self.num_unmasked_picks += len(verdicts) - sum(v < 0 for v in verdicts.values())
             self.num_refused_picks += len(refused)
         finally:
@@ -728,6 +729,12 @@ class Engine:
         (state unchanged), 1 taken, 2 taken and the constraint is now
         terminated, -1 the constraint failed (``seq.error`` says how). A
         constraint class's ``accept_tokens`` hook takes all its rows in one call."""
+        constraints = [seq.constraint for seq in seqs]
+        kinds = set(map(type, constraints))
+        if len(kinds) == 1:  # (the usual batch: one kind of constraint, one call)
+            many = getattr(kinds.pop(), "accept_tokens", None)
+            if many is not None:
+                return _accept_many(many, seqs, constraints, tokens)
         verdicts = [0] * len(seqs)
         groups: dict = {}
         for j, seq in enumerate(seqs):
@@ -741,15 +748,8 @@ class Engine:
             except Exception as exc:
                 seq.error, verdicts[j] = f"constraint failed: {type(exc).__name__}: {exc}", -1
         for many, rows in groups.items():
-            try:
-                got = list(many([seqs[j].constraint for j in rows], [tokens[j] for j in rows]))
-                if len(got) != len(rows):
-                    raise ValueError(f"accept_tokens gave {len(got)} verdicts for {len(rows)} "
-                                     "tokens")
-            except Exception as exc:  # which of them moved is unknown: all of them fail
-                got = [-1] * len(rows)
-                for j in rows:
-                    seqs[j].error = f"constraint failed: {type(exc).__name__}: {exc}"
+            got = _accept_many(many, [seqs[j] for j in rows], [constraints[j] for j in rows],
+                               [tokens[j] for j in rows])
             for j, verdict in zip(rows, got):
                 verdicts[j] = verdict
         return verdicts
@@ -928,7 +928,7 @@ class Engine:
         seq.banned_tokens.setdefault(keep, set()).add(banned)
         seq.num_rollbacks += 1
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
-        seq.text = "".join(map(seq.detok.feed, seq.output_ids))
+        seq.text = seq.detok.feed_many(seq.output_ids)
         return True
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, *,
@@ -1122,6 +1122,22 @@ def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: t
     longest = -(-min(config.max_model_len or model_config.max_position_embeddings,
                      model_config.max_position_embeddings) // bs)
     return max(1, min(fit, config.max_num_seqs * longest, 2 ** 16))
+
+
+def _accept_many(many, seqs: list[Sequence], constraints: list, tokens: list[int]
+                 ) -> list[int]:
+    """A constraint class's ``accept_tokens`` hook over ``seqs``' ``constraints``:
+    its verdicts, or -1 for every row (with ``seq.error`` set) when it fails or
+    answers for another number of rows (which of them moved is unknown)."""
+    try:
+        got = many(constraints, tokens)
+        if len(got) != len(seqs):
+            raise ValueError(f"accept_tokens gave {len(got)} verdicts for {len(seqs)} tokens")
+        return got
+    except Exception as exc:
+        for seq in seqs:
+            seq.error = f"constraint failed: {type(exc).__name__}: {exc}"
+        return [-1] * len(seqs)
 
 
 def _dead_end_message(seq: Sequence, error: str) -> str:

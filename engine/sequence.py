@@ -136,7 +136,7 @@ class Sequence:
         """The output's text; tokens appended with :meth:`defer_text` are
         detokenized when it is read (most steps of most requests need no text)."""
         if self._undecoded:
-            self._text += "".join(map(self.detok.feed, self._undecoded))
+            self._text += self.detok.feed_many(self._undecoded)
             self._undecoded.clear()
         return self._text
 
@@ -151,10 +151,6 @@ class Sequence:
         self.refusal_streak += 1
         self.masked = True
         self.agreements_due = 1 << min(self.refusal_streak - 1, 4)
-
-    def pick_taken(self) -> None:
-        """Its unmasked greedy pick was taken."""
-        self.refusal_streak = 0
 
     def masked_pick_seen(self, agreed: bool) -> None:
         """A masked greedy pick was (``agreed``) or was not its unmasked argmax.

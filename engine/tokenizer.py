@@ -570,6 +570,26 @@ class IncrementalDetokenizer:
             return ""
         return self._emit(self._utf8.decode(self._bytes[token_id]))
 
+    def feed_many(self, token_ids: list[int]) -> str:
+        """:meth:`feed` of each of ``token_ids`` in turn, joined: the bytes are
+        decoded in one call (a request's deferred tokens, read at once).
+
+        Raises
+        ------
+        RequestError
+            An id is outside the vocabulary (nothing is fed then).
+        """
+        if not token_ids:
+            return ""
+        table = self._bytes
+        if min(token_ids) < 0 or max(token_ids) >= len(table):
+            bad = next(t for t in token_ids if not 0 <= t < len(table))
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {len(table)})")
+        skip = self._skip
+        data = b"".join([table[t] for t in token_ids if t not in skip] if skip
+                        else [table[t] for t in token_ids])
+        return self._emit(self._utf8.decode(data))
+
     def flush(self) -> str:
         """Return what is held back (an unfinished character becomes U+FFFD). Changes state."""
         return self._emit(self._utf8.decode(b"", final=True))

@@ -117,6 +117,7 @@ class XGrammarMatcher(Matcher):
         self._stops = stops  # xgrammar's stop tokens: only accepting one ends a matcher
         self._moved = False  # a token or text was offered (see Matcher._is_fresh)
         self._accept = matcher.accept_token
+        self._handle = getattr(matcher, "_handle", None)  # (for the native batch accept)
         self.fill_bitmask = matcher.fill_next_token_bitmask   # type: ignore[method-assign]
         self.is_completed = matcher.is_completed              # type: ignore[method-assign]
 
@@ -134,19 +135,34 @@ class XGrammarMatcher(Matcher):
         """Advance each matcher by its token, the xgrammar part in one native call
         (the engine's optional batch hook). Per row: 0 refused (state unchanged),
         1 taken, 2 taken and now terminated."""
+        if not matchers:
+            return []
+        first = matchers[0]
+        blocked, size, stops = first._blocked, first._size, first._stops
+        for m in matchers:
+            m._moved = True
+        # the usual batch: matchers of one vocabulary, no token xgrammar must not
+        # see, no stop token (so none can terminate): one pass, the checks in C
+        if (min(tokens) >= 0 and max(tokens) < size and blocked.isdisjoint(tokens)
+                and stops.isdisjoint(tokens)
+                and all(m._blocked is blocked and m._size == size for m in matchers)):
+            if _NATIVE_BATCH_ACCEPT is not None:
+                return _accept_pool().accept([m._handle for m in matchers], tokens)
+            return [int(v) for v in xgr.BatchGrammarMatcher.batch_accept_token(
+                [m._m for m in matchers], tokens)]
         status = [0] * len(matchers)
         rows, inner, taken = [], [], []
         for i, (m, t) in enumerate(zip(matchers, tokens)):
-            m._moved = True
             if m._may_offer(t):
                 rows.append(i)
-                inner.append(m._m)
+                inner.append(m)
                 taken.append(t)
         if rows:
             if _NATIVE_BATCH_ACCEPT is not None:
-                verdicts = _accept_pool().accept([x._handle for x in inner], taken)
+                verdicts = _accept_pool().accept([m._handle for m in inner], taken)
             else:
-                verdicts = xgr.BatchGrammarMatcher.batch_accept_token(inner, taken)
+                verdicts = xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in inner],
+                                                                      taken)
             for i, ok in zip(rows, verdicts):
                 if ok:
                     m = matchers[i]

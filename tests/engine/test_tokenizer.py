@@ -351,9 +351,33 @@ def test_incremental_detokenizer_on_arbitrary_ids(tok: Tokenizer) -> None:
             tok.decode(ids, skip_special_tokens=True), ids
 
 
+def test_feed_many_is_feed_token_by_token(tok: Tokenizer) -> None:
+    # Chunks of a stream decoded at once give the text fed one token at a time
+    # gives, split characters, a leading space and special tokens included.
+    rng = random.Random(1)
+    texts = [" leading space, then 🎉 and 日本語", "<|im_start|>x😀<|im_end|> Ω"]
+    for trial in range(120):
+        ids = tok.encode(texts[trial % 2]) if trial < 20 else \
+            [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 16))]
+        for skip in (False, True):
+            whole = "".join(_stream(tok, ids, skip_special_tokens=skip))
+            detok, parts, at = IncrementalDetokenizer(tok, skip_special_tokens=skip), [], 0
+            while at < len(ids):
+                n = rng.randrange(0, 5)
+                parts.append(detok.feed_many(ids[at:at + n]))
+                at += n
+            assert "".join(parts) + detok.flush() == whole, (ids, skip)
+
+
 def test_incremental_detokenizer_rejects_unknown_ids(tok: Tokenizer) -> None:
     with pytest.raises(RequestError):
         IncrementalDetokenizer(tok).feed(tok.vocab_size)
+    detok = IncrementalDetokenizer(tok)
+    with pytest.raises(RequestError, match=str(tok.vocab_size + 3)):
+        detok.feed_many([5, tok.vocab_size + 3])
+    with pytest.raises(RequestError, match="-1"):
+        detok.feed_many([-1])
+    assert detok.feed_many([tok.encode("ok")[0]]) != ""  # nothing was fed by the failed calls
 
 
 # ------------------------------------------------------------------ other sources
