@@ -34,6 +34,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from formcast.engine.kernels import current_stream
 from formcast.engine.kernels.sampling import greedy_picks
 from formcast.engine.layers.attention import AttentionMetadata
 
@@ -236,7 +237,7 @@ class DecodeGraphs:
         self._dev[4 * m:4 * m + width].copy_(host[4 * m:4 * m + width], non_blocking=True)
         if tokens is not None:
             self._dev[:n].copy_(tokens)
-        self._copied.record(torch.cuda.current_stream(self._dev.device))
+        self._copied.record(current_stream(self._dev.device))
         self._copy ^= 1
         self._graphs[b][self._copy].replay()
         self._last = b

@@ -23,7 +23,7 @@ from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.constraint import LogitsConstraint
 from formcast.engine.cuda_graph import graph_ladder
-from formcast.engine.kernels import to_device
+from formcast.engine.kernels import current_stream, to_device
 from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -131,6 +131,7 @@ class Engine:
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []  # outputs owed to the next step (aborts, drains)
         self._inflight: _InFlight | None = None  # a launched step the host has not taken
+        self._host_slots: _HostSlots | None = None  # where in-flight steps land (CUDA)
         asynchronous = self.config.async_scheduling
         if asynchronous is None:
             asynchronous = self.device.type == "cuda"
@@ -472,17 +473,19 @@ class Engine:
                 unchecked = {at[live[j]]: r for j, r in unchecked.items()}
                 watched = [at[live[j]] for j in watched]
             both = merged
-        cuda = both.is_cuda
-        host = torch.empty(2, len(seqs), dtype=torch.long, pin_memory=cuda)
-        host.copy_(both, non_blocking=cuda)
-        agree_host = None
-        if watched:
-            agree_host = torch.empty(len(watched), dtype=torch.bool, pin_memory=cuda)
-            agree_host.copy_(agree, non_blocking=cuda)
         ready = None
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        if both.is_cuda:
+            if self._host_slots is None:
+                self._host_slots = _HostSlots(self.config.max_num_seqs)
+            host, agree_host, ready = self._host_slots.next(len(seqs), len(watched))
+        else:
+            host = torch.empty(2, len(seqs), dtype=torch.long)
+            agree_host = torch.empty(len(watched), dtype=torch.bool) if watched else None
+        host.copy_(both, non_blocking=True)
+        if watched:
+            agree_host.copy_(agree, non_blocking=True)
+        if ready is not None:
+            ready.record(current_stream(self.device))
         self._inflight = _InFlight(seqs=seqs, tokens=both[0], host=host, ready=ready,
                                    logits=logits if unchecked else None, unchecked=unchecked,
                                    watched=watched, agree=agree_host)
@@ -1151,6 +1154,34 @@ def _dead_end_message(seq: Sequence, error: str) -> str:
     if seq.error:
         parts.append(seq.error)
     return "; ".join(parts)
+
+
+class _HostSlots:
+    """Pinned host buffers that pipelined steps' tokens and agreement flags are
+    copied into, and the events that fire once they are filled: two sets, used
+    in turn, since a step's set is read before the step after next is sampled
+    (pinned memory and an event made for every step cost tens of microseconds
+    of the host's time a step)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self._tokens = [torch.empty(2 * rows, dtype=torch.long, pin_memory=True)
+                        for _ in range(2)]
+        self._flags = [torch.empty(rows, dtype=torch.bool, pin_memory=True) for _ in range(2)]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn = 0
+
+    def next(self, n: int, watched: int
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]:
+        """The next set: ``[2, n]`` tokens, ``[watched]`` flags (None for 0), its event."""
+        if n > self.rows or watched > self.rows:  # (more rows than running requests can be)
+            flags = torch.empty(watched, dtype=torch.bool, pin_memory=True) if watched else None
+            return (torch.empty(2, n, dtype=torch.long, pin_memory=True), flags,
+                    torch.cuda.Event())
+        k = self._turn
+        self._turn ^= 1
+        return (self._tokens[k][:2 * n].view(2, n),
+                self._flags[k][:watched] if watched else None, self._events[k])
 
 
 @dataclass(eq=False, kw_only=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from formcast.engine.constraint import bitmask_words
-from formcast.engine.kernels import to_device, triton_available
+from formcast.engine.kernels import current_stream, to_device, triton_available
 from formcast.engine.kernels.bitmask import apply_token_bitmask_, masked_argmax_
 from formcast.engine.kernels.sampling import greedy_picks, row_seed, sample
 from formcast.engine.sampling_params import SamplingParams
@@ -144,7 +144,7 @@ class Sampler:
         masked_argmax_(out, logits, filled.bitmask, rows, cols, agree,
                        vocab_size=self.valid_vocab_size)
         if filled.ring_slot is not None:  # on the stream that copies the mask
-            self._ring_used[filled.ring_slot].record(torch.cuda.current_stream(logits.device))
+            self._ring_used[filled.ring_slot].record(current_stream(logits.device))
         return agree
 
     def greedy_unmasked(self, logits: torch.Tensor) -> torch.Tensor:
@@ -235,8 +235,7 @@ class Sampler:
                 apply_token_bitmask_(logits, filled.bitmask, None if every else
                                      to_device(filled.rows, torch.long, logits.device))
                 if filled.ring_slot is not None:  # on the stream that copies the mask
-                    self._ring_used[filled.ring_slot].record(
-                        torch.cuda.current_stream(logits.device))
+                    self._ring_used[filled.ring_slot].record(current_stream(logits.device))
         for i, seq in enumerate(seqs):
             banned = seq.banned_tokens.get(len(seq)) if seq.banned_tokens else None
             if banned:

@@ -312,6 +312,17 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, native, monk
         assert h.is_terminated() == p.is_terminated() == (want == 2)
         if want != 2:
             assert torch.equal(_mask(h, person), _mask(p, person))
+    # a batch of ordinary tokens only (no stop, special or outside token) takes
+    # the one-pass way: the same verdicts and states
+    ordinary = [(person, brace, 1), (person, one, 0), (digits, one, 1), (digits, brace, 0)]
+    hooked = [grammar.matcher() for grammar, _, _ in ordinary]
+    plain = [grammar.matcher() for grammar, _, _ in ordinary]
+    tokens = [t for _, t, _ in ordinary]
+    assert type(hooked[0]).accept_tokens(hooked, tokens) == [want for _, _, want in ordinary]
+    for h, p, t in zip(hooked, plain, tokens):
+        p.accept(t)
+        assert torch.equal(_mask(h, person), _mask(p, person))
+        assert not h._is_fresh()
 
 
 @pytest.mark.skipif(not _has_native_batch_accept(),
