@@ -71,7 +71,7 @@ class DecodeStaging:
         self.tokens, self.positions = h[:m], h[m:2 * m]
         self.slots, self.lens = h[2 * m:3 * m], h[3 * m:4 * m]
         self.tables = h[4 * m:].reshape(m, max_blocks)
-        self._rows: list[int] | None = None          # id() of each row's sequence
+        self._rows: list | None = None               # each row's sequence
         self._table_len = np.zeros(m, dtype=np.int64)  # entries written for that sequence
         self.pad(0, m)
 
@@ -106,16 +106,17 @@ class DecodeStaging:
         """Rows for ``seqs``, each decoding at its ``num_computed_tokens`` over its
         ``block_table`` (tokens come from the device), padding up to ``padded``."""
         n, bs = len(seqs), self.block_size
-        ids = list(map(id, seqs))
-        if ids != self._rows:
+        # (sequences compare by identity: in steady decoding the rows stay, and the
+        # lists compare in C)
+        if self._rows is None or len(seqs) != len(self._rows) or seqs != self._rows:
             # rows move: gather what each sequence's old row holds; new ones start empty
-            old = {} if self._rows is None else {r: i for i, r in enumerate(self._rows)}
-            src = np.fromiter((old.get(r, -1) for r in ids), dtype=np.int64, count=n)
+            old = {} if self._rows is None else {id(r): i for i, r in enumerate(self._rows)}
+            src = np.fromiter((old.get(id(r), -1) for r in seqs), dtype=np.int64, count=n)
             kept = src >= 0
             width = int(self._table_len[src[kept]].max(initial=0))
             self.tables[:n][kept, :width] = self.tables[src[kept], :width]
             self._table_len[:n] = np.where(kept, self._table_len[src], 0)
-            self._rows = ids
+            self._rows = list(seqs)
         pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         block = pos // bs
         for i in np.flatnonzero(block >= self._table_len[:n]).tolist():
