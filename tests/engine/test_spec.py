@@ -141,7 +141,9 @@ def test_auto_drafts_only_forced_tokens_past_its_batch_limit(engine):
                                      constraints=[compiled.matcher() for _ in TEXTS * 2] + [None])
 
     plain = run("none")
-    forced = run(SpecConfig(method="auto", auto_max_batch=4))
+    # (every draft verified whole: how much of one a step verifies otherwise
+    # depends on the step times measured, and so does the count of forced tokens)
+    forced = run(SpecConfig(method="auto", auto_max_batch=4, scheduled=False))
     assert [o.token_ids for o in forced] == [o.token_ids for o in plain]
     assert sum(o.metrics.num_forced_tokens for o in forced) > 20
     assert forced[-1].metrics.num_draft_tokens == 0   # unconstrained: nothing guessed
