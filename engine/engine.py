@@ -663,9 +663,12 @@ class Engine:
             if seq.status is FINISHED or i in unchecked and i not in errors:
                 continue  # (FINISHED: aborted meanwhile, its output went out then)
             outputs.append(seq)
-            if seq.constraint is not None and i not in errors:
+            if i in errors:
+                self._settle(seq, token_list[i], None, errors[i])
+            elif seq.constraint is not None:
                 masked.append(i)
-            elif self._settle(seq, token_list[i], None, errors.get(i)):
+            else:
+                self._append_token(seq, token_list[i], None)
                 ok.add(seq)
         if masked:
             seqs = [prev.seqs[i] for i in masked]
