@@ -47,6 +47,7 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A list as a tensor on ``device`` without a host sync: a CUDA copy from
     pageable memory waits for the stream to drain (in steady decoding, for the
     forward in flight), so it goes through pinned memory, non-blocking."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype).to(device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
