@@ -659,6 +659,8 @@ class Engine:
         # that stay masked are then filled on the mask thread while the unmasked
         # picks are checked, both in native code without the interpreter lock
         masked = []  # sampled under their masks: their constraints take them in one go
+        free: list[Sequence] = []
+        free_tokens: list[int] = []
         for i, seq in enumerate(prev.seqs):
             if seq.status is FINISHED or i in unchecked and i not in errors:
                 continue  # (FINISHED: aborted meanwhile, its output went out then)
@@ -668,18 +670,20 @@ class Engine:
             elif seq.constraint is not None:
                 masked.append(i)
             else:
-                self._append_token(seq, token_list[i], None)
-                ok.add(seq)
+                free.append(seq)
+                free_tokens.append(token_list[i])
+        self._append_taken(free, free_tokens, [1] * len(free))
+        ok.update(free)
         if masked:
             seqs = [prev.seqs[i] for i in masked]
             tokens = [token_list[i] for i in masked]
-            for seq, token, verdict in zip(seqs, tokens, self._accept_batch(seqs, tokens)):
+            verdicts = self._accept_batch(seqs, tokens)
+            for seq, token, verdict in zip(seqs, tokens, verdicts):
                 if verdict <= 0:  # a token its own mask allowed, or the constraint failed
                     seq.error = seq.error or f"constraint rejected sampled token {token}"
                     self._finish(seq, "abort")
-                    continue
-                self._append_token(seq, token, None, accepted=True, terminated=verdict == 2)
-                ok.add(seq)
+            self._append_taken(seqs, tokens, verdicts)
+            ok.update(seq for seq, verdict in zip(seqs, verdicts) if verdict > 0)
         ahead = None
         if defer and unchecked:  # (the rows the next sampling draws, as it will list them)
             nxt = [s for s in outputs if s in ok and s.status is not FINISHED
@@ -688,20 +692,21 @@ class Engine:
                 ahead = nxt, self._fill_masks_async(nxt)
         try:
             verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
-            append = self._append_token
-            taken = []
+            taken, taken_tokens, taken_verdicts = [], [], []
             for i, verdict in verdicts.items():
                 seq = prev.seqs[i]
                 if verdict > 0:
                     seq.refusal_streak = 0  # a pick taken ends the streak of refusals
                     taken.append(seq)
-                    append(seq, token_list[i], None, accepted=True, terminated=verdict == 2)
+                    taken_tokens.append(token_list[i])
+                    taken_verdicts.append(verdict)
                 elif verdict == 0:
                     seq.pick_refused()  # masked until the model agrees with its grammar
                     refused.append(i)
                 else:  # the constraint failed (seq.error says how)
                     self._finish(seq, "abort")
                     outputs.append(seq)
+            self._append_taken(taken, taken_tokens, taken_verdicts)
             outputs += taken
             ok.update(taken)
             self.num_unmasked_picks += len(verdicts) - sum(v < 0 for v in verdicts.values())
@@ -936,6 +941,23 @@ class Engine:
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         seq.text = seq.detok.feed_many(seq.output_ids)
         return True
+
+    def _append_taken(self, seqs: list[Sequence], tokens: list[int], verdicts: list[int]
+                      ) -> None:
+        """:meth:`_append_token` of each of ``seqs``' ``tokens`` that its
+        constraint (if any) took, by :meth:`_accept_batch`'s ``verdicts`` (rows
+        under 1 are skipped), without logprobs. A token that cannot end its
+        request (no end-of-sequence or stop token, no stop strings to look for,
+        room left, not the first) is appended here in a few operations: every
+        row, every step."""
+        eos, append = self.eos_token_ids, self._append_token
+        for seq, token, verdict in zip(seqs, tokens, verdicts):
+            if verdict == 1 and seq.ends_on_length_only and token not in eos and \
+                    len(seq.token_ids) + 1 < seq.max_total_len and seq.first_token_time:
+                seq.token_ids.append(token)
+                seq.defer_text(token)
+            elif verdict > 0:
+                append(seq, token, None, accepted=True, terminated=verdict == 2)
 
     def _append_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None, *,
                       accepted: bool = False, terminated: bool | None = None) -> None:

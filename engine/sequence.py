@@ -95,6 +95,9 @@ class Sequence:
         self.generator = generator
         # generation stops at max_tokens or when the context is full
         self.max_total_len = min(max_total_len, self.num_prompt_tokens + params.max_tokens)
+        # no stop strings or stop tokens: a token that is not an end-of-sequence
+        # token ends the request only by its length
+        self.ends_on_length_only = not params.stop and not params.stop_token_ids
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full, computed blocks
