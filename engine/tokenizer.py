@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -585,10 +586,9 @@ class IncrementalDetokenizer:
         if min(token_ids) < 0 or max(token_ids) >= len(table):
             bad = next(t for t in token_ids if not 0 <= t < len(table))
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {len(table)})")
-        skip = self._skip
-        data = b"".join([table[t] for t in token_ids if t not in skip] if skip
-                        else [table[t] for t in token_ids])
-        return self._emit(self._utf8.decode(data))
+        if self._skip:
+            token_ids = itertools.filterfalse(self._skip.__contains__, token_ids)
+        return self._emit(self._utf8.decode(b"".join(map(table.__getitem__, token_ids))))
 
     def flush(self) -> str:
         """Return what is held back (an unfinished character becomes U+FFFD). Changes state."""
