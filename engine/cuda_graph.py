@@ -107,8 +107,8 @@ class DecodeStaging:
         ``block_table`` (tokens come from the device), padding up to ``padded``."""
         n, bs = len(seqs), self.block_size
         # (sequences compare by identity: in steady decoding the rows stay, and the
-        # lists compare in C)
-        if self._rows is None or len(seqs) != len(self._rows) or seqs != self._rows:
+        # lists compare in C, lengths first)
+        if self._rows is None or seqs != self._rows:
             # rows move: gather what each sequence's old row holds; new ones start empty
             old = {} if self._rows is None else {id(r): i for i, r in enumerate(self._rows)}
             src = np.fromiter((old.get(id(r), -1) for r in seqs), dtype=np.int64, count=n)

@@ -396,7 +396,7 @@ class Engine:
         if prev is not None:
             # (the rows in flight, unchanged since: their state is the pipeline's own.
             # Sequences compare by identity, so the list comparison runs in C)
-            return len(prev.seqs) == len(running) and prev.seqs == list(running)
+            return prev.seqs == list(running)
         return all(s.num_uncomputed_tokens == 1 and s.params.logprobs is None for s in running)
 
     def _pipelined_step(self) -> list[Sequence] | None:
@@ -1199,7 +1199,7 @@ class _HostSlots:
     def next(self, n: int, watched: int
              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Event]:
         """The next set: ``[2, n]`` tokens, ``[watched]`` flags (None for 0), its event."""
-        if n > self.rows or watched > self.rows:  # (more rows than running requests can be)
+        if n > self.rows:  # (more rows than running requests can be; watched <= n)
             flags = torch.empty(watched, dtype=torch.bool, pin_memory=True) if watched else None
             return (torch.empty(2, n, dtype=torch.long, pin_memory=True), flags,
                     torch.cuda.Event())
