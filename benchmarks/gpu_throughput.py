@@ -154,28 +154,22 @@ def part_hf(eng: Engine, tok: Tokenizer, shape: str, sizes: list[int], n: int) -
 
 
 def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
-                     profile: bool, accept_threads: int = 4) -> None:
+                     profile: bool) -> None:
     from formcast.grammars import JsonSchema, compile
 
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-    from formcast.grammars.backends import xgrammar_backend
-
-    threads = xgrammar_backend._accept_pool().workers + 1
-    alt = f"{accept_threads} thr"
     print(f"\n[2] constrained (JSON Schema, every row) vs unconstrained, {n} tokens a row"
-          "\n    json: unmasked greedy picks checked by the grammar (the default), a batch's"
-          f" picks accepted on {threads} thread(s);\n    {alt}: the same on {accept_threads}"
-          " threads; masked: a mask filled for every row at every step (unmasked_greedy=False)")
+          "\n    json: unmasked greedy picks checked by the grammar (the default);"
+          "\n    masked: a mask filled for every row at every step (unmasked_greedy=False)")
     print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>7} "
-          f"{alt + ' tok/s':>12} {'ratio':>7} {'masked tok/s':>13} {'ratio':>7} "
-          f"{'picks refused':>14}")
+          f"{'masked tok/s':>13} {'ratio':>7} {'picks refused':>14}")
     unmasked = eng.config
     masked = dataclasses.replace(unmasked, unmasked_greedy=False)
     for bs in sizes:
         ps = prompts(tok, bs)
         # alternate sides, best of three each: the host is shared and noisy
-        free, json_, json_serial, json_masked = [], [], [], []
+        free, json_, json_masked = [], [], []
         picks, refused = eng.num_unmasked_picks, eng.num_refused_picks
         for _ in range(3):
             secs, count = timed_generate(eng, ps, sp)
@@ -183,11 +177,6 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
             secs, count = timed_generate(eng, ps, sp,
                                          lambda: [compiled.matcher() for _ in ps])
             json_.append(count / secs)
-            xgrammar_backend.set_accept_threads(accept_threads)
-            secs, count = timed_generate(eng, ps, sp,
-                                         lambda: [compiled.matcher() for _ in ps])
-            json_serial.append(count / secs)
-            xgrammar_backend.set_accept_threads(threads)
             eng.config = masked
             secs, count = timed_generate(eng, ps, sp,
                                          lambda: [compiled.matcher() for _ in ps])
@@ -197,8 +186,7 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
         out = eng.generate(ps[:1], sp, constraints=[compiled.matcher()])[0]
         assert '"records"' in out.text[:60], out.text[:80]
         print(f"{bs:>5} {max(free):>11.0f} {max(json_):>11.0f} "
-              f"{max(json_) / max(free):>6.3f} {max(json_serial):>12.0f} "
-              f"{max(json_serial) / max(free):>6.3f} {max(json_masked):>13.0f} "
+              f"{max(json_) / max(free):>6.3f} {max(json_masked):>13.0f} "
               f"{max(json_masked) / max(free):>6.3f} {picks:>8} {refused:>5}", flush=True)
         if profile:  # where the host's time goes (main thread), free then constrained
             for constraints in (None, [compiled.matcher() for _ in ps]):
@@ -258,8 +246,6 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--skip", default="", help="comma list of: hf, constrained, bound")
     ap.add_argument("--profile", action="store_true", help="host profile of a constrained run")
-    ap.add_argument("--accept-threads", type=int, default=4,
-                    help="part 2's second JSON run accepts on this many threads")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = ap.parse_args()
     global DEVICE
@@ -279,7 +265,7 @@ def main() -> None:
         if "hf" not in skip:
             part_hf(eng, tok, args.shape, sizes, args.tokens)
         if "constrained" not in skip:
-            part_constrained(eng, tok, csizes, args.tokens, args.profile, args.accept_threads)
+            part_constrained(eng, tok, csizes, args.tokens, args.profile)
         del eng
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()

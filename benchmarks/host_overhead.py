@@ -11,8 +11,7 @@ returns rows of a fixed pool of random logits (their argmax as the graph's
 greedy picks). The masked-argmax kernel, one launch on the GPU, is timed and
 left out of the figures.
 
-Prints microseconds per pipelined step, free and JSON (with a batch's grammar
-accepts on the default threads and on ``--accept-threads``), and how many picks the
+Prints microseconds per pipelined step, free and JSON, and how many picks the
 grammars took and refused. The random logits make a random model, as the GPU
 benchmark's random weights do: most picks inside strings are taken, picks where
 the schema forces punctuation are refused.
@@ -36,7 +35,6 @@ from formcast.engine.cuda_graph import DecodeStaging
 from formcast.engine.engine import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 from formcast.grammars import JsonSchema, compile
-from formcast.grammars.backends import xgrammar_backend
 from gpu_throughput import SCHEMA, prompts
 
 POOL = 2048  # rows of random logits the stub hands out
@@ -114,8 +112,6 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="64,256")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5, help="runs of each side, alternating")
-    ap.add_argument("--accept-threads", type=int, default=4,
-                    help="the second JSON run accepts on this many threads")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
@@ -123,28 +119,20 @@ def main() -> None:
     eng, masked_secs = stub_engine(tok, max(sizes))
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    threads = xgrammar_backend._accept_pool().workers + 1
-    alt = f"{args.accept_threads} thr"
     print(f"host us per pipelined step (median of {args.reps}, forward stubbed), "
-          f"{args.tokens} tokens a row; json: accepts on {threads} thread(s), {alt}: on "
-          f"{args.accept_threads}")
-    print(f"{'batch':>5} {'free':>7} {'json':>7} {alt:>7} {'json/free':>9} "
-          f"{'picks':>7} {'refused':>7}")
+          f"{args.tokens} tokens a row")
+    print(f"{'batch':>5} {'free':>7} {'json':>7} {'json/free':>9} {'picks':>7} {'refused':>7}")
     for bs in sizes:
         ps = prompts(tok, bs)
         host_us_per_step(eng, masked_secs, ps, sp, None)  # warm-up
-        free, json_, serial = [], [], []
+        free, json_ = [], []
         for _ in range(args.reps):
             free.append(host_us_per_step(eng, masked_secs, ps, sp, None)[0])
             us, picks, refused = host_us_per_step(eng, masked_secs, ps, sp,
                                                   [compiled.matcher() for _ in ps])
             json_.append(us)
-            xgrammar_backend.set_accept_threads(args.accept_threads)
-            serial.append(host_us_per_step(eng, masked_secs, ps, sp,
-                                           [compiled.matcher() for _ in ps])[0])
-            xgrammar_backend.set_accept_threads(threads)
-        f, j, s = (statistics.median(v) for v in (free, json_, serial))
-        print(f"{bs:>5} {f:>7.0f} {j:>7.0f} {s:>7.0f} {j / f:>9.2f} {picks:>7} {refused:>7}",
+        f, j = statistics.median(free), statistics.median(json_)
+        print(f"{bs:>5} {f:>7.0f} {j:>7.0f} {j / f:>9.2f} {picks:>7} {refused:>7}",
               flush=True)
     gc.unfreeze()  # (the engine froze the heap: let it go at exit)
 

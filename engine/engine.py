@@ -130,6 +130,7 @@ class Engine:
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []  # outputs owed to the next step (aborts, drains)
+        self._num_finishes = 0  # calls of _finish: a step in flight whose count moved lost rows
         self._inflight: _InFlight | None = None  # a launched step the host has not taken
         self._host_slots: _HostSlots | None = None  # where in-flight steps land (CUDA)
         asynchronous = self.config.async_scheduling
@@ -431,17 +432,33 @@ class Engine:
             raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self._inflight = None
         self._masks_ahead = None
+        finishes = self._num_finishes
         taken, ok, refused = self._take(prev, defer=True) if prev is not None else ([], None, [])
-        rows, live = [], []
-        for i, s in enumerate(launch):
-            # a request that finished, backed out of a dead end or had its pick
-            # refused drops its row
-            if s.status is not FINISHED and (ok is None or s in ok):
-                s.num_computed_tokens += 1
-                if s.num_computed_tokens % bs == 0:  # a block just filled: hash it
+        # (the rows in flight all launched again and none ended: rows stay in place)
+        same = ok is None or finishes == self._num_finishes and len(launch) == len(prev.seqs)
+        if same and (ok is None or len(ok) + len(refused) == len(launch)):
+            # every row took its token or had its pick refused (the usual step): the
+            # rest stay
+            rows, live = range(len(launch)), launch
+            if refused:
+                drop = sorted(refused)
+                rows, live = _without(rows, drop), _without(launch, drop)
+            for s in live:
+                n = s.num_computed_tokens = s.num_computed_tokens + 1
+                if not n % bs:  # a block just filled: hash it
                     bm.commit(s)
-                rows.append(i)
-                live.append(s)
+        else:
+            same = False
+            rows, live = [], []
+            for i, s in enumerate(launch):
+                # a request that finished, backed out of a dead end or had its pick
+                # refused drops its row
+                if s.status is not FINISHED and s in ok:
+                    s.num_computed_tokens += 1
+                    if s.num_computed_tokens % bs == 0:  # a block just filled: hash it
+                        bm.commit(s)
+                    rows.append(i)
+                    live.append(s)
         # rows whose unmasked pick was refused: sampled again under their masks
         fixed, fixed_both = self._resample(prev, refused) if refused else ([], None)
         if not live and not fixed:
@@ -458,20 +475,28 @@ class Engine:
                 if fixed:
                     self._settle_on_host(fixed, fixed_both)
                 return taken + live + fixed
-        both, unchecked, watched, agree = picked if picked is not None else (None, {}, [], None)
+        both, unchecked, watched, agree, free, masked = \
+            picked if picked is not None else (None, {}, [], None, [], [])
         seqs = live
         if fixed:  # in-flight rows keep the running order
-            members = set(live).union(fixed)
-            seqs = [s for s in running if s in members]
-            at = {s: k for k, s in enumerate(seqs)}
+            if same and len(fixed) == len(refused):  # (all launched rows are back: in place)
+                seqs, at_fixed, at_live = launch, refused, rows
+            else:
+                members = set(live).union(fixed)
+                seqs = [s for s in running if s in members]
+                at = {s: k for k, s in enumerate(seqs)}
+                at_fixed, at_live = [at[s] for s in fixed], [at[s] for s in live]
             dev = fixed_both.device
             merged = torch.empty(2, len(seqs), dtype=torch.long, device=dev)
-            index = to_device([at[s] for s in fixed] + [at[s] for s in live], torch.long, dev)
+            index = to_device(at_fixed + at_live, torch.long, dev)
             merged[:, index[:len(fixed)]] = fixed_both
             if live:
                 merged[:, index[len(fixed):]] = both
-                unchecked = {at[live[j]]: r for j, r in unchecked.items()}
-                watched = [at[live[j]] for j in watched]
+                unchecked = {at_live[j]: r for j, r in unchecked.items()}
+                watched = [at_live[j] for j in watched]
+                free = [at_live[j] for j in free]
+            # (rows sampled again under their masks: constrained)
+            masked = sorted([at_live[j] for j in masked] + at_fixed)
             both = merged
         ready = None
         if both.is_cuda:
@@ -488,7 +513,8 @@ class Engine:
             ready.record(current_stream(self.device))
         self._inflight = _InFlight(seqs=seqs, tokens=both[0], host=host, ready=ready,
                                    logits=logits if unchecked else None, unchecked=unchecked,
-                                   watched=watched, agree=agree_host)
+                                   watched=watched, agree=agree_host, free=free, masked=masked,
+                                   finishes=self._num_finishes)
         return taken
 
     def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
@@ -503,18 +529,26 @@ class Engine:
         the rows given an unmasked pick that their constraint has yet to check
         (index into ``live`` -> its logits row); the masked greedy rows watched for
         agreement and, on the device, whether each one's masked pick is its
-        unmasked argmax. None when a constraint failed to fill its mask."""
+        unmasked argmax; the rows without a constraint; the other constrained rows
+        (sampled under their masks). None when a constraint failed to fill its mask."""
         unmasked = self.config.unmasked_greedy
-        plain, drawn, unchecked, watch = [], [], {}, []
+        plain, drawn, unchecked, watch, free = [], [], {}, [], []
+        # (the rule of _picks_unmasked, unrolled: this runs for every row, every step)
         for j, s in enumerate(live):
-            if self._picks_unmasked(s):
-                plain.append(j)
-                if s.constraint is not None:
+            greedy = s.params.greedy and not s.banned_tokens
+            if s.constraint is None:
+                free.append(j)
+                if greedy:
+                    plain.append(j)
+                    continue
+            elif greedy and unmasked:
+                if not s.masked:
+                    plain.append(j)
                     unchecked[j] = j if rows is None else rows[j]
-                continue
-            if unmasked and s.masked and s.params.greedy and not s.banned_tokens:
+                    continue
                 watch.append(len(drawn))  # (masked since a refused pick: watched for agreement)
             drawn.append(j)
+        masked = [j for j in drawn if live[j].constraint is not None] if drawn else []
         dev = logits.device
         seqs = live if not plain else [live[j] for j in drawn]
         watched = [drawn[k] for k in watch]
@@ -545,7 +579,7 @@ class Engine:
         if gather:
             greedy = greedy[:, next(index)]  # (a copy: the graph's output stays as it is)
         if not drawn:
-            return greedy, unchecked, [], None
+            return greedy, unchecked, [], None, free, masked
         if masked_only:
             masks = self._masks_for(seqs)
             if masks.errors:
@@ -558,7 +592,7 @@ class Engine:
             agree = self.sampler.greedy_masked_(out, logits, at, cols, masks)
             if len(watch) < len(drawn):
                 agree = agree[subset] if watch else None
-            return out, unchecked, watched, agree
+            return out, unchecked, watched, agree, free, masked
         at, w, w_cols, cols = next(index), next(index), next(index), next(index)
         masks = None
         if any(s.constraint is not None for s in seqs):
@@ -571,11 +605,11 @@ class Engine:
         both = torch.stack((sampled, dead.long()))
         agree = sampled[w] == greedy[0, w_cols] if watch else None
         if not plain:
-            return both, unchecked, watched, agree
+            return both, unchecked, watched, agree, free, masked
         if not gather:
             greedy = greedy.clone()  # (the graph's own output otherwise)
         greedy[:, cols] = both
-        return greedy, unchecked, watched, agree
+        return greedy, unchecked, watched, agree, free, masked
 
     def _picks_unmasked(self, s: Sequence) -> bool:
         """Whether a pipelined step gives ``s`` the unmasked argmax (checked later
@@ -648,69 +682,81 @@ class Engine:
             prev.ready.synchronize()
         token_list, dead_list = prev.host.tolist()
         errors: dict[int, str] = {}
-        token_list = Sampler.finish_rows(token_list, dead_list, errors)
+        if any(dead_list):
+            token_list = Sampler.finish_rows(token_list, dead_list, errors)
+        seqs = prev.seqs
         if prev.watched:
             for i, agreed in zip(prev.watched, prev.agree.tolist()):
-                prev.seqs[i].masked_pick_seen(agreed)
-        unchecked = prev.unchecked
+                seqs[i].masked_pick_seen(agreed)
+        free, masked, checked = prev.free, prev.masked, list(prev.unchecked)
+        outputs: list[Sequence] = []
+        if errors or self._num_finishes != prev.finishes:
+            # rows that failed to sample, and requests ended meanwhile (aborted: their
+            # output went out then), take nothing
+            gone = {i for i, seq in enumerate(seqs) if seq.status is FINISHED}
+            for i in sorted(errors.keys() - gone):
+                outputs.append(seqs[i])
+                self._settle(seqs[i], token_list[i], None, errors[i])
+            gone.update(errors)
+            free, masked, checked = ([i for i in rows if i not in gone]
+                                     for rows in (free, masked, checked))
         ok: set[Sequence] = set()
-        outputs, refused = [], []
-        # sampled rows (masked, free, or failed) first: the next masks of those
-        # that stay masked are then filled on the mask thread while the unmasked
-        # picks are checked, both in native code without the interpreter lock
-        masked = []  # sampled under their masks: their constraints take them in one go
-        free: list[Sequence] = []
-        free_tokens: list[int] = []
-        for i, seq in enumerate(prev.seqs):
-            if seq.status is FINISHED or i in unchecked and i not in errors:
-                continue  # (FINISHED: aborted meanwhile, its output went out then)
-            outputs.append(seq)
-            if i in errors:
-                self._settle(seq, token_list[i], None, errors[i])
-            elif seq.constraint is not None:
-                masked.append(i)
-            else:
-                free.append(seq)
-                free_tokens.append(token_list[i])
-        self._append_taken(free, free_tokens, [1] * len(free))
-        ok.update(free)
-        if masked:
-            seqs = [prev.seqs[i] for i in masked]
-            tokens = [token_list[i] for i in masked]
-            verdicts = self._accept_batch(seqs, tokens)
-            for seq, token, verdict in zip(seqs, tokens, verdicts):
+        refused: list[int] = []
+        # sampled rows (masked, free) first: the next masks of those that stay
+        # masked are then filled on the mask thread while the unmasked picks are
+        # checked, both in native code
+        if free:
+            rows, tokens = self._rows_of(seqs, token_list, free)
+            self._append_taken(rows, tokens)
+            outputs += rows
+            ok.update(rows)
+        if masked:  # sampled under their masks: their constraints take them in one go
+            rows, tokens = self._rows_of(seqs, token_list, masked)
+            verdicts = self._accept_batch(rows, tokens)
+            for seq, token, verdict in zip(rows, tokens, verdicts):
                 if verdict <= 0:  # a token its own mask allowed, or the constraint failed
                     seq.error = seq.error or f"constraint rejected sampled token {token}"
                     self._finish(seq, "abort")
-            self._append_taken(seqs, tokens, verdicts)
-            ok.update(seq for seq, verdict in zip(seqs, verdicts) if verdict > 0)
+            self._append_taken(rows, tokens, verdicts)
+            outputs += rows
+            ok.update(seq for seq, verdict in zip(rows, verdicts) if verdict > 0)
         ahead = None
-        if defer and unchecked:  # (the rows the next sampling draws, as it will list them)
-            nxt = [s for s in outputs if s in ok and s.status is not FINISHED
+        if defer and checked and masked:  # (the rows the next sampling draws, as it lists them)
+            nxt = [seqs[i] for i in (sorted(free + masked) if free else masked)]
+            nxt = [s for s in nxt if s in ok and s.status is not FINISHED
                    and not self._picks_unmasked(s)]
             if any(s.constraint is not None for s in nxt):
                 ahead = nxt, self._fill_masks_async(nxt)
         try:
-            verdicts = self._check_picks(prev, token_list, errors) if unchecked else {}
-            taken, taken_tokens, taken_verdicts = [], [], []
-            for i, verdict in verdicts.items():
-                seq = prev.seqs[i]
-                if verdict > 0:
+            if checked:  # unmasked greedy picks, offered to their constraints now
+                rows, tokens = self._rows_of(seqs, token_list, checked)
+                verdicts = self._accept_batch(rows, tokens)
+                # rows not simply taken (refused, ended or failed) are few: the rest
+                # go through in slices
+                odd = [] if verdicts.count(1) == len(verdicts) else \
+                    [k for k, v in enumerate(verdicts) if v != 1]
+                if odd:
+                    for k in odd:
+                        seq, verdict = rows[k], verdicts[k]
+                        if verdict == 0:
+                            seq.pick_refused()  # masked until the model agrees with its grammar
+                            refused.append(checked[k])
+                            continue
+                        if verdict == 2:  # taken, and the constraint is now done
+                            seq.refusal_streak = 0
+                            self._append_taken([seq], [tokens[k]], [2])
+                            ok.add(seq)
+                        else:  # the constraint failed (seq.error says how)
+                            self._finish(seq, "abort")
+                        outputs.append(seq)
+                    rows, tokens = _without(rows, odd), _without(tokens, odd)
+                for seq in rows:
                     seq.refusal_streak = 0  # a pick taken ends the streak of refusals
-                    taken.append(seq)
-                    taken_tokens.append(token_list[i])
-                    taken_verdicts.append(verdict)
-                elif verdict == 0:
-                    seq.pick_refused()  # masked until the model agrees with its grammar
-                    refused.append(i)
-                else:  # the constraint failed (seq.error says how)
-                    self._finish(seq, "abort")
-                    outputs.append(seq)
-            self._append_taken(taken, taken_tokens, taken_verdicts)
-            outputs += taken
-            ok.update(taken)
-            self.num_unmasked_picks += len(verdicts) - sum(v < 0 for v in verdicts.values())
-            self.num_refused_picks += len(refused)
+                self._append_taken(rows, tokens)
+                outputs += rows
+                ok.update(rows)
+                self.num_unmasked_picks += len(verdicts) - verdicts.count(-1)
+                self.num_refused_picks += len(refused)
         finally:
             if ahead is not None:  # (the mask thread is done before anything else fills)
                 try:
@@ -718,21 +764,20 @@ class Engine:
                 except Exception:  # filled again when needed, which reports the error
                     self._masks_ahead = None
         if refused and not defer:
-            seqs, both = self._resample(prev, refused)
-            if seqs:
-                self._settle_on_host(seqs, both)
-            outputs.extend(prev.seqs[i] for i in refused)
+            rows, both = self._resample(prev, refused)
+            if rows:
+                self._settle_on_host(rows, both)
+            outputs.extend(seqs[i] for i in refused)
             refused = []
         return outputs, ok, refused
 
-    def _check_picks(self, prev: "_InFlight", token_list: list[int], errors: dict[int, str]
-                     ) -> dict[int, int]:
-        """Offer each unchecked row of ``prev`` its unmasked pick (rows that failed
-        or finished meanwhile are left out): row -> :meth:`_accept_batch`'s verdict."""
-        rows = [i for i in prev.unchecked
-                if i not in errors and prev.seqs[i].status is not FINISHED]
-        got = self._accept_batch([prev.seqs[i] for i in rows], [token_list[i] for i in rows])
-        return dict(zip(rows, got))
+    @staticmethod
+    def _rows_of(seqs: list[Sequence], tokens: list[int], rows: list[int]
+                 ) -> tuple[list[Sequence], list[int]]:
+        """``seqs`` and ``tokens`` at ``rows`` (the lists themselves when that is all)."""
+        if len(rows) == len(seqs):
+            return seqs, tokens
+        return [seqs[i] for i in rows], [tokens[i] for i in rows]
 
     @staticmethod
     def _accept_batch(seqs: list[Sequence], tokens: list[int]) -> list[int]:
@@ -942,16 +987,26 @@ class Engine:
         seq.text = seq.detok.feed_many(seq.output_ids)
         return True
 
-    def _append_taken(self, seqs: list[Sequence], tokens: list[int], verdicts: list[int]
-                      ) -> None:
+    def _append_taken(self, seqs: list[Sequence], tokens: list[int],
+                      verdicts: list[int] | None = None) -> None:
         """:meth:`_append_token` of each of ``seqs``' ``tokens`` that its
         constraint (if any) took, by :meth:`_accept_batch`'s ``verdicts`` (rows
-        under 1 are skipped), without logprobs. A token that cannot end its
-        request (no end-of-sequence or stop token, no stop strings to look for,
-        room left, not the first) is appended here in a few operations: every
-        row, every step."""
-        eos, append = self.eos_token_ids, self._append_token
-        for seq, token, verdict in zip(seqs, tokens, verdicts):
+        under 1 are skipped; None: every row took its token and none ended its
+        constraint), without logprobs. A token that cannot end its request (no
+        end-of-sequence or stop token, no stop strings to look for, room left,
+        not the first) is appended here in two list appends: every row, every step."""
+        append = self._append_token
+        if verdicts is None and self.eos_token_ids.isdisjoint(tokens):
+            for seq, token in zip(seqs, tokens):
+                if seq.ends_on_length_only and len(seq.token_ids) + 1 < seq.max_total_len \
+                        and seq.first_token_time:
+                    seq.token_ids.append(token)
+                    seq.defer_text(token)
+                else:
+                    append(seq, token, None, accepted=True, terminated=False)
+            return
+        eos = self.eos_token_ids
+        for seq, token, verdict in zip(seqs, tokens, verdicts or itertools.repeat(1)):
             if verdict == 1 and seq.ends_on_length_only and token not in eos and \
                     len(seq.token_ids) + 1 < seq.max_total_len and seq.first_token_time:
                 seq.token_ids.append(token)
@@ -1013,6 +1068,7 @@ class Engine:
             self._finish(seq, "stop")
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._num_finishes += 1
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq)
@@ -1152,6 +1208,16 @@ def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: t
     return max(1, min(fit, config.max_num_seqs * longest, 2 ** 16))
 
 
+def _without(items: SequenceABC, drop: list[int]) -> list:
+    """``items`` but those at ``drop`` (ascending indices): a few slices."""
+    out, start = [], 0
+    for k in drop:
+        out += items[start:k]
+        start = k + 1
+    out += items[start:]
+    return out
+
+
 def _accept_many(many, seqs: list[Sequence], constraints: list, tokens: list[int]
                  ) -> list[int]:
     """A constraint class's ``accept_tokens`` hook over ``seqs``' ``constraints``:
@@ -1226,3 +1292,8 @@ class _InFlight:
     # one's masked pick was its unmasked argmax: those go back to unmasked picks
     watched: list[int] = field(default_factory=list)
     agree: torch.Tensor | None = None
+    # every row is in exactly one of: ``unchecked``, ``free`` (no constraint),
+    # ``masked`` (constrained, sampled under its mask), in row order
+    free: list[int] = field(default_factory=list)
+    masked: list[int] = field(default_factory=list)
+    finishes: int = 0  # Engine._num_finishes when launched: a request may have ended since

@@ -276,20 +276,25 @@ def _has_native_batch_accept() -> bool:
     return xgrammar_backend._NATIVE_BATCH_ACCEPT is not None
 
 
-@pytest.mark.parametrize("native", [
-    pytest.param(True, marks=pytest.mark.skipif(
-        not _has_native_batch_accept(),
-        reason="the installed xgrammar has no native batch accept of the known form")),
-    False])
-def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, native, monkeypatch):
+_NATIVE = pytest.mark.skipif(not _has_native_batch_accept(), reason="the installed "
+                             "xgrammar has no native batch accept of the known form")
+
+
+@pytest.mark.parametrize("way", [pytest.param("native", marks=_NATIVE),
+                                 pytest.param("native, read element by element", marks=_NATIVE),
+                                 "public"])
+def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, way, monkeypatch):
     """The engine's accept hook on xgrammar matchers: the verdicts and the states
     it leaves are those of ``accept`` row by row (refused tokens leave no trace),
     and a stop token that ends a matcher says so; through xgrammar's native batch
-    call and through its public wrapper."""
+    call (its answer read through tvm-ffi's JSON writer when rows were refused,
+    or one element at a time) and through its public wrapper."""
     from formcast.grammars.backends import xgrammar_backend
 
-    if not native:
+    if way == "public":
         monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", None)
+    elif way != "native":
+        monkeypatch.setattr(xgrammar_backend, "_STRINGIFY", None)
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
     brace, one = _ids(tiny_vocab, "{")[0], _ids(tiny_vocab, "1")[0]
@@ -323,94 +328,9 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, native, monk
         p.accept(t)
         assert torch.equal(_mask(h, person), _mask(p, person))
         assert not h._is_fresh()
+    # every row taken (the usual batch, told by one containment test)
+    fresh = [person.matcher() for _ in range(5)]
+    assert type(fresh[0]).accept_tokens(fresh, [brace] * 5) == [1] * 5
+    assert all(torch.equal(_mask(m, person), _mask(hooked[0], person)) for m in fresh)
 
 
-@pytest.mark.skipif(not _has_native_batch_accept(),
-                    reason="the installed xgrammar has no native batch accept of the known form")
-def test_batch_accept_in_shards_on_threads_matches_row_by_row(compiler, tiny_vocab, monkeypatch):
-    """A batch accept split over threads (shards of 2 rows on 3 threads here)
-    gives every row the verdict and the state that ``accept`` gives it alone,
-    in row order; a shard whose native call fails fails the whole call only
-    after every shard is done, and the threads serve the next call."""
-    from formcast.grammars.backends import xgrammar_backend
-
-    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
-    text = _ids(tiny_vocab, '{"name":"Ann","age":31}')
-    wrong = _ids(tiny_vocab, "x")[0]
-    hooked, plain, tokens = [], [], []
-    for k in range(len(text)):
-        for group in (hooked, plain):
-            m = person.matcher()
-            for t in text[:k]:
-                assert m.accept(t)
-            group.append(m)
-        tokens.append(text[k] if k % 3 else wrong)
-    tokens[-1] = EOS  # (the object is complete only after its last token)
-    monkeypatch.setattr(xgrammar_backend, "_pool", xgrammar_backend.AcceptPool(2, min_shard=2))
-    got = type(hooked[0]).accept_tokens(hooked, tokens)
-    want = [int(p.accept(t)) for p, t in zip(plain, tokens)]
-    assert [min(v, 1) for v in got] == want and 0 < sum(want) < len(want)
-    for h, p in zip(hooked, plain):
-        assert h.is_terminated() == p.is_terminated()
-        assert torch.equal(_mask(h, person), _mask(p, person))
-
-    native = xgrammar_backend._NATIVE_BATCH_ACCEPT
-    calls = []
-
-    def failing(handles, toks, debug):
-        calls.append(len(handles))
-        if len(calls) == 2:
-            raise RuntimeError("shard failed")
-        return native(handles, toks, debug)
-
-    monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", failing)
-    fresh = [person.matcher() for _ in range(6)]
-    with pytest.raises(RuntimeError, match="shard failed"):
-        type(fresh[0]).accept_tokens(fresh, [text[0]] * 6)
-    assert len(calls) == 3
-    monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", native)
-    fresh = [person.matcher() for _ in range(6)]
-    assert type(fresh[0]).accept_tokens(fresh, [text[0]] * 6) == [1] * 6
-
-
-def test_accept_threads_setting_is_checked(monkeypatch):
-    from formcast.grammars.backends import xgrammar_backend
-
-    monkeypatch.setattr(xgrammar_backend, "_pool", None)
-    with pytest.raises(ValueError, match="accept threads must be >= 1"):
-        xgrammar_backend.set_accept_threads(0)
-    monkeypatch.setenv("FORMCAST_ACCEPT_THREADS", "3")
-    xgrammar_backend.set_accept_threads(None)
-    assert xgrammar_backend._accept_pool().workers == 2
-
-
-@pytest.mark.skipif(not _has_native_batch_accept(),
-                    reason="the installed xgrammar has no native batch accept of the known form")
-def test_a_forked_child_gets_accept_threads_of_its_own(compiler, tiny_vocab, monkeypatch):
-    """Threads do not survive a fork: a child process that accepts in shards
-    starts its own instead of waiting on the parent's forever."""
-    import multiprocessing
-
-    from formcast.grammars.backends import xgrammar_backend
-
-    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
-    brace = _ids(tiny_vocab, "{")[0]
-    monkeypatch.setattr(xgrammar_backend, "_pool", xgrammar_backend.AcceptPool(2, min_shard=2))
-    ms = [person.matcher() for _ in range(6)]
-    assert type(ms[0]).accept_tokens(ms, [brace] * 6) == [1] * 6  # threads started here
-
-    def child(out):
-        fresh = [person.matcher() for _ in range(6)]
-        out.put(type(fresh[0]).accept_tokens(fresh, [brace] * 6))
-
-    ctx = multiprocessing.get_context("fork")
-    out = ctx.Queue()
-    proc = ctx.Process(target=child, args=(out,))
-    proc.start()
-    try:
-        assert out.get(timeout=60) == [1] * 6
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-    assert proc.exitcode == 0
