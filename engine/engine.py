@@ -306,8 +306,11 @@ class Engine:
         whole results saves building an output for every running request at
         every step: microseconds a request, as long as a large batch's step).
         """
+        finishes, aborted = self._num_finishes, bool(self._aborted)
         seqs = self._step()
         if finished_only:
+            if finishes == self._num_finishes and not aborted:
+                return []  # (nothing ended: no row to look at)
             return [seq.to_output() for seq in seqs if seq.status is FINISHED]
         return [seq.to_output() for seq in seqs]
 
