@@ -217,6 +217,27 @@ def test_finished_only_steps_give_the_same_final_outputs(smollm2_engine):
         out.text = "x"
 
 
+def test_finished_only_steps_hand_back_aborted_requests(smollm2_engine):
+    """An abort between steps shows in the next ``step(finished_only=True)``
+    (a step where nothing ended hands back nothing), pipelined or not, and the
+    other request runs on to its length."""
+    for asynchronous in (True, False):
+        eng = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
+        sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        a = eng.add_request(chat(eng, PROMPTS[0]), sp)
+        b = eng.add_request(chat(eng, PROMPTS[1]), sp)
+        for _ in range(3):
+            assert eng.step(finished_only=True) == []
+        assert eng.abort_request(a)
+        outs = eng.step(finished_only=True)
+        assert [(o.request_id, o.finish_reason) for o in outs] == [(a, "abort")]
+        rest = []
+        while eng.has_unfinished_requests():
+            rest += eng.step(finished_only=True)
+        assert [(o.request_id, o.finish_reason, len(o.token_ids)) for o in rest] == \
+            [(b, "length", 8)]
+
+
 def test_abort_request_ends_it_and_keeps_the_others(smollm2_engine):
     eng = variant(smollm2_engine, num_kv_blocks=128)
     sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
