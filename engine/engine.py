@@ -535,7 +535,7 @@ class Engine:
         unmasked argmax; the rows without a constraint; the other constrained rows
         (sampled under their masks). None when a constraint failed to fill its mask."""
         unmasked = self.config.unmasked_greedy
-        plain, drawn, unchecked, watch, free = [], [], {}, [], []
+        plain, drawn, unchecked, watch, free, masked = [], [], {}, [], [], []
         # (the rule of _picks_unmasked, unrolled: this runs for every row, every step)
         for j, s in enumerate(live):
             greedy = s.params.greedy and not s.banned_tokens
@@ -550,8 +550,9 @@ class Engine:
                     unchecked[j] = j if rows is None else rows[j]
                     continue
                 watch.append(len(drawn))  # (masked since a refused pick: watched for agreement)
+            if s.constraint is not None:
+                masked.append(j)
             drawn.append(j)
-        masked = [j for j in drawn if live[j].constraint is not None] if drawn else []
         dev = logits.device
         seqs = live if not plain else [live[j] for j in drawn]
         watched = [drawn[k] for k in watch]
@@ -998,17 +999,7 @@ class Engine:
         constraint), without logprobs. A token that cannot end its request (no
         end-of-sequence or stop token, no stop strings to look for, room left,
         not the first) is appended here in two list appends: every row, every step."""
-        append = self._append_token
-        if verdicts is None and self.eos_token_ids.isdisjoint(tokens):
-            for seq, token in zip(seqs, tokens):
-                if seq.ends_on_length_only and len(seq.token_ids) + 1 < seq.max_total_len \
-                        and seq.first_token_time:
-                    seq.token_ids.append(token)
-                    seq.defer_text(token)
-                else:
-                    append(seq, token, None, accepted=True, terminated=False)
-            return
-        eos = self.eos_token_ids
+        eos, append = self.eos_token_ids, self._append_token
         for seq, token, verdict in zip(seqs, tokens, verdicts or itertools.repeat(1)):
             if verdict == 1 and seq.ends_on_length_only and token not in eos and \
                     len(seq.token_ids) + 1 < seq.max_total_len and seq.first_token_time:

@@ -60,6 +60,15 @@ _STRINGIFY = _stringify()
 _DIGITS = bytes.maketrans(b"01", b"\x00\x01")
 
 
+def _batch_accept(matchers: list["XGrammarMatcher"], tokens: list[int]) -> list[int]:
+    """Each of ``matchers`` offered its token in one xgrammar call (natively when
+    this xgrammar allows): 1 taken, 0 refused."""
+    if _NATIVE_BATCH_ACCEPT is not None:
+        return _native_verdicts([m._handle for m in matchers], tokens)
+    return [int(v) for v in xgr.BatchGrammarMatcher.batch_accept_token(
+        [m._m for m in matchers], tokens)]
+
+
 def _native_verdicts(handles: list, tokens: list[int]) -> list[int]:
     """xgrammar's native batch accept of ``tokens`` by the matchers whose handles
     are ``handles``: each row's verdict (1 taken, 0 refused), in order.
@@ -181,10 +190,7 @@ class XGrammarMatcher(Matcher):
         if (min(tokens) >= 0 and max(tokens) < size and blocked.isdisjoint(tokens)
                 and stops.isdisjoint(tokens)
                 and all(m._blocked is blocked and m._size == size for m in matchers)):
-            if _NATIVE_BATCH_ACCEPT is not None:
-                return _native_verdicts([m._handle for m in matchers], tokens)
-            return [int(v) for v in xgr.BatchGrammarMatcher.batch_accept_token(
-                [m._m for m in matchers], tokens)]
+            return _batch_accept(matchers, tokens)
         status = [0] * len(matchers)
         rows, inner, taken = [], [], []
         for i, (m, t) in enumerate(zip(matchers, tokens)):
@@ -193,12 +199,7 @@ class XGrammarMatcher(Matcher):
                 inner.append(m)
                 taken.append(t)
         if rows:
-            if _NATIVE_BATCH_ACCEPT is not None:
-                verdicts = _native_verdicts([m._handle for m in inner], taken)
-            else:
-                verdicts = xgr.BatchGrammarMatcher.batch_accept_token([m._m for m in inner],
-                                                                      taken)
-            for i, ok in zip(rows, verdicts):
+            for i, ok in zip(rows, _batch_accept(inner, taken)):
                 if ok:
                     m = matchers[i]
                     # (matchers are made with terminate_without_stop_token=False)
