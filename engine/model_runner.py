@@ -12,6 +12,7 @@ import torch
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.cuda_graph import DecodeGraphs
+from formcast.engine.kernels import to_device
 from formcast.engine.kernels.paged_attention import pack_prefills
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
 from formcast.engine.layers.quant import prompt_rows
@@ -191,10 +192,6 @@ class ModelRunner:
     def _prepare(self, layout: StepLayout
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
-
-        def to_dev(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long).to(dev, non_blocking=True)
-
         tables = layout.decode_tables
         max_blocks = max((len(t) for t in tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
@@ -203,15 +200,17 @@ class ModelRunner:
             # every chunk's table in one padded tensor, one copy for the step
             starts, lengths, contexts, ptables = zip(*layout.prefills)
             packed = pack_prefills(list(starts), list(lengths), list(contexts), ptables, dev)
+            rows = packed[1].unbind(0)  # (one call for every chunk's row)
             spans = tuple(PrefillSpan(start=row0, length=n, context_len=ctx,
-                                      block_table=packed[1][i, :len(table)])
-                          for i, (row0, n, ctx, table) in enumerate(layout.prefills))
+                                      block_table=row[:len(table)])
+                          for row, (row0, n, ctx, table) in zip(rows, layout.prefills))
         meta = AttentionMetadata(
-            slot_mapping=to_dev(layout.slots),
-            decode_rows=to_dev(layout.decode_rows),
-            decode_block_tables=to_dev(padded).view(len(padded), max_blocks),
-            decode_lens=to_dev(layout.decode_lens),
+            slot_mapping=to_device(layout.slots, torch.long, dev),
+            decode_rows=to_device(layout.decode_rows, torch.long, dev),
+            decode_block_tables=to_device(padded, torch.long, dev).view(len(padded), max_blocks),
+            decode_lens=to_device(layout.decode_lens, torch.long, dev),
             prefills=spans, prefill_packed=packed,
         )
-        return (to_dev(layout.tokens), to_dev(layout.positions), meta,
-                to_dev(layout.sample_rows))
+        return (to_device(layout.tokens, torch.long, dev),
+                to_device(layout.positions, torch.long, dev), meta,
+                to_device(layout.sample_rows, torch.long, dev))

@@ -47,7 +47,8 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A list as a tensor on ``device`` without a host sync: a CUDA copy from
     pageable memory waits for the stream to drain (in steady decoding, for the
     forward in flight), so it goes through pinned memory, non-blocking."""
-    t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype, device=device)
+    # (made in pinned memory: pin_memory() would copy it there, after asking the
+    # driver whether it is pinned already)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

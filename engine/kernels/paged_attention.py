@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from formcast.engine.kernels import use_triton
+from formcast.engine.kernels import to_device, use_triton
 
 
 def decode_masked_out(context_lens: torch.Tensor, width: int) -> torch.Tensor:
@@ -73,12 +73,8 @@ def pack_prefills(starts: list[int], lengths: list[int], context_lens: list[int]
     tensors) [P, NB] long, padded with block 0."""
     rows = [t.tolist() if isinstance(t, torch.Tensor) else list(t) for t in block_tables]
     width = max(map(len, rows))
-    tables = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
-    meta = torch.tensor([starts, lengths, context_lens], dtype=torch.long)
-    pinned = device.type == "cuda"
-    if pinned:
-        tables, meta = tables.pin_memory(), meta.pin_memory()
-    return (meta.to(device, non_blocking=pinned), tables.to(device, non_blocking=pinned))
+    return (to_device([starts, lengths, context_lens], torch.long, device),
+            to_device([r + [0] * (width - len(r)) for r in rows], torch.long, device))
 
 
 def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,

@@ -42,6 +42,17 @@ class AttentionMetadata:
     # lengths, context lengths) [3, P] long and the block tables [P, NB] long, padded
     prefill_packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def prefill_args(self) -> tuple[list[int], list[int], list[int], list[torch.Tensor]]:
+        """The prefills' starts, lengths, context lengths and block tables as lists,
+        made once per step rather than once per layer."""
+        cached = self.__dict__.get("_prefill_args")
+        if cached is None:
+            spans = self.prefills
+            cached = ([p.start for p in spans], [p.length for p in spans],
+                      [p.context_len for p in spans], [p.block_table for p in spans])
+            object.__setattr__(self, "_prefill_args", cached)
+        return cached
+
     @property
     def num_decodes(self) -> int:
         return int(self.decode_rows.numel())
@@ -80,10 +91,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if only_decodes:
             return o
         out[meta.decode_rows] = o
-    spans = meta.prefills
-    paged_prefill_attention_(out, q, k_cache, v_cache, [p.start for p in spans],
-                             [p.length for p in spans], [p.context_len for p in spans],
-                             [p.block_table for p in spans], scale, k=k, v=v,
+    paged_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale, k=k, v=v,
                              packed=meta.prefill_packed)
     return out
 
