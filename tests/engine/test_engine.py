@@ -340,13 +340,18 @@ def test_num_threads_is_applied_and_checked(smollm2_engine):
             EngineConfig(num_threads=bad)
 
 
-def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine):
+def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypatch):
     """Steps launched with the last step's tokens still on the device (forced on
     here; the CPU has nothing to overlap, the bookkeeping is the same) give every
     request exactly its synchronous output: greedy, seeded sampling, a JSON
     constraint, a stop string, EOS, a request arriving mid-run (the pipeline
-    drains and refills), one aborted mid-run, and ``max_tokens`` cut-offs."""
+    drains and refills), one aborted mid-run, and ``max_tokens`` cut-offs. The
+    constrained row's unmasked picks are checked on the accept thread while
+    the step is sampled (a large batch's way, turned on here for one row)."""
+    import formcast.engine.engine as engine_module
     from formcast.grammars import JsonSchema, compile
+
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
 
     schema = {"type": "object", "properties": {"city": {"type": "string"},
                                                "year": {"type": "integer"}},
@@ -378,6 +383,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine):
                 assert engine.abort_request(victim)
         assert engine._inflight is None
         assert (engine.num_pipelined_steps > 20) == asynchronous
+        assert (engine._accept_pool is not None) == asynchronous
         return [(done[i].token_ids, done[i].text, done[i].finish_reason) for i in ids], done[victim]
 
     synchronous, _ = run(False)
@@ -435,7 +441,7 @@ print("ok")
     assert "leaked" not in done.stderr, done.stderr[-2000:]
 
 
-def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
+def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypatch):
     """Greedy constrained rows of pipelined steps take their unmasked argmax and
     the grammar checks it afterwards; a refused pick is sampled again under the
     mask from the same logits. The outputs are those of masked decoding, with
@@ -443,7 +449,10 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
     taken) and for prose prompts (picks refused, then masks for good), with
     requests arriving mid-run so that the pipeline drains with refused picks in
     flight (resampled there and then). xgrammar matchers take their picks through
-    the batch hook, outlines-core ones row by row."""
+    the batch hook, outlines-core ones row by row. The picks are checked on the
+    host before the step is sampled or (``overlap``, a large batch's way, forced
+    here for a few rows) on the accept thread while every row is sampled."""
+    import formcast.engine.engine as engine_module
     from formcast.grammars import JsonSchema, Regex, compile
 
     schema = {"type": "object", "properties": {"city": {"type": "string"},
@@ -459,9 +468,10 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
     words = compile(Regex(r"[A-Z][a-z]+( [a-z]+)*\."), tok, backend="outlines-core",
                     vocab_size=smollm2_engine.model.config.vocab_size)
 
-    def run(asynchronous: bool, unmasked: bool):
+    def run(asynchronous: bool, unmasked: bool, overlap: bool = False):
         engine = variant(smollm2_engine, async_scheduling=asynchronous, unmasked_greedy=unmasked,
                          spec="none")
+        monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
         drained = []
         settle = engine._settle_on_host
         engine._settle_on_host = lambda *a: (drained.append(len(a[0])), settle(*a))
@@ -482,7 +492,10 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine):
     pipelined_masked, eng, _ = run(True, False)
     assert eng.num_pipelined_steps > 10 and eng.num_unmasked_picks == 0
     unmasked, eng, drained = run(True, True)
-    assert unmasked == masked == pipelined_masked
+    assert eng._accept_pool is None
+    overlapped, eng, drained = run(True, True, overlap=True)
+    assert eng._accept_pool is not None
+    assert unmasked == overlapped == masked == pipelined_masked
     texts_out = [(tok.decode(list(t), skip_special_tokens=True), r) for t, r in masked]
     assert all(json.loads(t) for k, (t, r) in enumerate(texts_out) if r == "stop" and k != 4)
     assert re.fullmatch(r"[A-Z][a-z]+( [a-z]+)*\.", texts_out[4][0]), texts_out[4]

@@ -141,16 +141,23 @@ def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer,
 
 
 @pytest.mark.parametrize("graphs", [True, False])
-def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, graphs):
+def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, graphs,
+                                                            monkeypatch):
     """Greedy JSON rows of pipelined steps pick unmasked (in the graph) and are
     checked afterwards; refused picks are resampled under their masks from logits
-    that must survive the next step's replay. Outputs equal masked decoding's."""
+    that must survive the next step's replay. Outputs equal masked decoding's,
+    with the picks checked before the step is sampled and (``overlap``, a large
+    batch's way) on the accept thread while every row is sampled, the refused
+    ones sampled again over the graph's own picks."""
+    import formcast.engine.engine as engine_module
+
     grammars = pytest.importorskip("formcast.grammars")
     schema = {"type": "object", "required": ["name", "age"], "properties": {
         "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
         "additionalProperties": False}
     results = {}
-    for unmasked in (False, True):
+    for unmasked, overlap in ((False, False), (True, False), (True, True)):
+        monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
         eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
                           max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
                           unmasked_greedy=unmasked)
@@ -159,11 +166,12 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         ps = prompts(tokenizer, 10)
         outs = eng.generate(ps, SamplingParams(max_tokens=48, temperature=0.0),
                             constraints=[compiled.matcher() for _ in ps])
-        results[unmasked] = [(o.token_ids, o.finish_reason) for o in outs]
+        results[unmasked, overlap] = [(o.token_ids, o.finish_reason) for o in outs]
         if unmasked:
             assert eng.num_refused_picks > 0
             assert eng.num_unmasked_picks > eng.num_refused_picks
-    assert results[True] == results[False]
+        assert (eng._accept_pool is not None) == overlap
+    assert results[True, False] == results[True, True] == results[False, False]
 
 
 def test_cuda_head_writes_float32_logits_directly():
