@@ -447,13 +447,12 @@ class Engine:
         finishes = self._num_finishes
         taking = early = None
         if prev is not None:
-            # every row launched again and none ended: the unmasked picks can be
-            # checked on the accept thread while this step is sampled (below)
-            overlap = len(launch) == len(prev.seqs) and finishes == prev.finishes
-            taking = self._take_begin(prev, defer=True, overlap=overlap)
-            if taking.pending is not None and finishes == self._num_finishes:
-                # nothing ended while the other rows were taken: sample every row now;
-                # those whose pick turns out refused are sampled again over it
+            taking = self._take_begin(prev, defer=True)
+            if taking.pending is not None and len(launch) == len(prev.seqs) and \
+                    finishes == prev.finishes == self._num_finishes:
+                # the accept thread is checking the unmasked picks, every row launched
+                # again and none ended: sample every row while it works; those whose
+                # pick turns out refused are sampled again over their draws
                 try:
                     early = self._sample_live(logits, launch, None)
                 except BaseException:
@@ -543,15 +542,18 @@ class Engine:
         count before the check) stay in flight, rows the next take drops.
         Returns the outputs beyond the take's (requests a failed resample settled)."""
         bm, bs = self.block_manager, self.config.block_size
+        both, unchecked, watched, agree, free, masked = picked
         if finishes == self._num_finishes:  # (every other row took its token)
             live = _without(launch, sorted(refused)) if refused else launch
         else:
             live = [s for s in launch if s in ok and s.status is not FINISHED]
+            for i, s in enumerate(launch):  # (in none of the step's row lists: dropped when taken)
+                if s.status is FINISHED:
+                    unchecked.pop(i, None)
         for s in live:
             n = s.num_computed_tokens = s.num_computed_tokens + 1
             if not n % bs:  # a block just filled: hash it
                 bm.commit(s)
-        both, unchecked, watched, agree, free, masked = picked
         void: set[int] = set()
         if refused:
             fixed, fixed_both = self._resample(prev, refused)
@@ -590,10 +592,31 @@ class Engine:
             agree_host.copy_(agree, non_blocking=True)
         if ready is not None:
             ready.record(current_stream(self.device))
-        self._inflight = _InFlight(seqs=seqs, tokens=both[0], host=host, ready=ready,
-                                   logits=logits if unchecked else None, unchecked=unchecked,
-                                   watched=watched, agree=agree_host, free=free, masked=masked,
-                                   finishes=finishes, void=void)
+        step = self._inflight = _InFlight(
+            seqs=seqs, tokens=both[0], host=host, ready=ready,
+            logits=logits if unchecked else None, unchecked=unchecked, watched=watched,
+            agree=agree_host, free=free, masked=masked, finishes=finishes, void=void)
+        if len(unchecked) >= _OVERLAP_ROWS:
+            # the accept thread offers the unmasked picks to their constraints as soon
+            # as they land, while the host goes on to the next step
+            step.early = self._accept_thread().submit(self._check_landed, step)
+
+    def _accept_thread(self) -> ThreadPoolExecutor:
+        if self._accept_pool is None:
+            self._accept_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-accept")
+        return self._accept_pool
+
+    def _check_landed(self, step: "_InFlight") -> list[int] | None:
+        """On the accept thread: wait for ``step``'s tokens, then offer its unmasked
+        picks to their constraints; the verdicts of ``list(step.unchecked)``, or None
+        when a row failed to sample (its take sorts that out first, then checks)."""
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_list, dead_list = step.host.tolist()
+        if any(dead_list):
+            return None
+        rows, tokens = self._rows_of(step.seqs, token_list, list(step.unchecked))
+        return self._accept_batch(rows, tokens)
 
     def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
                      rows: list[int] | None):
@@ -762,14 +785,12 @@ class Engine:
         (waiting for the device), and then count among the outputs."""
         return self._take_end(self._take_begin(prev, defer=defer))
 
-    def _take_begin(self, prev: "_InFlight", *, defer: bool = False, overlap: bool = False
-                    ) -> "_Taking":
+    def _take_begin(self, prev: "_InFlight", *, defer: bool = False) -> "_Taking":
         """:meth:`_take`'s first half: the rows sampled on the device (no
-        constraint, or under their masks) take their tokens, the next masks of
-        those that stay masked start filling on the mask thread, and the
-        unmasked picks are offered to their constraints on the accept thread
-        when ``overlap`` (xgrammar's batch accept is native code that lets go of
-        the interpreter lock), else by :meth:`_take_end`."""
+        constraint, or under their masks) take their tokens and the next masks of
+        those that stay masked start filling on the mask thread. The unmasked
+        picks are offered to their constraints by :meth:`_take_end`, unless the
+        accept thread has been at it since they landed (``prev.early``)."""
         if prev.ready is not None:
             prev.ready.synchronize()
         token_list, dead_list = prev.host.tolist()
@@ -793,12 +814,9 @@ class Engine:
             gone.update(errors)
             free, masked, checked = ([i for i in rows if i not in gone]
                                      for rows in (free, masked, checked))
-            taking.checked, overlap = checked, False
-        if checked and overlap and len(checked) >= _OVERLAP_ROWS:
-            if self._accept_pool is None:
-                self._accept_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-accept")
-            rows, tokens = self._rows_of(seqs, token_list, checked)
-            taking.pending = self._accept_pool.submit(self._accept_batch, rows, tokens)
+            taking.checked = checked
+        if prev.early is not None:  # (checked since the tokens landed, or being checked)
+            taking.pending, taking.pending_rows = prev.early, list(prev.unchecked)
         ok = taking.ok
         try:
             # sampled rows (masked, free) first: the next masks of those that stay
@@ -840,8 +858,12 @@ class Engine:
             if checked:  # unmasked greedy picks, offered to their constraints now
                 rows, tokens = self._rows_of(seqs, taking.token_list, checked)
                 pending, taking.pending = taking.pending, None
-                verdicts = pending.result() if pending is not None else \
-                    self._accept_batch(rows, tokens)
+                verdicts = pending.result() if pending is not None else None
+                if verdicts is None:
+                    verdicts = self._accept_batch(rows, tokens)
+                elif len(taking.pending_rows) != len(checked):  # (rows gone since: skipped)
+                    at = dict(zip(taking.pending_rows, verdicts))
+                    verdicts = [at[i] for i in checked]
                 # rows not simply taken (refused, ended or failed) are few: the rest
                 # go through in slices
                 odd = [] if verdicts.count(1) == len(verdicts) else \
@@ -1305,11 +1327,11 @@ def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: t
     return max(1, min(fit, config.max_num_seqs * longest, 2 ** 16))
 
 
-# unmasked picks offered to their constraints on the accept thread (the step
-# sampled meanwhile) from this many rows. On the H200's host, 256 rows' accepts
-# take 0.5-0.9 ms and the overlap gave 0.666 of free decoding's throughput
-# against 0.619 without; at 64 rows (0.2 ms, a step the GPU bounds) it made no
-# difference (0.925 against 0.931)
+# a step in flight with this many unmasked picks has them offered to their
+# constraints on the accept thread as soon as they land (xgrammar's batch accept
+# is native code that lets go of the interpreter lock), while the host goes on
+# to the next step and samples it. On the H200's host 256 rows' accepts take
+# 0.5-0.9 ms; 64 rows' (0.2 ms, a step the GPU bounds) gained nothing
 _OVERLAP_ROWS = 128
 
 
@@ -1404,6 +1426,8 @@ class _InFlight:
     finishes: int = 0  # Engine._num_finishes when launched: a request may have ended since
     # rows in none of those: their draws are void (settled since, by a failed resample)
     void: set[int] = field(default_factory=set)
+    # the verdicts of ``unchecked``'s picks, on the accept thread from the moment they land
+    early: Future | None = None
 
 
 @dataclass(eq=False, kw_only=True)
@@ -1417,7 +1441,8 @@ class _Taking:
     defer: bool            # refused picks are sampled again by the caller
     outputs: list[Sequence] = field(default_factory=list)
     ok: set[Sequence] = field(default_factory=set)  # requests that took their token
-    pending: Future | None = None  # the checked rows' verdicts, on the accept thread
+    pending: Future | None = None  # verdicts of ``pending_rows``' picks, on the accept thread
+    pending_rows: list[int] = field(default_factory=list)
     ahead: tuple[list[Sequence], Future] | None = None  # the next masks, on the mask thread
 
     def abandon(self) -> None:
