@@ -490,6 +490,9 @@ class Engine:
                     live.append(s)
         # rows whose unmasked pick was refused: sampled again under their masks
         fixed, fixed_both = self._resample(prev, refused) if refused else ([], None)
+        if len(fixed) < len(refused):  # settled instead (ended, or backed out of a dead end)
+            kept = set(fixed)
+            taken = taken + [prev.seqs[i] for i in refused if prev.seqs[i] not in kept]
         if not live and not fixed:
             return taken
         picked = None

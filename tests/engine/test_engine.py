@@ -538,21 +538,42 @@ def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(
     assert outputs[True] == outputs[False]
 
 
-def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine, monkeypatch,
+                                                              overlap):
     """Unmasked picks of a constraint class with an ``accept_tokens`` hook go to
     the hook in one call; when it raises, its requests end with the error and
-    everything else runs to the end."""
+    everything else runs to the end, with the same tokens as alone. So does a
+    request whose refused pick cannot be sampled again because its constraint
+    fails to fill its mask. ``overlap``: the picks are checked on the accept
+    thread while the next step is sampled (forced on for these few rows), the
+    failed resample's row dropped from the step in flight."""
+    import formcast.engine.engine as engine_module
 
     class Hooked(AllowOnly):
         @staticmethod
         def accept_tokens(constraints, tokens):
             raise RuntimeError("grammar service down")
 
+    class RefusesThenBreaks(AllowOnly):
+        """Takes three tokens, refuses the fourth, then cannot fill its mask."""
+
+        def accept(self, token_id):
+            return len(self.accepted) < 3 and super().accept(token_id)
+
+        def fill_bitmask(self, bitmask, row):
+            if len(self.accepted) >= 3:
+                raise RuntimeError("mask service down")
+            super().fill_bitmask(bitmask, row)
+
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
     engine = variant(smollm2_engine, async_scheduling=True, spec="none")
     every = set(range(smollm2_engine.tokenizer.vocab_size))
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     hooked = [engine.add_request(chat(engine, t), greedy, constraint=Hooked(every))
               for t in ("Say hi.", "Name a fruit.")]
+    broken = engine.add_request(chat(engine, "Name a river."), greedy,
+                                constraint=RefusesThenBreaks(every))
     plain = engine.add_request(chat(engine, "Name a colour."), greedy,
                                constraint=AllowOnly(every))
     free = engine.add_request(chat(engine, "Count to three."), greedy)
@@ -562,6 +583,10 @@ def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine):
     for rid in hooked:
         assert done[rid].finish_reason == "abort"
         assert "grammar service down" in done[rid].error
-    for rid in (plain, free):
-        assert done[rid].finish_reason == "length" and len(done[rid].token_ids) == 12
-    assert engine.num_unmasked_picks > 0
+    assert done[broken].finish_reason == "abort" and "mask service down" in done[broken].error
+    alone = smollm2_engine.generate([chat(engine, "Name a colour."),
+                                     chat(engine, "Count to three.")], greedy)
+    for rid, out in zip((plain, free), alone):
+        assert done[rid].finish_reason == "length" and done[rid].token_ids == out.token_ids
+    assert engine.num_unmasked_picks > 0 and engine.num_refused_picks > 0
+    assert (engine._accept_pool is not None) == overlap
