@@ -472,27 +472,17 @@ class Engine:
             if refused:
                 drop = sorted(refused)
                 rows, live = _without(rows, drop), _without(launch, drop)
-            for s in live:
-                n = s.num_computed_tokens = s.num_computed_tokens + 1
-                if not n % bs:  # a block just filled: hash it
-                    bm.commit(s)
         else:
             same = False
-            rows, live = [], []
-            for i, s in enumerate(launch):
-                # a request that finished, backed out of a dead end or had its pick
-                # refused drops its row
-                if s.status is not FINISHED and s in ok:
-                    s.num_computed_tokens += 1
-                    if s.num_computed_tokens % bs == 0:  # a block just filled: hash it
-                        bm.commit(s)
-                    rows.append(i)
-                    live.append(s)
+            # a request that finished, backed out of a dead end or had its pick
+            # refused drops its row
+            rows = [i for i, s in enumerate(launch) if s.status is not FINISHED and s in ok]
+            live = [launch[i] for i in rows]
+        self._advance(live)
         # rows whose unmasked pick was refused: sampled again under their masks
-        fixed, fixed_both = self._resample(prev, refused) if refused else ([], None)
-        if len(fixed) < len(refused):  # settled instead (ended, or backed out of a dead end)
-            kept = set(fixed)
-            taken = taken + [prev.seqs[i] for i in refused if prev.seqs[i] not in kept]
+        fixed, fixed_both, settled = self._resample(prev, refused) if refused else ([], None, [])
+        if settled:  # (ended, or backed out of a dead end)
+            taken = taken + [prev.seqs[i] for i in settled]
         if not live and not fixed:
             return taken
         picked = None
@@ -544,7 +534,6 @@ class Engine:
         their masks, over their draws; requests that ended (``finishes``: the
         count before the check) stay in flight, rows the next take drops.
         Returns the outputs beyond the take's (requests a failed resample settled)."""
-        bm, bs = self.block_manager, self.config.block_size
         both, unchecked, watched, agree, free, masked = picked
         if finishes == self._num_finishes:  # (every other row took its token)
             live = _without(launch, sorted(refused)) if refused else launch
@@ -553,18 +542,14 @@ class Engine:
             for i, s in enumerate(launch):  # (in none of the step's row lists: dropped when taken)
                 if s.status is FINISHED:
                     unchecked.pop(i, None)
-        for s in live:
-            n = s.num_computed_tokens = s.num_computed_tokens + 1
-            if not n % bs:  # a block just filled: hash it
-                bm.commit(s)
+        self._advance(live)
         void: set[int] = set()
         if refused:
-            fixed, fixed_both = self._resample(prev, refused)
+            _, fixed_both, settled = self._resample(prev, refused)
             at = refused
-            if len(fixed) < len(refused):  # settled instead (ended, or backed out of a dead end)
-                kept = set(fixed)
-                at = [i for i in refused if launch[i] in kept]
-                void = set(refused) - set(at)
+            if settled:  # (ended, or backed out of a dead end: void rows)
+                void = set(settled)
+                at = [i for i in refused if i not in void]
             if at:
                 index = to_device(at, torch.long, both.device)
                 with torch.inference_mode():  # (the graph's output may be sampled rows)
@@ -575,6 +560,14 @@ class Engine:
         self._launch_inflight(launch, both, logits, unchecked, watched, agree, free, masked,
                               finishes, void)
         return [launch[i] for i in sorted(void)]
+
+    def _advance(self, seqs: list[Sequence]) -> None:
+        """Count each of ``seqs``' token in flight as computed (a block it fills is hashed)."""
+        bm, bs = self.block_manager, self.config.block_size
+        for s in seqs:
+            n = s.num_computed_tokens = s.num_computed_tokens + 1
+            if not n % bs:
+                bm.commit(s)
 
     def _launch_inflight(self, seqs: list[Sequence], both: torch.Tensor, logits: torch.Tensor,
                          unchecked: dict[int, int], watched: list[int], agree, free: list[int],
@@ -741,12 +734,12 @@ class Engine:
         return self.sampler.fill_masks(seqs)
 
     def _resample(self, prev: "_InFlight", refused: list[int]
-                  ) -> tuple[list[Sequence], torch.Tensor | None]:
+                  ) -> tuple[list[Sequence], torch.Tensor | None, list[int]]:
         """Sample again, under their masks, the rows of ``prev`` (indices) whose
         unmasked greedy pick the constraint refused, from the logits they were
         picked from. Returns those rows and their ``[2, r]`` tokens and dead-end
-        flags on the device; a row whose constraint fails to fill its mask is
-        settled here instead (backed out or ended)."""
+        flags on the device, and the rows (indices) settled here instead (backed
+        out or ended) since their constraint failed to fill its mask."""
         seqs = [prev.seqs[i] for i in refused]
         dev = prev.logits.device
         r = len(seqs)  # logits rows, then 0..r-1 (the columns written): one upload
@@ -756,17 +749,18 @@ class Engine:
         if not masks.errors and not any(s.banned_tokens for s in seqs):
             both = torch.empty(2, r, dtype=torch.long, device=dev)
             self.sampler.greedy_masked_(both, prev.logits, rows, index[r:], masks)
-            return seqs, both
+            return seqs, both, []
         tokens, dead, errors = self.sampler.sample_on_device(prev.logits[rows], seqs, masks)
+        settled = [refused[j] for j in sorted(errors)]
         if errors:
             for j in sorted(errors):
                 self._settle(seqs[j], -1, None, errors[j])
             ok = [j for j in range(len(seqs)) if j not in errors]
             if not ok:
-                return [], None
+                return [], None, settled
             idx = to_device(ok, torch.long, tokens.device)
             seqs, tokens, dead = [seqs[j] for j in ok], tokens[idx], dead[idx]
-        return seqs, torch.stack((tokens, dead.long()))
+        return seqs, torch.stack((tokens, dead.long())), settled
 
     def _settle_on_host(self, seqs: list[Sequence], both: torch.Tensor) -> None:
         """Give ``seqs`` their tokens from ``both`` ``[2, B]`` (tokens, dead-end
@@ -896,7 +890,7 @@ class Engine:
         finally:
             taking.abandon()  # (the threads are done with the constraints before we go on)
         if refused and not taking.defer:
-            rows, both = self._resample(prev, refused)
+            rows, both, _ = self._resample(prev, refused)  # (every refused row is an output)
             if rows:
                 self._settle_on_host(rows, both)
             outputs.extend(seqs[i] for i in refused)
@@ -1427,7 +1421,8 @@ class _InFlight:
     free: list[int] = field(default_factory=list)
     masked: list[int] = field(default_factory=list)
     finishes: int = 0  # Engine._num_finishes when launched: a request may have ended since
-    # rows in none of those: their draws are void (settled since, by a failed resample)
+    # rows in none of those: requests that ended since (dropped when taken), and
+    # ``void`` ones, settled by a failed resample (drawn from a state left behind)
     void: set[int] = field(default_factory=set)
     # the verdicts of ``unchecked``'s picks, on the accept thread from the moment they land
     early: Future | None = None
