@@ -124,7 +124,9 @@ class EngineConfig:
     cuda_graphs : bool
         On CUDA, capture the decode step as CUDA graphs at batch sizes 1, 2, 4, ...
         up to ``max_num_seqs`` when the engine starts (Llama models), and replay
-        them for decode steps. False runs every step eagerly.
+        them for decode steps; steps of prompt chunks alone replay graphs as well,
+        each captured the first time a step of its padded size runs
+        (:mod:`formcast.engine.prefill_graph`). False runs every step eagerly.
     async_scheduling : bool | None
         In steady decoding, launch each step with the last step's samples still on
         the device and take them on the host (grammars, text, stops, next masks)

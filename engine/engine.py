@@ -114,7 +114,9 @@ class Engine:
                                       device=self.device, dtype=self.dtype,
                                       cuda_graph_sizes=graph_sizes,
                                       max_model_len=self._max_len(num_blocks),
-                                      sample_vocab=min(tokenizer.vocab_size, mcfg.vocab_size))
+                                      sample_vocab=min(tokenizer.vocab_size, mcfg.vocab_size),
+                                      max_prefill_tokens=self.config.max_num_batched_tokens,
+                                      max_prefill_chunks=self.config.max_num_seqs)
         if spec.enabled and spec.method == "mtp" and self._mtp is None:
             raise ValueError("spec method 'mtp' needs a model with an MTP layer (a DeepSeek-V4 "
                              "checkpoint with mtp.0.* weights); use 'prompt_lookup' or 'auto'")

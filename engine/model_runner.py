@@ -15,8 +15,9 @@ from formcast.engine.cuda_graph import DecodeGraphs
 from formcast.engine.kernels import to_device
 from formcast.engine.kernels.paged_attention import pack_prefills
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
-from formcast.engine.layers.quant import prompt_rows
+from formcast.engine.layers.quant import Bf16Linear, _PromptFloat, prompt_rows
 from formcast.engine.models.llama import LlamaForCausalLM
+from formcast.engine.prefill_graph import PrefillGraphs
 from formcast.engine.scheduler import ScheduledSeq
 from formcast.engine.sequence import Sequence
 
@@ -66,10 +67,14 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype,
                  cuda_graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None,
-                 sample_vocab: int | None = None) -> None:
+                 sample_vocab: int | None = None, max_prefill_tokens: int = 0,
+                 max_prefill_chunks: int = 0) -> None:
         """``cuda_graph_sizes``: batch sizes whose decode steps are captured as CUDA
         graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables;
-        ``sample_vocab``: the columns the graphs' greedy sampling may pick."""
+        ``sample_vocab``: the columns the graphs' greedy sampling may pick;
+        ``max_prefill_tokens``, ``max_prefill_chunks``: the largest prompt step that
+        graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs,
+        for models without quantized layers)."""
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -91,6 +96,13 @@ class ModelRunner:
                                        block_size=block_size,
                                        scratch_slot=num_blocks * block_size,
                                        sample_vocab=sample_vocab)
+        self.prefill_graphs: PrefillGraphs | None = None
+        if graphs and max_prefill_tokens and max_prefill_chunks and not any(
+                isinstance(m, (_PromptFloat, Bf16Linear)) for m in model.modules()):
+            self.prefill_graphs = PrefillGraphs(
+                model, self.kv_caches, max_tokens=min(max_prefill_tokens, 8192),
+                max_chunks=max_prefill_chunks, max_blocks=self.graphs.max_blocks,
+                scratch_slot=num_blocks * block_size)
         self._replayed = False  # the last execute_decode replayed a graph
 
     @torch.inference_mode()
@@ -103,7 +115,8 @@ class ModelRunner:
         Rows of prompt tokens run on a quantized model's float32 weights
         (:func:`formcast.engine.layers.quant.prompt_rows`) unless ``prompt_float`` is
         False. Decode steps replay a CUDA graph when one fits (the logits are then a
-        view that the step after next overwrites)."""
+        view that the step after next overwrites), and so do steps of prompt chunks
+        alone (a view that the next such step overwrites)."""
         layout = self._layout(batch)
         self._replayed = False
         if self.graphs is not None:
@@ -113,6 +126,12 @@ class ModelRunner:
             logits = self.graphs.run(layout.tokens, layout.positions, layout.slots,
                                      layout.decode_tables, layout.decode_lens)
             return logits.clone() if all_logits else logits
+        if self.prefill_graphs is not None and layout.prefills and not layout.decode_rows \
+                and not all_logits:
+            logits = self.prefill_graphs.run(layout.tokens, layout.positions, layout.slots,
+                                             layout.prefills, layout.sample_rows)
+            if logits is not None:
+                return logits
         token_ids, positions, meta, sample_rows = self._prepare(layout)
         is_prompt = layout.is_prompt
         head_is_prompt = is_prompt if all_logits else [is_prompt[r] for r in layout.sample_rows]

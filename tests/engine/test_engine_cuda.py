@@ -111,6 +111,41 @@ def test_cuda_graphs_give_the_eager_outputs(weights, tokenizer, dtype):
                                               else 0.05)
 
 
+def test_cuda_prompt_graphs_give_the_eager_outputs(weights, tokenizer):
+    """Steps of prompt chunks replayed from graphs (tokens, chunks and the longest
+    chunk padded to powers of two; captured the first time a bucket runs) give
+    the eager steps' first-token logits and greedy outputs: plain prompts, prompts
+    longer than one attention tile, and prompts cut into chunks over cached
+    context (prefix caching and a small token budget)."""
+    eager = make_engine(weights, tokenizer, "cuda", torch.float32, num_kv_blocks=512,
+                        cuda_graphs=False, max_num_seqs=8, max_num_batched_tokens=96)
+    graphed = make_engine(weights, tokenizer, "cuda", torch.float32, num_kv_blocks=512,
+                          max_num_seqs=8, max_num_batched_tokens=96)
+    pg = graphed.runner.prefill_graphs
+    assert eager.runner.prefill_graphs is None and pg is not None
+    first = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    long_prompt = tokenizer.encode("a long request about the weather in many towns. " * 20)
+    assert len(long_prompt) > 2 * 96  # three chunks, the later ones over cached keys
+    batches = [prompts(tokenizer, 1), prompts(tokenizer, 5), [long_prompt],
+               prompts(tokenizer, 3) + [long_prompt[:40]]]
+    for ps in batches:
+        for g, e in zip(graphed.generate(ps, first), eager.generate(ps, first)):
+            assert g.token_ids == e.token_ids
+            for a, b in zip(g.logprobs[0].top, e.logprobs[0].top):
+                assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4)
+        assert [o.token_ids for o in graphed.generate(ps, sp)] == \
+            [o.token_ids for o in eager.generate(ps, sp)]
+    assert pg.captures > 0 and pg.replays > pg.captures and not pg._failed
+    # a new prompt of a bucket seen before replays its graph (the batches above,
+    # run again, would mostly come from the prefix cache: steps mixing prompt
+    # chunks with single-token rows run eagerly)
+    captures, replays, buckets = pg.captures, pg.replays, set(pg._graphs)
+    graphed.generate([tokenizer.encode("Another request: the wind, please.")], sp)
+    assert (pg.captures, pg.replays, set(pg._graphs)) == (captures, replays + 1, buckets), \
+        (captures, replays, buckets, pg._failed)
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer, graphs):
     """Steps launched with the previous step's tokens still on the GPU: the same
