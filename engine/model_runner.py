@@ -15,7 +15,7 @@ from formcast.engine.cuda_graph import DecodeGraphs
 from formcast.engine.kernels import to_device
 from formcast.engine.kernels.paged_attention import pack_prefills
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
-from formcast.engine.layers.quant import Bf16Linear, _PromptFloat, prompt_rows
+from formcast.engine.layers.quant import prompt_rows
 from formcast.engine.models.llama import LlamaForCausalLM
 from formcast.engine.prefill_graph import PrefillGraphs
 from formcast.engine.scheduler import ScheduledSeq
@@ -73,8 +73,7 @@ class ModelRunner:
         graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables;
         ``sample_vocab``: the columns the graphs' greedy sampling may pick;
         ``max_prefill_tokens``, ``max_prefill_chunks``: the largest prompt step that
-        graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs,
-        for models without quantized layers)."""
+        graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs)."""
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -97,10 +96,9 @@ class ModelRunner:
                                        scratch_slot=num_blocks * block_size,
                                        sample_vocab=sample_vocab)
         self.prefill_graphs: PrefillGraphs | None = None
-        if graphs and max_prefill_tokens and max_prefill_chunks and not any(
-                isinstance(m, (_PromptFloat, Bf16Linear)) for m in model.modules()):
+        if graphs and max_prefill_tokens and max_prefill_chunks:  # (quantized linears: CPU only)
             self.prefill_graphs = PrefillGraphs(
-                model, self.kv_caches, max_tokens=min(max_prefill_tokens, 8192),
+                model, self.kv_caches, max_tokens=max_prefill_tokens,
                 max_chunks=max_prefill_chunks, max_blocks=self.graphs.max_blocks,
                 scratch_slot=num_blocks * block_size)
         self._replayed = False  # the last execute_decode replayed a graph

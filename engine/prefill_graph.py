@@ -20,11 +20,13 @@ samples into one output buffer, so a bucket's graph holds no memory of its own
 but the kernels' (the graphs share one memory pool): those logits are valid
 until the next prompt step.
 
-Buckets are captured as they come, at most ``max_graphs`` of them (a step of an
-uncaptured bucket past that runs eagerly). A capture runs the step eagerly once
-(compiling kernels for its shapes), captures it, then replays it: a few times a
-step's cost, once per bucket. It is captured in thread-local mode, so the mask
-thread's CUDA calls (pinned buffers, events) are not caught in it.
+Buckets are captured as they come, at most ``max_graphs`` of them, up to
+``MAX_TOKENS`` tokens (a step of an uncaptured bucket past that runs eagerly). A
+capture runs the step eagerly once (compiling kernels for its shapes), captures
+it, then replays it: a few times a step's cost, once per bucket. It is captured
+in thread-local mode, so the mask thread's CUDA calls (pinned buffers, events)
+are not caught in it. A bucket whose capture fails keeps the eager run's logits
+for that step and runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from formcast.engine.kernels import current_stream
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
 
 MIN_ROWS = 16
+MAX_TOKENS = 8192  # the largest step served (the shared pool keeps its activations)
 
 
 def _bucket(n: int, floor: int = 1) -> int:
@@ -54,15 +57,15 @@ class _Bucket:
 
 class PrefillGraphs:
     """CUDA graphs of ``model``'s prompt steps over ``kv_caches`` (whose scratch slot
-    is ``scratch_slot``), up to ``max_tokens`` rows and ``max_chunks`` chunks a
-    step, block tables up to ``max_blocks`` wide."""
+    is ``scratch_slot``), up to ``max_tokens`` rows (at most ``MAX_TOKENS``) and
+    ``max_chunks`` chunks a step, block tables up to ``max_blocks`` wide."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], *, max_tokens: int,
                  max_chunks: int, max_blocks: int, scratch_slot: int,
                  max_graphs: int = 16) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.max_tokens = _bucket(max_tokens, MIN_ROWS)
+        self.max_tokens = _bucket(min(max_tokens, MAX_TOKENS), MIN_ROWS)
         self.max_chunks = _bucket(max_chunks)
         self.max_blocks = max_blocks
         self.scratch_slot = scratch_slot
@@ -104,23 +107,26 @@ class PrefillGraphs:
         table), replayed from its bucket's graph (captured now if it is new), or
         None when the step has no graph (the caller runs it eagerly). The logits
         are a view, valid until the next call."""
-        lengths = [c[1] for c in prefills]
+        starts, lengths, contexts, tables = zip(*prefills)
         key = self.bucket_for(len(tokens), lengths, len(sample_rows))
         if key is None or key in self._failed or (
                 key not in self._graphs and len(self._graphs) >= self.max_graphs) \
-                or any(len(c[3]) > self.max_blocks for c in prefills):
+                or max(map(len, tables)) > self.max_blocks:
             return None
-        self._stage(key, tokens, positions, slots, prefills, sample_rows)
+        self._stage(key, tokens, positions, slots, (starts, lengths, contexts, tables),
+                    sample_rows)
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture(key)
-            if graph is None:
-                return None
+            if graph is None:  # (the eager run before the capture is this step's result)
+                return self._logits[:len(sample_rows)]
         graph.replay()
         self.replays += 1
         return self._logits[:len(sample_rows)]
 
-    def _stage(self, key: _Bucket, tokens, positions, slots, prefills, sample_rows) -> None:
+    def _stage(self, key: _Bucket, tokens, positions, slots, chunks, sample_rows) -> None:
+        """Write a step into the host buffer (``chunks``: the starts, lengths,
+        context lengths and tables of its prompt chunks) and start its copy."""
         n, t, p = len(tokens), key.tokens, key.chunks
         self._copied.synchronize()  # the last step's copy has read the host buffer
         self._tokens[:n] = tokens
@@ -129,8 +135,8 @@ class PrefillGraphs:
         self._positions[n:t] = 0
         self._slots[:n] = slots
         self._slots[n:t] = self.scratch_slot
-        c = len(prefills)
-        starts, lengths, contexts, tables = zip(*prefills)
+        starts, lengths, contexts, tables = chunks
+        c = len(starts)
         self._chunks[0, :c], self._chunks[1, :c], self._chunks[2, :c] = starts, lengths, contexts
         self._chunks[:, c:p] = 0  # empty chunks: nothing to attend, nothing written
         self._samples[:len(sample_rows)] = sample_rows
@@ -168,8 +174,9 @@ class PrefillGraphs:
         self._logits[:key.chunks].copy_(logits)
 
     def _capture(self, key: _Bucket) -> torch.cuda.CUDAGraph | None:
-        """Run the staged step eagerly (compiling its kernels), then capture it;
-        None (the bucket then always runs eagerly) when capturing fails."""
+        """Run the staged step eagerly (compiling its kernels; its logits are
+        written), then capture it; None (the bucket then always runs eagerly)
+        when capturing fails."""
         self._forward(key)
         graph = torch.cuda.CUDAGraph()
         try:
