@@ -40,7 +40,8 @@ from gpu_throughput import SCHEMA, prompts
 POOL = 2048  # rows of random logits the stub hands out
 
 
-def stub_engine(tok: Tokenizer, max_batch: int) -> tuple[Engine, list[float]]:
+def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
+                ) -> tuple[Engine, list[float]]:
     """An engine on a one-layer model of SmolLM2's vocabulary whose decode steps
     are stubbed out (see the module doc). Returns it and the seconds its
     masked-argmax calls took, a list of one, reset by the caller."""
@@ -55,6 +56,10 @@ def stub_engine(tok: Tokenizer, max_batch: int) -> tuple[Engine, list[float]]:
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(POOL, cfg.vocab_size, generator=gen)
     pool[:, tok.vocab_size:] = float("-inf")
+    if picks == "words":  # each row's argmax a word, which a JSON string takes
+        words = torch.tensor([i for i in range(tok.vocab_size)
+                              if tok.decode([i]).strip().isalpha()])
+        pool[torch.arange(POOL), words[torch.randint(len(words), (POOL,), generator=gen)]] = 10.0
     greedy = torch.stack((pool.argmax(-1), torch.zeros(POOL, dtype=torch.long)))
     staging = DecodeStaging(max_batch, 1024, block_size=eng.config.block_size, scratch_slot=0,
                             pin=False)

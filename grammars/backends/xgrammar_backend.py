@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from functools import cache
 
 import torch
@@ -253,17 +254,51 @@ class XGrammarMatcher(Matcher):
         return self._m
 
 
+class _FillPlan:
+    """Whether a batch of masks is filled on one thread or spread over a few.
+
+    xgrammar's threads pay off only for costly rows. On the H200's host (16
+    cores), 256 rows in JSON string states took 3.6 ms on one thread and 2.3 ms
+    on four, but 256 rows in the states of a JSON object's forced punctuation
+    took 0.42 ms on one thread and 0.91 ms on four (64 such rows: 0.06 against
+    0.32 ms), the hand-off costing more than the rows. So a batch goes to the
+    threads when one thread's time for it, estimated from the per-row time one
+    thread took lately, is above ``PARALLEL_US``; one batch in ``PROBE`` there is
+    filled on one thread anyway, so the estimate follows the rows' states.
+    """
+
+    PARALLEL_US = 700.0
+    PROBE = 16
+
+    def __init__(self, threads: int) -> None:
+        self.one = xgr.BatchGrammarMatcher(max_threads=1)
+        self.many = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
+        self.us_per_row = 2.0  # one thread's, smoothed
+        self.spread = 0        # batches in a row sent to the threads
+
+    def fill(self, handles: list, bitmask: torch.Tensor, rows: list[int]) -> None:
+        n = len(rows)
+        if self.many is not None and self.us_per_row * n > self.PARALLEL_US and \
+                self.spread < self.PROBE - 1:
+            self.spread += 1
+            self.many.batch_fill_next_token_bitmask(handles, bitmask, rows)
+            return
+        self.spread = 0
+        start = time.perf_counter()
+        self.one.batch_fill_next_token_bitmask(handles, bitmask, rows)
+        us = (time.perf_counter() - start) * 1e6 / max(n, 1)
+        self.us_per_row = 0.5 * (self.us_per_row + us)
+
+
 @cache
-def _batch_matcher() -> xgr.BatchGrammarMatcher:
-    # a few threads, not xgrammar's "auto" (half the cores): on the H200 host
-    # (16 cores) handing rows to 8 threads cost about 0.8 ms a call, more than
-    # 64 cheap rows take on one thread (0.1 ms), while 256 rows in string states
-    # took 3.3 ms on one thread and 1.1 ms on 8
-    return xgr.BatchGrammarMatcher(max_threads=max(1, min(4, (os.cpu_count() or 2) // 2)))
+def _fill_plan() -> _FillPlan:
+    # at most four threads: on the H200's host, eight took longer than four for
+    # every batch measured (hand-off), and "auto" would take half the cores
+    return _FillPlan(max(1, min(4, (os.cpu_count() or 2) // 2)))
 
 
 def batch_fill(matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
     """Fill the rows of several xgrammar matchers in one call (GIL released)."""
-    _batch_matcher().batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
+    _fill_plan().fill([m._m for m in matchers], bitmask, rows)
 
 

@@ -201,6 +201,49 @@ def test_batch_fill_matches_row_by_row(compiler, tiny_vocab):
         assert torch.equal(hooked[i], one[0])
 
 
+def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, tiny_vocab):
+    """xgrammar's batch fill goes to its threads only when one thread's time for the
+    batch, estimated from what one thread took lately, is long; every PROBE-th such
+    batch is filled on one thread again to keep the estimate current. Either way
+    the masks are the row-by-row ones."""
+    from formcast.grammars.backends import xgrammar_backend as xb
+
+    compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab)
+    matchers = [compiled.matcher() for _ in range(5)]
+    for m, text in zip(matchers, ["", "{", '{"name"', '{"name":"A', '{"name":"Al","age":3']):
+        for t in _ids(tiny_vocab, text):
+            assert m.accept(t)
+    expected = compiled.allocate_bitmask(5)
+    for i, m in enumerate(matchers):
+        m.fill_bitmask(expected, i)
+    inner = [m._inner if hasattr(m, "_inner") else m for m in matchers]
+    assert all(type(m) is xb.XGrammarMatcher for m in inner)
+    plan = xb._FillPlan(threads=2)
+    calls = []
+    for name in ("one", "many"):
+        real = getattr(plan, name)
+        spy = type("Spy", (), {"batch_fill_next_token_bitmask":
+                               lambda self, h, b, r, _real=real, _n=name:
+                               (calls.append(_n), _real.batch_fill_next_token_bitmask(h, b, r))})
+        setattr(plan, name, spy())
+
+    def fill() -> torch.Tensor:
+        got = compiled.allocate_bitmask(5)
+        got.zero_()
+        plan.fill([m._m for m in inner], got, list(range(5)))
+        return got
+
+    assert torch.equal(fill(), expected) and calls == ["one"]   # cheap rows: one thread
+    assert 0 < plan.us_per_row < 1e5
+    plan.us_per_row = 1e6  # as if the rows had turned costly
+    for _ in range(plan.PROBE - 1):
+        assert torch.equal(fill(), expected)
+    assert calls[1:] == ["many"] * (plan.PROBE - 1)
+    assert torch.equal(fill(), expected) and calls[-1] == "one"   # the probe
+    assert plan.us_per_row < 1e6  # measured again: halfway to what one thread took
+    assert xb._FillPlan(threads=1).many is None
+
+
 @pytest.mark.parametrize("schema,text,redo,fix", [
     # a duplicate item: redo from the duplicate
     ({"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True},
