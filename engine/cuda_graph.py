@@ -245,6 +245,14 @@ class DecodeGraphs:
         self.replays += 1
         return self._logits[b][self._copy][:n]
 
+    def rewind(self, replays: int) -> None:
+        """Forget the replay that made the count ``replays`` when it is still the last
+        one (its output unread): the next replay takes its copy, so the replay
+        before keeps its logits for as long as it would have without it."""
+        if self.replays == replays:
+            self._copy ^= 1
+            self.replays -= 1
+
     def greedy(self, n: int) -> torch.Tensor:
         """``[2, n]`` long on the device: the last replay's greedy tokens and dead-end
         flags of its first ``n`` rows, as :meth:`Sampler.sample_on_device` gives them

@@ -134,12 +134,14 @@ class Engine:
         self._aborted: list[Sequence] = []  # outputs owed to the next step (aborts, drains)
         self._num_finishes = 0  # calls of _finish: a step in flight whose count moved lost rows
         self._inflight: _InFlight | None = None  # a launched step the host has not taken
+        self._ahead: _Ahead | None = None  # the step after it, launched already (_fast_lane)
         self._host_slots: _HostSlots | None = None  # where in-flight steps land (CUDA)
         asynchronous = self.config.async_scheduling
         if asynchronous is None:
             asynchronous = self.device.type == "cuda"
         self._async = asynchronous and isinstance(self.runner, ModelRunner)
         self.num_pipelined_steps = 0  # steps launched before the host had their input
+        self.num_launched_ahead = 0  # of those, launched before the last tokens were appended
         # greedy picks made without masks for constrained rows, and those refused
         # (EngineConfig.unmasked_greedy)
         self.num_unmasked_picks = 0
@@ -424,26 +426,32 @@ class Engine:
             launch = running
         else:  # a request whose token in flight is its last gets no row
             launch = [s for s in running if len(s.token_ids) + 1 < s.max_total_len]
-        bs = self.config.block_size
-        # the new position opens a block every block_size steps
-        opening = [s for s in launch if s.num_computed_tokens >= len(s.block_table) * bs]
-        if len(opening) > bm.num_free_blocks:
-            return None  # an ordinary step preempts
-        if prev is None:
-            tokens = to_device([s.token_ids[-1] for s in launch], torch.long, self.device)
-        elif len(launch) == len(prev.seqs):
-            tokens = prev.tokens
+        ahead = self._ahead
+        if ahead is not None and ahead.seqs == launch:
+            self._ahead = None
+            logits = ahead.logits  # (launched by the last step, its blocks grown then)
         else:
-            keep = set(launch)
-            tokens = prev.tokens[to_device([i for i, s in enumerate(prev.seqs) if s in keep],
-                                           torch.long, self.device)]
-        for s in opening:
-            bm.grow(s, 1)
+            self._drop_ahead()
+            bs = self.config.block_size
+            # the new position opens a block every block_size steps
+            opening = [s for s in launch if s.num_computed_tokens >= len(s.block_table) * bs]
+            if len(opening) > bm.num_free_blocks:
+                return None  # an ordinary step preempts
+            if prev is None:
+                tokens = to_device([s.token_ids[-1] for s in launch], torch.long, self.device)
+            elif len(launch) == len(prev.seqs):
+                tokens = prev.tokens
+            else:
+                keep = set(launch)
+                tokens = prev.tokens[to_device([i for i, s in enumerate(prev.seqs) if s in keep],
+                                               torch.long, self.device)]
+            for s in opening:
+                bm.grow(s, 1)
+            try:
+                logits = self.runner.execute_decode(launch, tokens) if launch else None
+            except Exception as exc:
+                raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self.num_pipelined_steps += 1
-        try:
-            logits = self.runner.execute_decode(launch, tokens) if launch else None
-        except Exception as exc:
-            raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self._inflight = None
         self._masks_ahead = None
         finishes = self._num_finishes
@@ -460,6 +468,18 @@ class Engine:
                 except BaseException:
                     self._take_end(taking)  # (the checked picks are appended before we go)
                     raise
+        if early is not None:
+            try:
+                lane = self._fast_lane(taking, launch, logits, early)
+            except BaseException:
+                self._take_end(taking)
+                raise
+            if lane is not None:
+                filled, settled = lane
+                taken = self._take_end(taking)[0]  # (refused rows: sampled again already)
+                for s in filled:  # (hashed now their last token is there)
+                    bm.commit(s)
+                return taken + settled
         checked_from = self._num_finishes
         taken, ok, refused = self._take_end(taking) if taking is not None else ([], None, [])
         if early is not None:
@@ -526,16 +546,99 @@ class Engine:
                               self._num_finishes)
         return taken
 
+    def _fast_lane(self, taking: "_Taking", launch: list[Sequence], logits: torch.Tensor,
+                   picked: tuple) -> tuple[list[Sequence], list[Sequence]] | None:
+        """The usual step of a large constrained batch, its critical path cut short.
+
+        Every row of ``taking`` was sampled again (``picked``, as :meth:`_sample_live`
+        gave it for ``launch``, the same rows) while the accept thread checked the
+        unmasked picks. Once every pick turns out taken or refused (none ending
+        its constraint or failing), and no request ended or will end by the token
+        it takes, the rows whose pick was refused are sampled again, this step's
+        tokens are launched on their way to the host and the step after is
+        launched on the device (:meth:`_launch_ahead`), all before the taken
+        tokens are appended, which the device no longer waits for. Returns the
+        rows whose count of computed tokens filled a block (to hash once the
+        tokens are appended) and the requests a failed resample settled; None
+        (nothing done) when the step must go the ordinary way."""
+        prev = taking.prev
+        try:
+            verdicts = taking.pending.result()
+        except BaseException:
+            return None  # (the take reports it)
+        seqs, tokens, checked = prev.seqs, taking.token_list, taking.checked
+        if verdicts is None or not taking.clean or len(taking.pending_rows) != len(checked) \
+                or prev.finishes != self._num_finishes:
+            return None
+        refused: list[int] = []
+        if verdicts.count(1) != len(verdicts):
+            if verdicts.count(0) + verdicts.count(1) != len(verdicts):
+                return None  # a constraint ended or failed
+            refused = [checked[k] for k, v in enumerate(verdicts) if not v]
+        # no row's token ends its request, and every row runs the step after: the
+        # rows with a pick to append still count one token short of that
+        eos = self.eos_token_ids
+        every = len(checked) == len(seqs)
+        skip = set(refused)
+        for i in range(len(seqs)) if every else checked:
+            s = seqs[i]
+            if not (s.ends_on_length_only and tokens[i] not in eos and s.first_token_time
+                    and len(s.token_ids) + 2 < s.max_total_len) and i not in skip:
+                return None
+        if not every:
+            pending = set(checked)
+            if any(len(s.token_ids) + 1 >= s.max_total_len
+                   for i, s in enumerate(seqs) if i not in pending):
+                return None
+        if refused and taking.ahead is not None:
+            wait([taking.ahead[1]])  # (the mask thread is done before masks are filled here)
+        filled: list[Sequence] = []
+        settled = self._launch_sampled(prev, launch, logits, picked, set(), refused,
+                                       self._num_finishes, filled=filled)
+        if not settled:
+            self._launch_ahead(launch, self._inflight.tokens)
+        return filled, settled
+
+    def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """Launch the decode step after the one in flight for ``seqs``, on its sampled
+        ``tokens`` on the device, as the next pipelined step would (it takes it
+        when its rows are still these). Skipped when the blocks it opens are not
+        free, or when it fails (the next step launches it again, and reports it)."""
+        bm, bs = self.block_manager, self.config.block_size
+        opening = [s for s in seqs if s.num_computed_tokens >= len(s.block_table) * bs]
+        if len(opening) > bm.num_free_blocks:
+            return
+        for s in opening:
+            bm.grow(s, 1)
+        mark = self.runner.decode_mark()
+        try:
+            logits = self.runner.execute_decode(seqs, tokens)
+        except Exception:
+            self.runner.rewind_decode(mark)
+            return
+        self._ahead = _Ahead(seqs=seqs, logits=logits, mark=mark)
+        self.num_launched_ahead += 1
+
+    def _drop_ahead(self) -> None:
+        """Forget the step launched ahead, if any (its rows changed, or an ordinary
+        step comes): its output is never read, and the next replay reuses its place."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self.runner.rewind_decode(ahead.mark)
+
     def _launch_sampled(self, prev: "_InFlight", launch: list[Sequence], logits: torch.Tensor,
-                        picked: tuple, ok: set[Sequence], refused: list[int], finishes: int
-                        ) -> list[Sequence]:
+                        picked: tuple, ok: set[Sequence], refused: list[int], finishes: int,
+                        filled: list[Sequence] | None = None) -> list[Sequence]:
         """The rest of a pipelined step whose every row (``launch``, the rows of
         ``prev`` in order) was sampled from ``logits`` (``picked``, as
         :meth:`_sample_live` gave it) while the last picks were checked: rows
         whose pick was refused are sampled again from ``prev``'s logits under
         their masks, over their draws; requests that ended (``finishes``: the
         count before the check) stay in flight, rows the next take drops.
-        Returns the outputs beyond the take's (requests a failed resample settled)."""
+        ``filled``: a list that takes the rows whose count filled a block, for
+        the caller to hash (their tokens are not appended yet), rather than
+        hashing them here. Returns the outputs beyond the take's (requests a
+        failed resample settled)."""
         both, unchecked, watched, agree, free, masked = picked
         if finishes == self._num_finishes:  # (every other row took its token)
             live = _without(launch, sorted(refused)) if refused else launch
@@ -544,7 +647,14 @@ class Engine:
             for i, s in enumerate(launch):  # (in none of the step's row lists: dropped when taken)
                 if s.status is FINISHED:
                     unchecked.pop(i, None)
-        self._advance(live)
+        if filled is None:
+            self._advance(live)
+        else:
+            bs = self.config.block_size
+            for s in live:
+                n = s.num_computed_tokens = s.num_computed_tokens + 1
+                if not n % bs:
+                    filled.append(s)
         void: set[int] = set()
         if refused:
             _, fixed_both, settled = self._resample(prev, refused)
@@ -804,6 +914,7 @@ class Engine:
         taking = _Taking(prev=prev, token_list=token_list, checked=checked, defer=defer)
         outputs = taking.outputs
         if errors or prev.void or self._num_finishes != prev.finishes:
+            taking.clean = False
             # rows that failed to sample, and requests ended meanwhile (aborted: their
             # output went out then), take nothing
             gone = {i for i, seq in enumerate(seqs) if seq.status is FINISHED} | prev.void
@@ -941,6 +1052,7 @@ class Engine:
     def _drain(self) -> list[Sequence]:
         """Take the step in flight, if any: afterwards every request is in an
         ordinary state (its sampled token appended)."""
+        self._drop_ahead()
         prev, self._inflight = self._inflight, None
         return self._take(prev)[0] if prev is not None else []
 
@@ -1433,6 +1545,16 @@ class _InFlight:
 
 
 @dataclass(eq=False, kw_only=True)
+class _Ahead:
+    """A decode step launched before the host appended its input tokens' step
+    (:meth:`Engine._fast_lane`), for the next pipelined step to take."""
+
+    seqs: list[Sequence]  # its rows, in order
+    logits: torch.Tensor
+    mark: int             # the model runner's decode mark before it (to rewind)
+
+
+@dataclass(eq=False, kw_only=True)
 class _Taking:
     """A step in flight being taken, between :meth:`Engine._take_begin` and
     :meth:`Engine._take_end`."""
@@ -1446,6 +1568,7 @@ class _Taking:
     pending: Future | None = None  # verdicts of ``pending_rows``' picks, on the accept thread
     pending_rows: list[int] = field(default_factory=list)
     ahead: tuple[list[Sequence], Future] | None = None  # the next masks, on the mask thread
+    clean: bool = True  # every row sampled, none voided, no request ended since the launch
 
     def abandon(self) -> None:
         """Wait for the threads working on its constraints (their errors show

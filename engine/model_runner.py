@@ -161,6 +161,18 @@ class ModelRunner:
             hidden = self.model(tokens, pos, self.kv_caches, meta)
             return self.model.logits(hidden)
 
+    def decode_mark(self) -> int:
+        """Where the decode graphs' replays stand (for :meth:`rewind_decode`)."""
+        return self.graphs.replays if self.graphs is not None else 0
+
+    def rewind_decode(self, mark: int) -> None:
+        """Drop the output of the :meth:`execute_decode` made right after
+        :meth:`decode_mark` gave ``mark``, unread: when it replayed a graph and no
+        replay came since, the next replay overwrites it rather than the logits of
+        the step before, which stay valid through the next replay as ever."""
+        if self.graphs is not None:
+            self.graphs.rewind(mark + 1)
+
     def greedy_samples(self, n: int) -> torch.Tensor | None:
         """The last :meth:`execute_decode`'s greedy tokens and dead-end flags ``[2, n]``
         sampled inside its graph (unmasked logits), or None when no graph ran."""

@@ -263,31 +263,35 @@ class _FillPlan:
     took 0.42 ms on one thread and 0.91 ms on four (64 such rows: 0.06 against
     0.32 ms), the hand-off costing more than the rows. So a batch goes to the
     threads when one thread's time for it, estimated from the per-row time one
-    thread took lately, is above ``PARALLEL_US``; one batch in ``PROBE`` there is
-    filled on one thread anyway, so the estimate follows the rows' states.
+    thread took last, is above ``PARALLEL_US``. The estimate follows the rows'
+    states: a batch the threads filled at under ``CHEAP_US`` a row (cheap rows:
+    string states took 9-11 us a row there, punctuation 3.6-5) sends the next
+    batch to one thread, and so does every ``PROBE``-th batch.
     """
 
     PARALLEL_US = 700.0
+    CHEAP_US = 6.0
     PROBE = 16
 
     def __init__(self, threads: int) -> None:
         self.one = xgr.BatchGrammarMatcher(max_threads=1)
         self.many = xgr.BatchGrammarMatcher(max_threads=threads) if threads > 1 else None
-        self.us_per_row = 2.0  # one thread's, smoothed
+        self.us_per_row = 2.0  # one thread's, last measured
         self.spread = 0        # batches in a row sent to the threads
 
     def fill(self, handles: list, bitmask: torch.Tensor, rows: list[int]) -> None:
         n = len(rows)
+        start = time.perf_counter()
         if self.many is not None and self.us_per_row * n > self.PARALLEL_US and \
                 self.spread < self.PROBE - 1:
             self.spread += 1
             self.many.batch_fill_next_token_bitmask(handles, bitmask, rows)
+            if (time.perf_counter() - start) * 1e6 < self.CHEAP_US * n:
+                self.spread = self.PROBE  # cheap rows now: measured on one thread next
             return
         self.spread = 0
-        start = time.perf_counter()
         self.one.batch_fill_next_token_bitmask(handles, bitmask, rows)
-        us = (time.perf_counter() - start) * 1e6 / max(n, 1)
-        self.us_per_row = 0.5 * (self.us_per_row + us)
+        self.us_per_row = (time.perf_counter() - start) * 1e6 / max(n, 1)
 
 
 @cache

@@ -369,6 +369,10 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
 
     def run(asynchronous: bool):
         engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
+        dropped = [0]
+        drop = engine._drop_ahead
+        engine._drop_ahead = lambda: (dropped.__setitem__(0, dropped[0] + (engine._ahead is not None)),
+                                      drop())
         ids = [engine.add_request(p, sp, constraint=compiled.matcher() if c else None)
                for p, sp, c in work[:4]]
         victim = engine.add_request(chat(smollm2_engine, "Write a long poem."),
@@ -381,9 +385,13 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
                 ids += [engine.add_request(p, sp) for p, sp, _ in work[4:]]
             if steps == 9:
                 assert engine.abort_request(victim)
-        assert engine._inflight is None
+        assert engine._inflight is None and engine._ahead is None
         assert (engine.num_pipelined_steps > 20) == asynchronous
         assert (engine._accept_pool is not None) == asynchronous
+        # steps launched before the last one's tokens were appended (every pick
+        # taken, none ending its request), and some dropped when rows changed
+        assert (engine.num_launched_ahead > 0) == asynchronous
+        assert (dropped[0] > 0) == asynchronous
         return [(done[i].token_ids, done[i].text, done[i].finish_reason) for i in ids], done[victim]
 
     synchronous, _ = run(False)
@@ -495,6 +503,8 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     assert eng._accept_pool is None
     overlapped, eng, drained = run(True, True, overlap=True)
     assert eng._accept_pool is not None
+    # steps launched before the last one's tokens were appended
+    assert eng.num_launched_ahead > 10 and eng._ahead is None
     assert unmasked == overlapped == masked == pipelined_masked
     texts_out = [(tok.decode(list(t), skip_special_tokens=True), r) for t, r in masked]
     assert all(json.loads(t) for k, (t, r) in enumerate(texts_out) if r == "stop" and k != 4)

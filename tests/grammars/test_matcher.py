@@ -203,9 +203,10 @@ def test_batch_fill_matches_row_by_row(compiler, tiny_vocab):
 
 def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, tiny_vocab):
     """xgrammar's batch fill goes to its threads only when one thread's time for the
-    batch, estimated from what one thread took lately, is long; every PROBE-th such
-    batch is filled on one thread again to keep the estimate current. Either way
-    the masks are the row-by-row ones."""
+    batch, estimated from what one thread took last, is long; every PROBE-th such
+    batch, and the one after a batch the threads filled fast, is filled on one
+    thread again to keep the estimate current. Either way the masks are the
+    row-by-row ones."""
     from formcast.grammars.backends import xgrammar_backend as xb
 
     compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab)
@@ -240,7 +241,11 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
         assert torch.equal(fill(), expected)
     assert calls[1:] == ["many"] * (plan.PROBE - 1)
     assert torch.equal(fill(), expected) and calls[-1] == "one"   # the probe
-    assert plan.us_per_row < 1e6  # measured again: halfway to what one thread took
+    assert plan.us_per_row < 1e5  # measured again
+    # a batch the threads fill fast sends the next one to one thread at once
+    plan.us_per_row, plan.CHEAP_US = 1e6, 1e9
+    assert torch.equal(fill(), expected) and calls[-1] == "many"
+    assert torch.equal(fill(), expected) and calls[-1] == "one"
     assert xb._FillPlan(threads=1).many is None
 
 
