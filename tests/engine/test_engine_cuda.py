@@ -183,7 +183,9 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
     that must survive the next step's replay. Outputs equal masked decoding's,
     with the picks checked before the step is sampled and (``overlap``, a large
     batch's way) on the accept thread while every row is sampled, the refused
-    ones sampled again over the graph's own picks."""
+    ones sampled again over the graph's own picks, and the step after launched
+    before the tokens are appended (dropped, its graph output reused, when rows
+    end)."""
     import formcast.engine.engine as engine_module
 
     grammars = pytest.importorskip("formcast.grammars")
@@ -206,6 +208,8 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
             assert eng.num_refused_picks > 0
             assert eng.num_unmasked_picks > eng.num_refused_picks
         assert (eng._accept_pool is not None) == overlap
+        # (overlap: steps launched before the last one's tokens were appended)
+        assert (eng.num_launched_ahead > 0) == overlap and eng._ahead is None
     assert results[True, False] == results[True, True] == results[False, False]
 
 
