@@ -17,10 +17,12 @@ past it are harmless.
 Each graph also samples greedily (argmax and dead-end flag, one reduction), so a
 step of unconstrained greedy rows needs no sampling launches of its own.
 
-Every size is captured twice, each copy with outputs of its own, and replays
-alternate between the copies: a step's logits stay valid through the next
-step's replay. The asynchronous engine reads them then, to resample under its
-mask a row whose unmasked greedy pick the grammar refused.
+Every size is captured three times (``COPIES``), each copy with outputs of its
+own, and replays take the copies in turn: a step's logits stay valid through
+the next two steps' replays. The asynchronous engine reads them then, to
+resample under its mask a row whose unmasked greedy pick the grammar refused,
+after the next step was launched and, at large batches, the one after that
+too (launched before the refusal was known, then dropped: :meth:`DecodeGraphs.rewind`).
 
 In steady decoding the host buffer is kept from step to step
 (:class:`DecodeStaging`): the same requests in the same rows only move one
@@ -37,6 +39,8 @@ import torch
 from formcast.engine.kernels import current_stream
 from formcast.engine.kernels.sampling import greedy_picks
 from formcast.engine.layers.attention import AttentionMetadata
+
+COPIES = 3  # captures of each size, replayed in turn (see the module doc)
 
 
 def graph_ladder(max_rows: int) -> tuple[int, ...]:
@@ -154,12 +158,13 @@ class DecodeGraphs:
                                      scratch_slot=scratch_slot, pin=True)
         self._dev = torch.zeros(4 * m + m * max_blocks, dtype=torch.long, device=device)
         self._rows = torch.arange(m, device=device)
-        # per size, two copies (see the module doc); replays alternate between them
+        # per size, COPIES copies (see the module doc); replays take them in turn
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._logits: dict[int, list[torch.Tensor]] = {}
         self._greedy: dict[int, list[torch.Tensor]] = {}
         self._copy = 0  # the copy the last replay ran
         self._last = 0  # the size the last replay ran
+        self._before = 0  # the size the replay before it ran
         self.replays = 0  # steps served from a graph
         self.greedy_reads = 0  # of them, steps whose tokens the graph sampled
         self._copied = torch.cuda.Event()  # the host buffer is free again once it fires
@@ -183,7 +188,7 @@ class DecodeGraphs:
             self._forward(tokens, positions, meta)  # compiles the kernels for this size
             torch.cuda.synchronize()
             self._graphs[b], self._logits[b], self._greedy[b] = [], [], []
-            for _ in range(2):
+            for _ in range(COPIES):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._forward(tokens, positions, meta)
@@ -208,7 +213,7 @@ class DecodeGraphs:
     def run(self, tokens: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             tables: list[list[int]], lens: list[int]) -> torch.Tensor:
         """Logits ``[n, V]`` float32 of ``n`` decode rows (a view into the graph's
-        output, valid until the replay after next). ``tokens`` may be a device tensor (the
+        output, valid through the next two replays). ``tokens`` may be a device tensor (the
         last step's samples, never seen by the host)."""
         n = len(positions)
         b = self.size_for(n)
@@ -239,23 +244,24 @@ class DecodeGraphs:
         if tokens is not None:
             self._dev[:n].copy_(tokens)
         self._copied.record(current_stream(self._dev.device))
-        self._copy ^= 1
+        self._copy = (self._copy + 1) % COPIES
         self._graphs[b][self._copy].replay()
-        self._last = b
+        self._last, self._before = b, self._last
         self.replays += 1
         return self._logits[b][self._copy][:n]
 
     def rewind(self, replays: int) -> None:
         """Forget the replay that made the count ``replays`` when it is still the last
-        one (its output unread): the next replay takes its copy, so the replay
-        before keeps its logits for as long as it would have without it."""
+        one (its output unread): the next replay takes its copy, so the replays
+        before keep their logits for as long as they would have without it."""
         if self.replays == replays:
-            self._copy ^= 1
+            self._copy = (self._copy - 1) % COPIES
+            self._last = self._before
             self.replays -= 1
 
     def greedy(self, n: int) -> torch.Tensor:
         """``[2, n]`` long on the device: the last replay's greedy tokens and dead-end
         flags of its first ``n`` rows, as :meth:`Sampler.sample_on_device` gives them
-        for unmasked greedy rows (valid until the replay after next)."""
+        for unmasked greedy rows (valid through the next two replays)."""
         self.greedy_reads += 1
         return self._greedy[self._last][self._copy][:, :n]

@@ -562,34 +562,44 @@ class Engine:
         tokens are appended) and the requests a failed resample settled; None
         (nothing done) when the step must go the ordinary way."""
         prev = taking.prev
-        try:
-            verdicts = taking.pending.result()
-        except BaseException:
-            return None  # (the take reports it)
         seqs, tokens, checked = prev.seqs, taking.token_list, taking.checked
-        if verdicts is None or not taking.clean or len(taking.pending_rows) != len(checked) \
+        if not taking.clean or len(taking.pending_rows) != len(checked) \
                 or prev.finishes != self._num_finishes:
             return None
-        refused: list[int] = []
-        if verdicts.count(1) != len(verdicts):
-            if verdicts.count(0) + verdicts.count(1) != len(verdicts):
-                return None  # a constraint ended or failed
-            refused = [checked[k] for k, v in enumerate(verdicts) if not v]
         # no row's token ends its request, and every row runs the step after: the
         # rows with a pick to append still count one token short of that
         eos = self.eos_token_ids
         every = len(checked) == len(seqs)
-        skip = set(refused)
+        ending = set()  # (rows that would end by a token that turns out refused)
         for i in range(len(seqs)) if every else checked:
             s = seqs[i]
             if not (s.ends_on_length_only and tokens[i] not in eos and s.first_token_time
-                    and len(s.token_ids) + 2 < s.max_total_len) and i not in skip:
-                return None
+                    and len(s.token_ids) + 2 < s.max_total_len):
+                ending.add(i)
         if not every:
             pending = set(checked)
             if any(len(s.token_ids) + 1 >= s.max_total_len
                    for i, s in enumerate(seqs) if i not in pending):
                 return None
+        if not ending and not taking.pending.done():
+            # the verdicts are still coming: launch the step after now, as if every
+            # pick were taken, and take it back if one is not
+            lane = self._launch_before_verdicts(taking, launch, logits, picked)
+            if lane is not None:
+                return lane
+        try:
+            verdicts = taking.pending.result()
+        except BaseException:
+            return None  # (the take reports it)
+        refused: list[int] = []
+        if verdicts is None:
+            return None
+        if verdicts.count(1) != len(verdicts):
+            if verdicts.count(0) + verdicts.count(1) != len(verdicts):
+                return None  # a constraint ended or failed
+            refused = [checked[k] for k, v in enumerate(verdicts) if not v]
+        if not ending.issubset(refused):
+            return None
         if refused and taking.ahead is not None:
             wait([taking.ahead[1]])  # (the mask thread is done before masks are filled here)
         filled: list[Sequence] = []
@@ -598,6 +608,37 @@ class Engine:
         if not settled:
             self._launch_ahead(launch, self._inflight.tokens)
         return filled, settled
+
+    def _launch_before_verdicts(self, taking: "_Taking", launch: list[Sequence],
+                                logits: torch.Tensor, picked: tuple
+                                ) -> tuple[list[Sequence], list[Sequence]] | None:
+        """:meth:`_fast_lane` while the accept thread is still at the verdicts: this
+        step's tokens head for the host and the step after is launched as if
+        every pick were taken (the device runs on while the verdicts come).
+        When one is not, both are taken back (None: the step goes the ordinary
+        way, which samples the refused rows again from the logits they were
+        picked from, kept through the two launches since)."""
+        both, unchecked, watched, agree, free, masked = picked
+        bs, filled = self.config.block_size, []
+        for s in launch:
+            n = s.num_computed_tokens = s.num_computed_tokens + 1
+            if not n % bs:
+                filled.append(s)
+        self._launch_inflight(launch, both, logits, unchecked, watched, agree, free, masked,
+                              self._num_finishes, check=False)
+        self._launch_ahead(launch, both[0])
+        try:
+            verdicts = taking.pending.result()
+        except BaseException:
+            verdicts = None
+        if verdicts is not None and verdicts.count(1) == len(verdicts):
+            self._check_early(self._inflight)
+            return filled, []
+        for s in launch:
+            s.num_computed_tokens -= 1
+        self._drop_ahead()
+        self._inflight = None
+        return None
 
     def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         """Launch the decode step after the one in flight for ``seqs``, on its sampled
@@ -683,10 +724,12 @@ class Engine:
 
     def _launch_inflight(self, seqs: list[Sequence], both: torch.Tensor, logits: torch.Tensor,
                          unchecked: dict[int, int], watched: list[int], agree, free: list[int],
-                         masked: list[int], finishes: int, void: set[int] = frozenset()
-                         ) -> None:
+                         masked: list[int], finishes: int, void: set[int] = frozenset(), *,
+                         check: bool = True) -> None:
         """Start copying a sampled step's ``[2, B]`` tokens and dead-end flags (and the
-        watched rows' ``agree`` flags) to the host and hold it as the step in flight."""
+        watched rows' ``agree`` flags) to the host and hold it as the step in flight.
+        ``check`` False: its unmasked picks go to the accept thread later
+        (:meth:`_check_early`), since its rows may yet change."""
         ready = None
         if both.is_cuda:
             if self._host_slots is None:
@@ -704,7 +747,11 @@ class Engine:
             seqs=seqs, tokens=both[0], host=host, ready=ready,
             logits=logits if unchecked else None, unchecked=unchecked, watched=watched,
             agree=agree_host, free=free, masked=masked, finishes=finishes, void=void)
-        if len(unchecked) >= _OVERLAP_ROWS:
+        if check:
+            self._check_early(step)
+
+    def _check_early(self, step: "_InFlight") -> None:
+        if len(step.unchecked) >= _OVERLAP_ROWS:
             # the accept thread offers the unmasked picks to their constraints as soon
             # as they land, while the host goes on to the next step
             step.early = self._accept_thread().submit(self._check_landed, step)

@@ -514,6 +514,87 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     assert drained  # refused picks were in flight when the pipeline drained
 
 
+def test_steps_launched_before_the_verdicts_give_the_synchronous_outputs(smollm2_engine,
+                                                                        monkeypatch):
+    """While the accept thread is still checking a step's unmasked picks (slow
+    here: its batch hook sleeps), the pipeline launches the step after as if
+    every pick were taken; when one is refused both launches are taken back and
+    the refused rows are sampled again from the logits they were picked from.
+    Outputs equal synchronous masked decoding's, for JSON prompts (picks taken)
+    and prose prompts under the same schema (picks refused)."""
+    import time
+
+    import formcast.engine.engine as engine_module
+    from formcast.grammars import JsonSchema, compile
+
+    class Slow:
+        """A grammar constraint whose batch accept takes a while."""
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        @staticmethod
+        def accept_tokens(constraints, tokens):
+            time.sleep(0.15)  # (longer than a CPU forward of the batch)
+            return [0 if not c.accept(t) else 2 if c.is_terminated() else 1
+                    for c, t in zip(constraints, tokens)]
+
+        def __getattr__(self, name):  # fill_bitmask, accept, rollback, ...
+            return getattr(self.inner, name)
+
+        def fill_bitmask(self, bitmask, row):
+            self.inner.fill_bitmask(bitmask, row)
+
+        def accept(self, token_id):
+            return self.inner.accept(token_id)
+
+        def rollback(self, num_tokens):
+            self.inner.rollback(num_tokens)
+
+        def is_terminated(self):
+            return self.inner.is_terminated()
+
+        def forced_tokens(self):
+            return self.inner.forced_tokens()
+
+        def valid_prefix(self, draft):
+            return self.inner.valid_prefix(draft)
+
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "year": {"type": "integer"}},
+              "required": ["city", "year"], "additionalProperties": False}
+    tok = smollm2_engine.tokenizer
+    compiled = compile(JsonSchema(schema), tok, vocab_size=smollm2_engine.model.config.vocab_size)
+    texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
+             "Reply in JSON with a city and the year it was founded.", "Write a haiku."]
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+
+    def run(asynchronous: bool):
+        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none",
+                         unmasked_greedy=asynchronous)
+        counts = {"early": 0, "back": 0}
+        before = engine._launch_before_verdicts
+
+        def counted(*args):
+            lane = before(*args)
+            counts["early"] += 1
+            counts["back"] += lane is None
+            return lane
+
+        engine._launch_before_verdicts = counted
+        outs = engine.generate([chat(engine, t) for t in texts], greedy,
+                               constraints=[Slow(compiled.matcher()) for _ in texts])
+        assert engine._ahead is None
+        return [(o.token_ids, o.finish_reason) for o in outs], counts, engine
+
+    synchronous, _, _ = run(False)
+    pipelined, counts, engine = run(True)
+    assert pipelined == synchronous
+    assert counts["early"] > 5 and 0 < counts["back"] < counts["early"]
+    assert engine.num_refused_picks > 0 and engine.num_launched_ahead > 5
+
+
 def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(smollm2_engine):
     """A greedy constrained request's first pick (masked, in an ordinary step)
     is compared with the model's unmasked argmax: where they differ (a prose
