@@ -23,6 +23,8 @@ the next two steps' replays. The asynchronous engine reads them then, to
 resample under its mask a row whose unmasked greedy pick the grammar refused,
 after the next step was launched and, at large batches, the one after that
 too (launched before the refusal was known, then dropped: :meth:`DecodeGraphs.rewind`).
+Graphs that share a memory pool may keep intermediates where another one keeps
+its outputs, so each copy has a pool of its own, shared by its sizes.
 
 In steady decoding the host buffer is kept from step to step
 (:class:`DecodeStaging`): the same requests in the same rows only move one
@@ -181,19 +183,23 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture(self) -> None:
-        pool = None
+        # one memory pool per copy, shared by its sizes (largest first: the smaller
+        # ones reuse its memory). A graph's outputs may lie where another graph of
+        # its pool keeps intermediates, so only a replay of the same copy may
+        # overwrite them, which comes COPIES replays later
+        pools: list = [None] * COPIES
         torch.cuda.synchronize()
-        for b in reversed(self.sizes):  # largest first: the smaller ones reuse its memory
+        for b in reversed(self.sizes):
             tokens, positions, meta = self._inputs(b)
             self._forward(tokens, positions, meta)  # compiles the kernels for this size
             torch.cuda.synchronize()
             self._graphs[b], self._logits[b], self._greedy[b] = [], [], []
-            for _ in range(COPIES):
+            for c in range(COPIES):
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
+                with torch.cuda.graph(graph, pool=pools[c]):
                     logits = self._forward(tokens, positions, meta)
                     greedy = greedy_picks(logits, self.sample_vocab)  # sampled in the graph
-                pool = graph.pool()
+                pools[c] = graph.pool()
                 self._graphs[b].append(graph)
                 self._logits[b].append(logits)
                 self._greedy[b].append(greedy)
