@@ -17,12 +17,11 @@ past it are harmless.
 Each graph also samples greedily (argmax and dead-end flag, one reduction), so a
 step of unconstrained greedy rows needs no sampling launches of its own.
 
-Every size is captured three times (``COPIES``), each copy with outputs of its
-own, and replays take the copies in turn: a step's logits stay valid through
-the next two steps' replays. The asynchronous engine reads them then, to
-resample under its mask a row whose unmasked greedy pick the grammar refused,
-after the next step was launched and, at large batches, the one after that
-too (launched before the refusal was known, then dropped: :meth:`DecodeGraphs.rewind`).
+Every size is captured twice (``COPIES``), each copy with outputs of its own,
+and replays alternate between the copies: a step's logits stay valid through
+the next step's replay. The asynchronous engine reads them then, to resample
+under its mask a row whose unmasked greedy pick the grammar refused. A replay
+launched ahead and then dropped gives its copy back (:meth:`DecodeGraphs.rewind`).
 Graphs that share a memory pool may keep intermediates where another one keeps
 its outputs, so each copy has a pool of its own, shared by its sizes.
 
@@ -42,7 +41,7 @@ from formcast.engine.kernels import current_stream
 from formcast.engine.kernels.sampling import greedy_picks
 from formcast.engine.layers.attention import AttentionMetadata
 
-COPIES = 3  # captures of each size, replayed in turn (see the module doc)
+COPIES = 2  # captures of each size, replayed in turn (see the module doc)
 
 
 def graph_ladder(max_rows: int) -> tuple[int, ...]:
@@ -219,7 +218,7 @@ class DecodeGraphs:
     def run(self, tokens: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             tables: list[list[int]], lens: list[int]) -> torch.Tensor:
         """Logits ``[n, V]`` float32 of ``n`` decode rows (a view into the graph's
-        output, valid through the next two replays). ``tokens`` may be a device tensor (the
+        output, valid through the next replay). ``tokens`` may be a device tensor (the
         last step's samples, never seen by the host)."""
         n = len(positions)
         b = self.size_for(n)
@@ -258,8 +257,8 @@ class DecodeGraphs:
 
     def rewind(self, replays: int) -> None:
         """Forget the replay that made the count ``replays`` when it is still the last
-        one (its output unread): the next replay takes its copy, so the replays
-        before keep their logits for as long as they would have without it."""
+        one (its output unread): the next replay takes its copy, so the replay
+        before keeps its logits for as long as it would have without it."""
         if self.replays == replays:
             self._copy = (self._copy - 1) % COPIES
             self._last = self._before
@@ -268,6 +267,6 @@ class DecodeGraphs:
     def greedy(self, n: int) -> torch.Tensor:
         """``[2, n]`` long on the device: the last replay's greedy tokens and dead-end
         flags of its first ``n`` rows, as :meth:`Sampler.sample_on_device` gives them
-        for unmasked greedy rows (valid through the next two replays)."""
+        for unmasked greedy rows (valid through the next replay)."""
         self.greedy_reads += 1
         return self._greedy[self._last][self._copy][:, :n]

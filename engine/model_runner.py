@@ -113,7 +113,7 @@ class ModelRunner:
         Rows of prompt tokens run on a quantized model's float32 weights
         (:func:`formcast.engine.layers.quant.prompt_rows`) unless ``prompt_float`` is
         False. Decode steps replay a CUDA graph when one fits (the logits are then a
-        view valid through the next two decode steps), and so do steps of prompt chunks
+        view valid through the next decode step), and so do steps of prompt chunks
         alone (a view that the next such step overwrites)."""
         layout = self._layout(batch)
         self._replayed = False

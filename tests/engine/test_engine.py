@@ -514,51 +514,18 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     assert drained  # refused picks were in flight when the pipeline drained
 
 
-def test_steps_launched_before_the_verdicts_give_the_synchronous_outputs(smollm2_engine,
-                                                                        monkeypatch):
-    """While the accept thread is still checking a step's unmasked picks (slow
-    here: its batch hook sleeps), the pipeline launches the step after as if
-    every pick were taken; when one is refused both launches are taken back and
-    the refused rows are sampled again from the logits they were picked from.
-    Outputs equal synchronous masked decoding's, for JSON prompts (picks taken)
-    and prose prompts under the same schema (picks refused)."""
-    import time
+def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monkeypatch):
+    """Once the accept thread's verdicts on a step's unmasked picks are in, the
+    pipeline samples the refused rows again, sends the step's tokens to the host
+    and launches the step after, all before appending the taken tokens; the
+    next step takes that launch. Outputs equal synchronous masked decoding's,
+    for JSON prompts (picks taken) and prose prompts under the same schema
+    (picks refused, sampled again in that order), and the process's GIL switch
+    interval, lowered while the accept thread works, is back afterwards."""
+    import sys
 
     import formcast.engine.engine as engine_module
     from formcast.grammars import JsonSchema, compile
-
-    class Slow:
-        """A grammar constraint whose batch accept takes a while."""
-
-        def __init__(self, inner) -> None:
-            self.inner = inner
-
-        @staticmethod
-        def accept_tokens(constraints, tokens):
-            time.sleep(0.15)  # (longer than a CPU forward of the batch)
-            return [0 if not c.accept(t) else 2 if c.is_terminated() else 1
-                    for c, t in zip(constraints, tokens)]
-
-        def __getattr__(self, name):  # fill_bitmask, accept, rollback, ...
-            return getattr(self.inner, name)
-
-        def fill_bitmask(self, bitmask, row):
-            self.inner.fill_bitmask(bitmask, row)
-
-        def accept(self, token_id):
-            return self.inner.accept(token_id)
-
-        def rollback(self, num_tokens):
-            self.inner.rollback(num_tokens)
-
-        def is_terminated(self):
-            return self.inner.is_terminated()
-
-        def forced_tokens(self):
-            return self.inner.forced_tokens()
-
-        def valid_prefix(self, draft):
-            return self.inner.valid_prefix(draft)
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
     schema = {"type": "object", "properties": {"city": {"type": "string"},
@@ -569,29 +536,34 @@ def test_steps_launched_before_the_verdicts_give_the_synchronous_outputs(smollm2
     texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
              "Reply in JSON with a city and the year it was founded.", "Write a haiku."]
     greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    interval = sys.getswitchinterval()
 
     def run(asynchronous: bool):
         engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none",
                          unmasked_greedy=asynchronous)
-        counts = {"early": 0, "back": 0}
-        before = engine._launch_before_verdicts
+        counts = {"ahead_with_refused": 0, "lowered": 0}
+        launch = engine._launch_sampled
+        switches = engine._quick_switches
 
-        def counted(*args):
-            lane = before(*args)
-            counts["early"] += 1
-            counts["back"] += lane is None
-            return lane
+        def counted(prev, rows, logits, picked, ok, refused, finishes, filled=None):
+            counts["ahead_with_refused"] += filled is not None and bool(refused)
+            return launch(prev, rows, logits, picked, ok, refused, finishes, filled=filled)
 
-        engine._launch_before_verdicts = counted
+        def watched(on):
+            switches(on)
+            counts["lowered"] += sys.getswitchinterval() < interval
+
+        engine._launch_sampled = counted
+        engine._quick_switches = watched
         outs = engine.generate([chat(engine, t) for t in texts], greedy,
-                               constraints=[Slow(compiled.matcher()) for _ in texts])
-        assert engine._ahead is None
+                               constraints=[compiled.matcher() for _ in texts])
+        assert engine._ahead is None and sys.getswitchinterval() == interval
         return [(o.token_ids, o.finish_reason) for o in outs], counts, engine
 
     synchronous, _, _ = run(False)
     pipelined, counts, engine = run(True)
     assert pipelined == synchronous
-    assert counts["early"] > 5 and 0 < counts["back"] < counts["early"]
+    assert counts["ahead_with_refused"] > 0 and counts["lowered"] > 5
     assert engine.num_refused_picks > 0 and engine.num_launched_ahead > 5
 
 
