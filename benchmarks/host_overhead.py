@@ -16,7 +16,7 @@ grammars took and refused. The random logits make a random model, as the GPU
 benchmark's random weights do: most picks inside strings are taken, picks where
 the schema forces punctuation are refused.
 
-    python benchmarks/host_overhead.py --tokenizer-dir DIR [--batch-sizes 64,256]
+    python benchmarks/host_overhead.py --tokenizer-dir DIR [--batch-sizes 64,256] [--picks words]
 """
 
 from __future__ import annotations
@@ -117,11 +117,15 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="64,256")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5, help="runs of each side, alternating")
+    ap.add_argument("--picks", choices=("random", "words"), default="random",
+                    help="random: the pool's argmax anywhere in the vocabulary; words: "
+                    "a word's token, as the GPU benchmark's random weights mostly pick "
+                    "(rows stay in a JSON string after its opening punctuation)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    eng, masked_secs = stub_engine(tok, max(sizes))
+    eng, masked_secs = stub_engine(tok, max(sizes), args.picks)
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     print(f"host us per pipelined step (median of {args.reps}, forward stubbed), "
