@@ -574,7 +574,7 @@ class Engine:
         # rows with a pick to append still count one token short of that
         eos = self.eos_token_ids
         every = len(checked) == len(seqs)
-        ending = set()  # (rows that would end by a token that turns out refused)
+        ending = set()  # (rows whose token would end them: the lane goes on only if refused)
         for i in range(len(seqs)) if every else checked:
             s = seqs[i]
             if not (s.ends_on_length_only and tokens[i] not in eos and s.first_token_time
@@ -724,9 +724,10 @@ class Engine:
         a waiting thread after 0.2 ms rather than its default 5 ms: the accept
         thread needs it briefly before and after each native batch accept, and
         otherwise waits for the main thread's next torch call. At 256 JSON rows
-        on the H200 that took constrained throughput from 0.73 to 0.81 of free
-        text's, same run. The process's own interval is put back when the
-        overlap ends (smaller batches, the pipeline drains, ``generate`` returns)."""
+        on the H200 (one host, consecutive runs) constrained throughput went
+        from 0.73 to 0.81 of free text's with it. The process's own interval is
+        put back when the overlap ends (smaller batches, the pipeline drains,
+        ``generate`` returns)."""
         if on == (self._switch_interval is not None):
             return
         if on:

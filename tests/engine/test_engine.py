@@ -32,6 +32,17 @@ def chat(engine: Engine, text: str) -> list[int]:
                                                 add_generation_prompt=True, tokenize=True)
 
 
+def city_year_grammar(engine: Engine):
+    """A JSON Schema object of a city and a year, compiled for ``engine``."""
+    from formcast.grammars import JsonSchema, compile
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"},
+                                               "year": {"type": "integer"}},
+              "required": ["city", "year"], "additionalProperties": False}
+    return compile(JsonSchema(schema), engine.tokenizer,
+                   vocab_size=engine.model.config.vocab_size)
+
+
 def variant(engine: Engine, **config) -> Engine:
     """Another engine over the same weights, with its own KV cache and config."""
     return Engine(engine.model, engine.tokenizer, config=EngineConfig(**config),
@@ -349,15 +360,10 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
     constrained row's unmasked picks are checked on the accept thread while
     the step is sampled (a large batch's way, turned on here for one row)."""
     import formcast.engine.engine as engine_module
-    from formcast.grammars import JsonSchema, compile
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
 
-    schema = {"type": "object", "properties": {"city": {"type": "string"},
-                                               "year": {"type": "integer"}},
-              "required": ["city", "year"], "additionalProperties": False}
-    tok = smollm2_engine.tokenizer
-    compiled = compile(JsonSchema(schema), tok, vocab_size=smollm2_engine.model.config.vocab_size)
+    compiled = city_year_grammar(smollm2_engine)
     work = [  # (prompt, params, constraint?)
         (chat(smollm2_engine, "Name three colours."), SamplingParams(max_tokens=30, temperature=0.0), False),
         (chat(smollm2_engine, "Tell a story."), SamplingParams(max_tokens=25, temperature=0.8, seed=5), False),
@@ -461,13 +467,10 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     host before the step is sampled or (``overlap``, a large batch's way, forced
     here for a few rows) on the accept thread while every row is sampled."""
     import formcast.engine.engine as engine_module
-    from formcast.grammars import JsonSchema, Regex, compile
+    from formcast.grammars import Regex, compile
 
-    schema = {"type": "object", "properties": {"city": {"type": "string"},
-                                               "year": {"type": "integer"}},
-              "required": ["city", "year"], "additionalProperties": False}
     tok = smollm2_engine.tokenizer
-    compiled = compile(JsonSchema(schema), tok, vocab_size=smollm2_engine.model.config.vocab_size)
+    compiled = city_year_grammar(smollm2_engine)
     texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
              "Reply in JSON with a city and the year it was founded.", "Name three colours.",
              "What is the capital of France? Answer as JSON with city and year.",
@@ -525,14 +528,9 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
     import sys
 
     import formcast.engine.engine as engine_module
-    from formcast.grammars import JsonSchema, compile
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
-    schema = {"type": "object", "properties": {"city": {"type": "string"},
-                                               "year": {"type": "integer"}},
-              "required": ["city", "year"], "additionalProperties": False}
-    tok = smollm2_engine.tokenizer
-    compiled = compile(JsonSchema(schema), tok, vocab_size=smollm2_engine.model.config.vocab_size)
+    compiled = city_year_grammar(smollm2_engine)
     texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
              "Reply in JSON with a city and the year it was founded.", "Write a haiku."]
     greedy = SamplingParams(max_tokens=30, temperature=0.0)
