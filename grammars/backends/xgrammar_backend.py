@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
-from functools import cache
 
 import torch
 import xgrammar as xgr
@@ -294,11 +294,16 @@ class _FillPlan:
         self.us_per_row = (time.perf_counter() - start) * 1e6 / max(n, 1)
 
 
-@cache
+_PLANS = threading.local()  # a plan per thread: the engine fills on two at once
+
+
 def _fill_plan() -> _FillPlan:
-    # at most four threads: on the H200's host, eight took longer than four for
-    # every batch measured (hand-off), and "auto" would take half the cores
-    return _FillPlan(max(1, min(4, (os.cpu_count() or 2) // 2)))
+    plan = getattr(_PLANS, "plan", None)
+    if plan is None:
+        # at most four threads: on the H200's host, eight took longer than four
+        # for every batch measured (hand-off), and "auto" would take half the cores
+        plan = _PLANS.plan = _FillPlan(max(1, min(4, (os.cpu_count() or 2) // 2)))
+    return plan
 
 
 def batch_fill(matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:

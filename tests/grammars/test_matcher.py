@@ -247,6 +247,14 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
     assert torch.equal(fill(), expected) and calls[-1] == "many"
     assert torch.equal(fill(), expected) and calls[-1] == "one"
     assert xb._FillPlan(threads=1).many is None
+    # each thread fills through a plan of its own (the engine fills on two at once)
+    import threading
+
+    plans = []
+    worker = threading.Thread(target=lambda: plans.append(xb._fill_plan()))
+    worker.start()
+    worker.join()
+    assert plans[0] is not xb._fill_plan() and xb._fill_plan() is xb._fill_plan()
 
 
 @pytest.mark.parametrize("schema,text,redo,fix", [
