@@ -655,14 +655,7 @@ class Engine:
             for i, s in enumerate(launch):  # (in none of the step's row lists: dropped when taken)
                 if s.status is FINISHED:
                     unchecked.pop(i, None)
-        if filled is None:
-            self._advance(live)
-        else:
-            bs = self.config.block_size
-            for s in live:
-                n = s.num_computed_tokens = s.num_computed_tokens + 1
-                if not n % bs:
-                    filled.append(s)
+        self._advance(live, filled)
         void: set[int] = set()
         if refused:
             _, fixed_both, settled = self._resample(prev, refused)
@@ -681,13 +674,18 @@ class Engine:
                               finishes, void)
         return [launch[i] for i in sorted(void)]
 
-    def _advance(self, seqs: list[Sequence]) -> None:
-        """Count each of ``seqs``' token in flight as computed (a block it fills is hashed)."""
+    def _advance(self, seqs: list[Sequence], filled: list[Sequence] | None = None) -> None:
+        """Count each of ``seqs``' token in flight as computed. A block it fills is
+        hashed, or, given ``filled``, its sequence put there for the caller to
+        hash once the tokens are appended."""
         bm, bs = self.block_manager, self.config.block_size
         for s in seqs:
             n = s.num_computed_tokens = s.num_computed_tokens + 1
             if not n % bs:
-                bm.commit(s)
+                if filled is None:
+                    bm.commit(s)
+                else:
+                    filled.append(s)
 
     def _launch_inflight(self, seqs: list[Sequence], both: torch.Tensor, logits: torch.Tensor,
                          unchecked: dict[int, int], watched: list[int], agree, free: list[int],
