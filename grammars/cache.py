@@ -63,8 +63,10 @@ class ByteBoundedLRU(Generic[V]):
 
     @property
     def nbytes(self) -> int:
-        """Bytes currently charged."""
-        return self._bytes
+        """Bytes currently charged (never a count caught mid-insert, over the budget)."""
+        with self._lock:
+            return self._bytes
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            return len(self._entries)
