@@ -436,10 +436,7 @@ class Engine:
             logits = ahead.logits  # (launched by the last step, its blocks grown then)
         else:
             self._drop_ahead()
-            bs = self.config.block_size
-            # the new position opens a block every block_size steps
-            opening = [s for s in launch if s.num_computed_tokens >= len(s.block_table) * bs]
-            if len(opening) > bm.num_free_blocks:
+            if not self._open_decode_blocks(launch):
                 return None  # an ordinary step preempts
             if prev is None:
                 tokens = to_device([s.token_ids[-1] for s in launch], torch.long, self.device)
@@ -449,8 +446,6 @@ class Engine:
                 keep = set(launch)
                 tokens = prev.tokens[to_device([i for i, s in enumerate(prev.seqs) if s in keep],
                                                torch.long, self.device)]
-            for s in opening:
-                bm.grow(s, 1)
             try:
                 logits = self.runner.execute_decode(launch, tokens) if launch else None
             except Exception as exc:
@@ -612,12 +607,8 @@ class Engine:
         ``tokens`` on the device, as the next pipelined step would (it takes it
         when its rows are still these). Skipped when the blocks it opens are not
         free, or when it fails (the next step launches it again, and reports it)."""
-        bm, bs = self.block_manager, self.config.block_size
-        opening = [s for s in seqs if s.num_computed_tokens >= len(s.block_table) * bs]
-        if len(opening) > bm.num_free_blocks:
+        if not self._open_decode_blocks(seqs):
             return
-        for s in opening:
-            bm.grow(s, 1)
         mark = self.runner.decode_mark()
         try:
             logits = self.runner.execute_decode(seqs, tokens)
@@ -626,6 +617,17 @@ class Engine:
             return
         self._ahead = _Ahead(seqs=seqs, logits=logits, mark=mark)
         self.num_launched_ahead += 1
+
+    def _open_decode_blocks(self, seqs: list[Sequence]) -> bool:
+        """Give each of ``seqs`` whose next decode position starts a block (one
+        every block_size steps) that block; False (none given) when too few are free."""
+        bm, bs = self.block_manager, self.config.block_size
+        opening = [s for s in seqs if s.num_computed_tokens >= len(s.block_table) * bs]
+        if len(opening) > bm.num_free_blocks:
+            return False
+        for s in opening:
+            bm.grow(s, 1)
+        return True
 
     def _drop_ahead(self) -> None:
         """Forget the step launched ahead, if any (its rows changed, or an ordinary
