@@ -103,6 +103,19 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
 
+    def grow_decode(self, seqs: list[Sequence]) -> bool:
+        """Room for one more computed token in each of ``seqs`` (a decode step),
+        all or none: False, nothing given, when fewer blocks are free than the
+        step opens (a row opens one every ``block_size`` steps). The check is
+        :meth:`blocks_needed` inline: it runs for every row of every decode step."""
+        bs = self.block_size
+        opening = [s for s in seqs if s.num_computed_tokens >= len(s.block_table) * bs]
+        if len(opening) > len(self._free):
+            return False
+        for s in opening:
+            self.grow(s, 1)
+        return True
+
     def commit(self, seq: Sequence) -> None:
         """Hash the blocks of ``seq`` that became full of computed tokens."""
         if not self.enable_prefix_caching:

@@ -436,7 +436,7 @@ class Engine:
             logits = ahead.logits  # (launched by the last step, its blocks grown then)
         else:
             self._drop_ahead()
-            if not self._open_decode_blocks(launch):
+            if not bm.grow_decode(launch):
                 return None  # an ordinary step preempts
             if prev is None:
                 tokens = to_device([s.token_ids[-1] for s in launch], torch.long, self.device)
@@ -607,7 +607,7 @@ class Engine:
         ``tokens`` on the device, as the next pipelined step would (it takes it
         when its rows are still these). Skipped when the blocks it opens are not
         free, or when it fails (the next step launches it again, and reports it)."""
-        if not self._open_decode_blocks(seqs):
+        if not self.block_manager.grow_decode(seqs):
             return
         mark = self.runner.decode_mark()
         try:
@@ -617,17 +617,6 @@ class Engine:
             return
         self._ahead = _Ahead(seqs=seqs, logits=logits, mark=mark)
         self.num_launched_ahead += 1
-
-    def _open_decode_blocks(self, seqs: list[Sequence]) -> bool:
-        """Give each of ``seqs`` whose next decode position starts a block (one
-        every block_size steps) that block; False (none given) when too few are free."""
-        bm, bs = self.block_manager, self.config.block_size
-        opening = [s for s in seqs if s.num_computed_tokens >= len(s.block_table) * bs]
-        if len(opening) > bm.num_free_blocks:
-            return False
-        for s in opening:
-            bm.grow(s, 1)
-        return True
 
     def _drop_ahead(self) -> None:
         """Forget the step launched ahead, if any (its rows changed, or an ordinary

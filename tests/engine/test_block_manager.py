@@ -27,6 +27,20 @@ def test_grow_beyond_capacity_raises_and_can_grow_says_so():
     assert bm.num_free_blocks == 2
 
 
+def test_grow_decode_opens_a_block_only_at_a_boundary_and_is_all_or_none():
+    bm = BlockManager(3, 4)
+    full, partial = make_seq(list(range(4)), rid="a"), make_seq(list(range(3)), rid="b")
+    for seq in (full, partial):
+        bm.grow(seq, len(seq.token_ids))
+        seq.num_computed_tokens = len(seq.token_ids)
+    assert bm.num_free_blocks == 1
+    assert bm.grow_decode([full, partial])  # only the full block's row opens one
+    assert (len(full.block_table), len(partial.block_table), bm.num_free_blocks) == (2, 1, 0)
+    full.num_computed_tokens, partial.num_computed_tokens = 8, 4
+    assert not bm.grow_decode([full, partial])  # both open one, none is free: neither grows
+    assert (len(full.block_table), len(partial.block_table)) == (2, 1)
+
+
 @pytest.mark.parametrize("prompt_len, expected_hit", [
     (9, 8),    # two full blocks before the last token are shared
     (8, 4),    # the block holding the last token is never shared: it is recomputed
