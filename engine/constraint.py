@@ -52,6 +52,12 @@ class LogitsConstraint(Protocol):
 # call, giving per row 0 (refused, state unchanged), 1 (taken) or 2 (taken, and the
 # constraint is now terminated). The engine uses it for the unmasked greedy picks of
 # a pipelined step; if it raises, every constraint in the call fails its request.
+#
+# Optional: ``batch_acceptor(constraints) -> Callable[[list[int]], list[int]]``
+# (static or class method) prepares ``accept_tokens`` for a fixed list of its
+# instances: the engine calls the answer once a step, with that step's tokens, for
+# as many steps as the same rows run (the steady state of a large batch), so the
+# per-instance preparation is paid once. Verdicts and failures as ``accept_tokens``.
 
 
 def bitmask_words(vocab_size: int) -> int:

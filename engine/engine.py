@@ -153,6 +153,7 @@ class Engine:
         # checked, for its sampling
         self._masks_ahead: tuple[list[Sequence], Future] | None = None
         self._accept_pool: ThreadPoolExecutor | None = None  # checks picks during sampling
+        self._acceptor: _Acceptor | None = None  # (the accept thread's own)
         self._switch_interval: float | None = None  # the process's, while ours is set
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
@@ -741,7 +742,10 @@ class Engine:
         if any(dead_list):
             return None
         rows, tokens = self._rows_of(step.seqs, token_list, list(step.unchecked))
-        return self._accept_batch(rows, tokens)
+        acceptor = self._acceptor
+        if acceptor is None or acceptor.seqs != rows:  # (identity compares, in C)
+            acceptor = self._acceptor = _Acceptor(rows)
+        return acceptor(tokens)
 
     def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
                      rows: list[int] | None):
@@ -1072,7 +1076,9 @@ class Engine:
         self._drop_ahead()
         self._quick_switches(False)
         prev, self._inflight = self._inflight, None
-        return self._take(prev)[0] if prev is not None else []
+        outputs = self._take(prev)[0] if prev is not None else []
+        self._acceptor = None  # (the accept thread is done: its rows are let go)
+        return outputs
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence],
                            masks: FilledMasks | None):
@@ -1494,6 +1500,40 @@ def _accept_many(many, seqs: list[Sequence], constraints: list, tokens: list[int
         for seq in seqs:
             seq.error = f"constraint failed: {type(exc).__name__}: {exc}"
         return [-1] * len(seqs)
+
+
+class _Acceptor:
+    """The accept thread's check of a pipelined step's unmasked picks, for rows
+    that stay the same from step to step (the steady state of a large batch):
+    :meth:`Engine._accept_batch` for these ``seqs``, through their constraint
+    class's ``batch_acceptor`` hook when they share one, its per-row
+    preparation made once rather than every step. A hook that raises, when
+    prepared or called, fails every request of the call, as ``accept_tokens``."""
+
+    __slots__ = ("seqs", "prepared")
+
+    def __init__(self, seqs: list[Sequence]) -> None:
+        self.seqs = seqs
+        self.prepared = None
+        kinds = set(type(s.constraint) for s in seqs)
+        hook = getattr(kinds.pop(), "batch_acceptor", None) if len(kinds) == 1 else None
+        if hook is not None:
+            try:
+                self.prepared = hook([s.constraint for s in seqs])
+            except Exception as exc:
+                self.prepared = _raises(exc)
+
+    def __call__(self, tokens: list[int]) -> list[int]:
+        if self.prepared is None:
+            return Engine._accept_batch(self.seqs, tokens)
+        return _accept_many(lambda _, t: self.prepared(t), self.seqs, None, tokens)
+
+
+def _raises(exc: Exception):
+    """A function that raises ``exc`` whatever it is given."""
+    def fail(*_):
+        raise exc
+    return fail
 
 
 def _dead_end_message(seq: Sequence, error: str) -> str:

@@ -47,17 +47,28 @@ def _native_batch_accept():
 _NATIVE_BATCH_ACCEPT = _native_batch_accept()
 
 
-def _stringify():
-    """tvm-ffi's JSON writer of its containers, if present (see :func:`_native_verdicts`)."""
+def _quiet_global(name: str):
+    """tvm-ffi's global function ``name`` as a private copy that keeps the
+    interpreter lock through the call, or None when absent.
+
+    tvm-ffi lets go of the lock around every call by default. For a call of a
+    microsecond that is a loss whenever another thread wants the lock: getting
+    it back then waits for that thread, up to a switch interval (on the H200's
+    host, the accept thread reading its verdicts waits on the engine's main
+    thread). A copy's setting is its own: the shared function keeps tvm-ffi's."""
     try:
         import tvm_ffi
 
-        return tvm_ffi.get_global_func("ffi.json.Stringify")
+        fn = tvm_ffi.get_global_func(name)  # (a new object each time)
+        fn.release_gil = False
+        return fn
     except Exception:
         return None
 
 
-_STRINGIFY = _stringify()
+_STRINGIFY = _quiet_global("ffi.json.Stringify")  # (see _native_verdicts)
+_CONTAINS = _quiet_global("ffi.ArrayContains")
+_TO_ARRAY = _quiet_global("ffi.Array")
 _DIGITS = bytes.maketrans(b"01", b"\x00\x01")
 
 
@@ -70,9 +81,10 @@ def _batch_accept(matchers: list["XGrammarMatcher"], tokens: list[int]) -> list[
         [m._m for m in matchers], tokens)]
 
 
-def _native_verdicts(handles: list, tokens: list[int]) -> list[int]:
+def _native_verdicts(handles, tokens: list[int]) -> list[int]:
     """xgrammar's native batch accept of ``tokens`` by the matchers whose handles
-    are ``handles``: each row's verdict (1 taken, 0 refused), in order.
+    are ``handles`` (a list, or a tvm-ffi array of them): each row's verdict (1
+    taken, 0 refused), in order.
 
     The native call lets go of the interpreter lock (tvm-ffi releases it around
     calls), but a batch split over threads gains little: on the H200's host 256
@@ -81,10 +93,11 @@ def _native_verdicts(handles: list, tokens: list[int]) -> list[int]:
     rather than splitting. Its answer is a tvm-ffi array, read one call per
     element (0.4 us each here, as long as a row's accept): one containment
     test tells the usual batch, every row taken, and a batch with refusals is
-    read through tvm-ffi's JSON writer ("[1,0,...]", in C) at half that cost."""
+    read through tvm-ffi's JSON writer ("[1,0,...]", in C) at half that cost,
+    both calls keeping the lock (see :func:`_quiet_global`)."""
     got = _NATIVE_BATCH_ACCEPT(handles, tokens, False)
-    n = len(handles)
-    if 0 not in got:
+    n = len(tokens)
+    if not (_CONTAINS(got, 0) if _CONTAINS is not None else 0 in got):
         return [1] * n
     if _STRINGIFY is not None:
         text = _STRINGIFY(got, None)
@@ -93,6 +106,35 @@ def _native_verdicts(handles: list, tokens: list[int]) -> list[int]:
             if max(digits) <= 1:
                 return list(digits)
     return [int(v) for v in got[:]]
+
+
+class _PreparedAccept:
+    """:meth:`XGrammarMatcher.batch_acceptor`'s answer: the accept of one token
+    by each of a fixed list of matchers, step after step, its per-matcher
+    preparation done once (the native call's array of handles, the checks that
+    the matchers share one vocabulary)."""
+
+    __slots__ = ("matchers", "handles", "blocked", "size", "stops")
+
+    def __init__(self, matchers: list["XGrammarMatcher"]) -> None:
+        self.matchers = matchers
+        first = matchers[0]
+        self.blocked, self.size, self.stops = first._blocked, first._size, first._stops
+        self.handles = None  # (the general path serves)
+        if _NATIVE_BATCH_ACCEPT is not None and all(
+                m._blocked is self.blocked and m._size == self.size for m in matchers):
+            handles = [m._handle for m in matchers]
+            self.handles = _TO_ARRAY(*handles) if _TO_ARRAY is not None else handles
+        for m in matchers:
+            m._moved = True
+
+    def __call__(self, tokens: list[int]) -> list[int]:
+        if len(tokens) != len(self.matchers):
+            raise ValueError(f"{len(tokens)} tokens for {len(self.matchers)} matchers")
+        if (self.handles is not None and min(tokens) >= 0 and max(tokens) < self.size
+                and self.blocked.isdisjoint(tokens) and self.stops.isdisjoint(tokens)):
+            return _native_verdicts(self.handles, tokens)
+        return XGrammarMatcher.accept_tokens(self.matchers, tokens)
 
 
 class XGrammarBackend(Backend):
@@ -208,6 +250,12 @@ class XGrammarMatcher(Matcher):
                     # (matchers are made with terminate_without_stop_token=False)
                     status[i] = 2 if tokens[i] in m._stops and m._m.is_terminated() else 1
         return status
+
+    @staticmethod
+    def batch_acceptor(matchers: list["XGrammarMatcher"]) -> _PreparedAccept:
+        """:meth:`accept_tokens` for these matchers, prepared once for as many
+        steps as they run together (the engine's optional batch hook)."""
+        return _PreparedAccept(matchers)
 
     def _is_fresh(self) -> bool:
         return not self._moved

@@ -599,6 +599,75 @@ def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(
     assert outputs[True] == outputs[False]
 
 
+def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smollm2_engine,
+                                                                           monkeypatch):
+    """A constraint class's ``batch_acceptor`` hook is prepared once for the rows
+    the accept thread checks while they stay the same, and called every step:
+    the outputs are those of the class without the hook. A hook that raises,
+    when prepared or when called, fails only its own requests, with its error."""
+    import formcast.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    made, calls = [0], [0]
+
+    class Prepared(AllowOnly):
+        @staticmethod
+        def batch_acceptor(constraints):
+            made[0] += 1
+
+            def accept(tokens):
+                calls[0] += 1
+                return [int(c.accept(t)) for c, t in zip(constraints, tokens)]
+            return accept
+
+    class BreaksWhenPrepared(AllowOnly):
+        @staticmethod
+        def batch_acceptor(constraints):
+            raise RuntimeError("no batch today")
+
+    class BreaksWhenCalled(AllowOnly):
+        @staticmethod
+        def batch_acceptor(constraints):
+            def accept(tokens):
+                raise RuntimeError("grammar service down")
+            return accept
+
+    texts = ("Name a fruit.", "Say hi.", "Count to three.")
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    # only lower-case ascii letters and spaces: some unmasked picks are refused
+    letters = {t for t in range(smollm2_engine.tokenizer.vocab_size)
+               if (text := smollm2_engine.tokenizer.decode([t])) and
+               all(c == " " or "a" <= c <= "z" for c in text)}
+
+    def run(cls):
+        engine = variant(smollm2_engine, async_scheduling=True, spec="none")
+        ids = [engine.add_request(chat(engine, t), greedy, constraint=cls(letters))
+               for t in texts]
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [done[i] for i in ids], engine
+
+    want, _ = run(AllowOnly)
+    got, engine = run(Prepared)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert engine.num_refused_picks > 0 and calls[0] >= 5 and made[0] < calls[0]
+    for cls, error in ((BreaksWhenPrepared, "no batch today"),
+                       (BreaksWhenCalled, "grammar service down")):
+        engine = variant(smollm2_engine, async_scheduling=True, spec="none")
+        broken = [engine.add_request(chat(engine, t), greedy, constraint=cls(letters))
+                  for t in texts[:2]]
+        plain = engine.add_request(chat(engine, texts[2]), greedy)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        for rid in broken:
+            assert done[rid].finish_reason == "abort" and error in done[rid].error
+        alone = smollm2_engine.generate([chat(engine, texts[2])], greedy)[0]
+        assert done[plain].finish_reason == "length"
+        assert done[plain].token_ids == alone.token_ids
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine, monkeypatch,
                                                               overlap):

@@ -390,3 +390,46 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, way, monkeyp
     assert all(torch.equal(_mask(m, person), _mask(hooked[0], person)) for m in fresh)
 
 
+@pytest.mark.parametrize("way", [pytest.param("native", marks=_NATIVE), "public"])
+def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, tiny_vocab,
+                                                                      way, monkeypatch):
+    """``batch_acceptor`` prepares the accept of a fixed list of matchers once and
+    is called step after step: each step's verdicts and the states it leaves are
+    those of ``accept`` row by row, whether the step's tokens are ordinary (one
+    native pass), or hold a stop token, a special token or one outside the
+    vocabulary (the general way). A step with the wrong number of tokens is an
+    error that names the counts, and moves no matcher."""
+    from formcast.grammars.backends import xgrammar_backend
+
+    if way == "public":
+        monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", None)
+    else:  # (the verdicts are read keeping the interpreter lock; tvm-ffi's own function lets go)
+        import tvm_ffi
+
+        assert not xgrammar_backend._CONTAINS.release_gil
+        assert tvm_ffi.get_global_func("ffi.ArrayContains").release_gil
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    one, two, brace = (_ids(tiny_vocab, c)[0] for c in "12{")
+    grammars = [digits, digits, person, digits]
+    prepared_for = [g.matcher() for g in grammars]
+    plain = [g.matcher() for g in grammars]
+    accept = type(prepared_for[0]).batch_acceptor(prepared_for)
+    assert all(not m._is_fresh() for m in prepared_for)
+    steps = [[one, brace, brace, two],          # ordinary: taken, refused, taken, taken
+             [two, one, one, one],              # ordinary: the refused row takes now
+             [one, PAD_SPECIAL, -1, tiny_vocab.vocab_size - 1],  # the general way
+             [EOS, one, one, one]]                                # (a stop token: too)
+    wanted = [[1, 0, 1, 1], [1, 1, 0, 1], [1, 0, 0, 0], [2, 1, 0, 1]]
+    for tokens, want in zip(steps, wanted):
+        got = accept(tokens)
+        assert got == want
+        for h, p, g, t, verdict in zip(prepared_for, plain, grammars, tokens, got):
+            assert p.accept(t) == bool(verdict)
+            assert h.is_terminated() == p.is_terminated() == (verdict == 2)
+            if not h.is_terminated():
+                assert torch.equal(_mask(h, g), _mask(p, g))
+    with pytest.raises(ValueError, match="3 tokens for 4 matchers"):
+        accept([one, one, one])
+
+
