@@ -465,7 +465,9 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     flight (resampled there and then). xgrammar matchers take their picks through
     the batch hook, outlines-core ones row by row. The picks are checked on the
     host before the step is sampled or (``overlap``, a large batch's way, forced
-    here for a few rows) on the accept thread while every row is sampled."""
+    here for a few rows) on the accept thread while every row is sampled; the
+    masked rows' next masks then filled when sampled or (``async_fill``, many
+    rows' way, forced here) ahead on the mask thread."""
     import formcast.engine.engine as engine_module
     from formcast.grammars import Regex, compile
 
@@ -479,13 +481,17 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     words = compile(Regex(r"[A-Z][a-z]+( [a-z]+)*\."), tok, backend="outlines-core",
                     vocab_size=smollm2_engine.model.config.vocab_size)
 
-    def run(asynchronous: bool, unmasked: bool, overlap: bool = False):
+    def run(asynchronous: bool, unmasked: bool, overlap: bool = False, async_fill: bool = False):
         engine = variant(smollm2_engine, async_scheduling=asynchronous, unmasked_greedy=unmasked,
                          spec="none")
         monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
+        monkeypatch.setattr(engine_module, "_ASYNC_FILL_ROWS", 1 if async_fill else 10**9)
         drained = []
         settle = engine._settle_on_host
         engine._settle_on_host = lambda *a: (drained.append(len(a[0])), settle(*a))
+        take_begin, engine.filled_ahead = engine._take_begin, []
+        engine._take_begin = lambda *a, **k: (
+            taking := take_begin(*a, **k), engine.filled_ahead.append(taking.ahead is not None))[0]
         ids = [engine.add_request(chat(engine, t), greedy, constraint=compiled.matcher())
                for t in texts[:4]]
         ids.append(engine.add_request(chat(engine, "Name two rivers."), greedy,
@@ -505,10 +511,12 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     unmasked, eng, drained = run(True, True)
     assert eng._accept_pool is None
     overlapped, eng, drained = run(True, True, overlap=True)
-    assert eng._accept_pool is not None
+    assert eng._accept_pool is not None and not any(eng.filled_ahead)
     # steps launched before the last one's tokens were appended
     assert eng.num_launched_ahead > 10 and eng._ahead is None
-    assert unmasked == overlapped == masked == pipelined_masked
+    filled_ahead, ahead_eng, _ = run(True, True, overlap=True, async_fill=True)
+    assert any(ahead_eng.filled_ahead)
+    assert unmasked == overlapped == filled_ahead == masked == pipelined_masked
     texts_out = [(tok.decode(list(t), skip_special_tokens=True), r) for t, r in masked]
     assert all(json.loads(t) for k, (t, r) in enumerate(texts_out) if r == "stop" and k != 4)
     assert re.fullmatch(r"[A-Z][a-z]+( [a-z]+)*\.", texts_out[4][0]), texts_out[4]
