@@ -118,9 +118,11 @@ class _PreparedAccept:
 
     def __init__(self, matchers: list["XGrammarMatcher"]) -> None:
         self.matchers = matchers
+        self.handles = None  # (the general path serves)
+        if not matchers:
+            return
         first = matchers[0]
         self.blocked, self.size, self.stops = first._blocked, first._size, first._stops
-        self.handles = None  # (the general path serves)
         if _NATIVE_BATCH_ACCEPT is not None and all(
                 m._blocked is self.blocked and m._size == self.size for m in matchers):
             handles = [m._handle for m in matchers]
@@ -131,6 +133,8 @@ class _PreparedAccept:
     def __call__(self, tokens: list[int]) -> list[int]:
         if len(tokens) != len(self.matchers):
             raise ValueError(f"{len(tokens)} tokens for {len(self.matchers)} matchers")
+        if not tokens:
+            return []
         if (self.handles is not None and min(tokens) >= 0 and max(tokens) < self.size
                 and self.blocked.isdisjoint(tokens) and self.stops.isdisjoint(tokens)):
             return _native_verdicts(self.handles, tokens)

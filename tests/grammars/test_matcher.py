@@ -398,7 +398,7 @@ def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, 
     those of ``accept`` row by row, whether the step's tokens are ordinary (one
     native pass), or hold a stop token, a special token or one outside the
     vocabulary (the general way). A step with the wrong number of tokens is an
-    error that names the counts, and moves no matcher."""
+    error that names the counts, and moves no matcher; no matchers, no verdicts."""
     from formcast.grammars.backends import xgrammar_backend
 
     if way == "public":
@@ -431,5 +431,8 @@ def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, 
                 assert torch.equal(_mask(h, g), _mask(p, g))
     with pytest.raises(ValueError, match="3 tokens for 4 matchers"):
         accept([one, one, one])
+    for h, p, g in zip(prepared_for, plain, grammars):
+        assert h.is_terminated() or torch.equal(_mask(h, g), _mask(p, g))
+    assert type(prepared_for[0]).batch_acceptor([])([]) == []
 
 
