@@ -1516,30 +1516,29 @@ class _Acceptor:
     preparation made once rather than every step. A hook that raises, when
     prepared or called, fails every request of the call, as ``accept_tokens``."""
 
-    __slots__ = ("seqs", "prepared")
+    __slots__ = ("seqs", "prepared", "failure")
 
     def __init__(self, seqs: list[Sequence]) -> None:
         self.seqs = seqs
-        self.prepared = None
+        self.prepared = self.failure = None
         kinds = set(type(s.constraint) for s in seqs)
         hook = getattr(kinds.pop(), "batch_acceptor", None) if len(kinds) == 1 else None
         if hook is not None:
             try:
                 self.prepared = hook([s.constraint for s in seqs])
             except Exception as exc:
-                self.prepared = _raises(exc)
+                self.failure = exc
 
     def __call__(self, tokens: list[int]) -> list[int]:
-        if self.prepared is None:
+        if self.prepared is None and self.failure is None:
             return Engine._accept_batch(self.seqs, tokens)
-        return _accept_many(lambda _, t: self.prepared(t), self.seqs, None, tokens)
+        return _accept_many(self._hook, self.seqs, None, tokens)
 
-
-def _raises(exc: Exception):
-    """A function that raises ``exc`` whatever it is given."""
-    def fail(*_):
-        raise exc
-    return fail
+    def _hook(self, _constraints, tokens: list[int]) -> list[int]:
+        """The prepared hook as :func:`_accept_many` calls one."""
+        if self.failure is not None:
+            raise self.failure
+        return self.prepared(tokens)
 
 
 def _dead_end_message(seq: Sequence, error: str) -> str:

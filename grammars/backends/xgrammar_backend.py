@@ -109,36 +109,58 @@ def _native_verdicts(handles, tokens: list[int]) -> list[int]:
 
 
 class _PreparedAccept:
-    """:meth:`XGrammarMatcher.batch_acceptor`'s answer: the accept of one token
-    by each of a fixed list of matchers, step after step, its per-matcher
-    preparation done once (the native call's array of handles, the checks that
-    the matchers share one vocabulary)."""
+    """The accept of one token by each of a fixed list of matchers, its
+    per-matcher preparation done once (the native call's array of handles, the
+    check that the matchers share one vocabulary): :meth:`XGrammarMatcher.
+    accept_tokens` makes one per call, :meth:`XGrammarMatcher.batch_acceptor`
+    one for as many steps as its rows run together. Per row: 0 refused (state
+    unchanged), 1 taken, 2 taken and now terminated."""
 
-    __slots__ = ("matchers", "handles", "blocked", "size", "stops")
+    __slots__ = ("matchers", "handles", "one_vocabulary", "blocked", "size", "stops")
 
     def __init__(self, matchers: list["XGrammarMatcher"]) -> None:
         self.matchers = matchers
-        self.handles = None  # (the general path serves)
+        self.handles = None
+        self.one_vocabulary = False
         if not matchers:
             return
         first = matchers[0]
         self.blocked, self.size, self.stops = first._blocked, first._size, first._stops
-        if _NATIVE_BATCH_ACCEPT is not None and all(
-                m._blocked is self.blocked and m._size == self.size for m in matchers):
+        self.one_vocabulary = all(m._blocked is self.blocked and m._size == self.size
+                                  for m in matchers)
+        if self.one_vocabulary and _NATIVE_BATCH_ACCEPT is not None:
             handles = [m._handle for m in matchers]
             self.handles = _TO_ARRAY(*handles) if _TO_ARRAY is not None else handles
         for m in matchers:
             m._moved = True
 
     def __call__(self, tokens: list[int]) -> list[int]:
-        if len(tokens) != len(self.matchers):
-            raise ValueError(f"{len(tokens)} tokens for {len(self.matchers)} matchers")
+        matchers = self.matchers
+        if len(tokens) != len(matchers):
+            raise ValueError(f"{len(tokens)} tokens for {len(matchers)} matchers")
         if not tokens:
             return []
-        if (self.handles is not None and min(tokens) >= 0 and max(tokens) < self.size
+        # the usual batch: matchers of one vocabulary, no token xgrammar must not
+        # see, no stop token (so none can terminate): one pass, the checks in C
+        if (self.one_vocabulary and min(tokens) >= 0 and max(tokens) < self.size
                 and self.blocked.isdisjoint(tokens) and self.stops.isdisjoint(tokens)):
-            return _native_verdicts(self.handles, tokens)
-        return XGrammarMatcher.accept_tokens(self.matchers, tokens)
+            if self.handles is not None:
+                return _native_verdicts(self.handles, tokens)
+            return _batch_accept(matchers, tokens)
+        status = [0] * len(matchers)
+        rows, inner, taken = [], [], []
+        for i, (m, t) in enumerate(zip(matchers, tokens)):
+            if m._may_offer(t):
+                rows.append(i)
+                inner.append(m)
+                taken.append(t)
+        if rows:
+            for i, ok in zip(rows, _batch_accept(inner, taken)):
+                if ok:
+                    m = matchers[i]
+                    # (matchers are made with terminate_without_stop_token=False)
+                    status[i] = 2 if tokens[i] in m._stops and m._m.is_terminated() else 1
+        return status
 
 
 class XGrammarBackend(Backend):
@@ -228,32 +250,7 @@ class XGrammarMatcher(Matcher):
         """Advance each matcher by its token, the xgrammar part in one native call
         (the engine's optional batch hook). Per row: 0 refused (state unchanged),
         1 taken, 2 taken and now terminated."""
-        if not matchers:
-            return []
-        first = matchers[0]
-        blocked, size, stops = first._blocked, first._size, first._stops
-        for m in matchers:
-            m._moved = True
-        # the usual batch: matchers of one vocabulary, no token xgrammar must not
-        # see, no stop token (so none can terminate): one pass, the checks in C
-        if (min(tokens) >= 0 and max(tokens) < size and blocked.isdisjoint(tokens)
-                and stops.isdisjoint(tokens)
-                and all(m._blocked is blocked and m._size == size for m in matchers)):
-            return _batch_accept(matchers, tokens)
-        status = [0] * len(matchers)
-        rows, inner, taken = [], [], []
-        for i, (m, t) in enumerate(zip(matchers, tokens)):
-            if m._may_offer(t):
-                rows.append(i)
-                inner.append(m)
-                taken.append(t)
-        if rows:
-            for i, ok in zip(rows, _batch_accept(inner, taken)):
-                if ok:
-                    m = matchers[i]
-                    # (matchers are made with terminate_without_stop_token=False)
-                    status[i] = 2 if tokens[i] in m._stops and m._m.is_terminated() else 1
-        return status
+        return _PreparedAccept(matchers)(tokens)
 
     @staticmethod
     def batch_acceptor(matchers: list["XGrammarMatcher"]) -> _PreparedAccept:
