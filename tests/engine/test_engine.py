@@ -467,9 +467,12 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     host before the step is sampled or (``overlap``, a large batch's way, forced
     here for a few rows) on the accept thread while every row is sampled; the
     masked rows' next masks then filled when sampled or (``async_fill``, many
-    rows' way, forced here) ahead on the mask thread."""
+    rows' way, forced here) ahead on the mask thread; or filled through the
+    batch hook (the CUDA sampler's way), which fills one of the matchers that
+    took the same text and copies its mask to the others."""
     import formcast.engine.engine as engine_module
     from formcast.grammars import Regex, compile
+    from formcast.grammars.backends import xgrammar_backend
 
     tok = smollm2_engine.tokenizer
     compiled = city_year_grammar(smollm2_engine)
@@ -481,9 +484,11 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     words = compile(Regex(r"[A-Z][a-z]+( [a-z]+)*\."), tok, backend="outlines-core",
                     vocab_size=smollm2_engine.model.config.vocab_size)
 
-    def run(asynchronous: bool, unmasked: bool, overlap: bool = False, async_fill: bool = False):
+    def run(asynchronous: bool, unmasked: bool, overlap: bool = False, async_fill: bool = False,
+            batch_fill: bool = False):
         engine = variant(smollm2_engine, async_scheduling=asynchronous, unmasked_greedy=unmasked,
                          spec="none")
+        engine.sampler.batch_fill = batch_fill
         monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
         monkeypatch.setattr(engine_module, "_ASYNC_FILL_ROWS", 1 if async_fill else 10**9)
         drained = []
@@ -516,7 +521,13 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     assert eng.num_launched_ahead > 10 and eng._ahead is None
     filled_ahead, ahead_eng, _ = run(True, True, overlap=True, async_fill=True)
     assert any(ahead_eng.filled_ahead)
-    assert unmasked == overlapped == filled_ahead == masked == pipelined_masked
+    shared = []
+    distinct = xgrammar_backend._distinct_states
+    monkeypatch.setattr(xgrammar_backend, "_distinct_states", lambda m, r: (
+        out := distinct(m, r), shared.append(out[2] is not None))[0])
+    batched, _, _ = run(True, True, overlap=True, async_fill=True, batch_fill=True)
+    assert any(shared)  # (the fresh matchers of the first step at least)
+    assert unmasked == overlapped == filled_ahead == batched == masked == pipelined_masked
     texts_out = [(tok.decode(list(t), skip_special_tokens=True), r) for t, r in masked]
     assert all(json.loads(t) for k, (t, r) in enumerate(texts_out) if r == "stop" and k != 4)
     assert re.fullmatch(r"[A-Z][a-z]+( [a-z]+)*\.", texts_out[4][0]), texts_out[4]

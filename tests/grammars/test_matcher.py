@@ -257,6 +257,76 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
     assert plans[0] is not xb._fill_plan() and xb._fill_plan() is xb._fill_plan()
 
 
+def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab, monkeypatch):
+    """A batch fill fills one matcher per state known shared (one grammar, the
+    same text taken, however it was split into tokens or offered) and copies
+    its mask to the others' rows; the masks are the row-by-row ones. A matcher
+    stops keeping its text after a rollback, a stop token, or past the limit,
+    and is then filled on its own; a fork keeps its parent's."""
+    from formcast.grammars.backends import xgrammar_backend as xb
+
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+
+    def byte(c: str) -> int:  # (a single byte's token)
+        return 2 + ord(c)
+
+    text = '{"name"'
+    merged, single = _ids(tiny_vocab, text), [byte(c) for c in text]
+    assert merged != single
+    split, whole, offered, fresh, back, longer, fresh2 = (person.matcher() for _ in range(7))
+    for t in merged:
+        assert whole.accept(t)
+    for t in single + [byte(":")]:
+        assert longer.accept(t)
+    assert offered.accept_text(text)
+    # the batch accept keeps texts too: split takes its bytes in three batches
+    pair = person.matcher()
+    kinds = type(split)
+    assert kinds.accept_tokens([split, pair], [byte("{"), byte("{")]) == [1, 1]
+    assert kinds.accept_tokens([split, pair], [byte("x"), byte('"')]) == [0, 1]
+    for t in single[1:]:
+        assert kinds.accept_tokens([split], [t]) == [1]
+    assert split._text == whole._text == offered._text == text.encode()
+    assert pair._text == b'{"'
+    for t in single + [byte(":")]:
+        assert back.accept(t)
+    back.rollback(1)  # (the state of `whole`, its text no longer known)
+    assert back._text is None
+    forked = whole.fork()
+    assert forked._text == whole._text
+    n1, n2 = digits.matcher(), digits.matcher()
+    ended = digits.matcher()
+    assert ended.accept(byte("7")) and ended.accept(EOS) and ended._text is None
+    matchers = [split, whole, offered, fresh, back, longer, fresh2, forked, n1, n2, pair]
+    expected = person.allocate_bitmask(len(matchers))
+    for j, m in enumerate(matchers):
+        m.fill_bitmask(expected, j)
+    filled = []
+    real_plan = xb._fill_plan
+
+    class Spy:
+        def fill(self, handles, bitmask, rows):
+            filled.append(list(rows))
+            real_plan().fill(handles, bitmask, rows)
+
+    monkeypatch.setattr(xb, "_fill_plan", Spy)
+    rows = [12, 0, 3, 5, 1, 7, 2, 9, 11, 4, 8]
+    got = person.allocate_bitmask(13)
+    got.fill_(-1)
+    kinds.fill_bitmasks(matchers, got, rows)
+    for j, row in enumerate(rows):
+        assert torch.equal(got[row], expected[j]), j
+    assert torch.equal(got[6], torch.full_like(got[6], -1)) and torch.equal(got[10], got[6])
+    # one fill each: the '{"name"' state, the fresh one, `back`, `longer`, the
+    # fresh digits, `pair`
+    assert filled == [[12, 5, 1, 7, 11, 8]]
+    # a long text is not kept
+    long = digits.matcher()
+    assert long.accept_text("1" * xb.TEXT_KEY_LIMIT) and long._text is not None
+    assert long.accept(byte("2")) and long._text is None
+
+
 @pytest.mark.parametrize("schema,text,redo,fix", [
     # a duplicate item: redo from the duplicate
     ({"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True},
