@@ -44,8 +44,9 @@ class LogitsConstraint(Protocol):
 
 # Optional: a constraint class may offer ``fill_bitmasks(constraints, bitmask, rows)``
 # (a static or class method) that fills ``bitmask[rows[i]]`` for each of several of its
-# instances in one call. On CUDA the engine uses it for a step's rows of that class
-# (falling back to ``fill_bitmask`` row by row if it raises).
+# instances in one call, writing those rows whole (every word: the engine does not
+# clear them first). On CUDA the engine uses it for a step's rows of that class
+# (falling back to ``fill_bitmask`` row by row, on cleared rows, if it raises).
 #
 # Optional: ``accept_tokens(constraints, tokens) -> list[int]`` (static or class
 # method) accepts ``tokens[i]`` into ``constraints[i]`` for several instances in one

@@ -254,23 +254,34 @@ class Sampler:
             slot, bitmask = self._ring_rows(len(rows))
         else:
             bitmask = torch.empty(len(rows), self.bitmask_width, dtype=torch.int32)
-        bitmask.zero_()
         errors: dict[int, str] = {}
         single = list(range(len(rows)))  # mask rows filled one by one
         if self.batch_fill and len(rows) > 1:
-            single = []
-            groups: dict = {}
-            for j, i in enumerate(rows):
-                many = getattr(type(seqs[i].constraint), "fill_bitmasks", None)
-                if many is None:
-                    single.append(j)
-                else:
-                    groups.setdefault(many, []).append(j)
+            constraints = [seqs[i].constraint for i in rows]
+            kinds = set(map(type, constraints))
+            if len(kinds) == 1:  # (the usual batch: one class of constraint)
+                many = getattr(kinds.pop(), "fill_bitmasks", None)
+                groups = {many: single} if many is not None else {}
+                single = [] if many is not None else single
+            else:
+                groups, single = {}, []
+                for j, constraint in enumerate(constraints):
+                    many = getattr(type(constraint), "fill_bitmasks", None)
+                    if many is None:
+                        single.append(j)
+                    else:
+                        groups.setdefault(many, []).append(j)
             for many, js in groups.items():
-                try:
-                    many([seqs[rows[j]].constraint for j in js], bitmask, js)
+                try:  # (a batch hook writes its rows whole)
+                    many(constraints if len(js) == len(rows) else [constraints[j] for j in js],
+                         bitmask, js)
                 except Exception:  # find the broken one row by row
                     single.extend(js)
+        if single:  # (a constraint's own fill sets the bits of allowed tokens)
+            if len(single) == len(rows):
+                bitmask.zero_()
+            else:
+                bitmask[single] = 0
         for j in single:
             i = rows[j]
             try:

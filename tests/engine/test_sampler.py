@@ -174,8 +174,10 @@ def test_banned_tokens_are_excluded_only_at_their_position():
 
 def test_batch_fill_hook_fills_a_class_s_rows_in_one_call_and_falls_back_per_row():
     """With ``batch_fill`` (the engine sets it on CUDA) rows whose constraint class has
-    ``fill_bitmasks`` are filled by one call per class; when that call raises, the
-    rows are filled one by one so only the broken constraint fails."""
+    ``fill_bitmasks`` are filled by one call per class, which writes its rows
+    whole (they are not cleared for it, unlike the rows a constraint fills
+    alone); when that call raises, the rows are cleared and filled one by one so
+    only the broken constraint fails."""
     calls = []
 
     class Batched(AllowOnly):
@@ -185,6 +187,7 @@ def test_batch_fill_hook_fills_a_class_s_rows_in_one_call_and_falls_back_per_row
             for c, r in zip(constraints, rows):
                 if isinstance(c, Broken):
                     raise KeyError("boom")
+                bitmask[r] = 0
                 c.fill_bitmask(bitmask, r)
 
     class Broken(Batched):
@@ -204,10 +207,22 @@ def test_batch_fill_hook_fills_a_class_s_rows_in_one_call_and_falls_back_per_row
     out = Sampler(64, 64, batch_fill=True)(logits.clone(), seqs, masks=batched)
     assert out.token_ids[:2] == [3, 4] and out.token_ids[3] == 6
 
+    # on a buffer of stale bits: the rows filled alone are cleared first
+    def stale(n):
+        return torch.full((n, 2), -1, dtype=torch.int32)
+
+    calls.clear()
+    assert torch.equal(Sampler(64, 64, batch_fill=True).fill_masks(seqs, stale).bitmask,
+                       one_by_one.bitmask) and calls == [[0, 2]]
+    seqs[1].constraint = Batched({4})  # one class: one call for every row
+    calls.clear()
+    every = Sampler(64, 64, batch_fill=True).fill_masks(seqs, stale)
+    assert calls == [[0, 1, 2]] and torch.equal(every.bitmask, one_by_one.bitmask)
+
     seqs[3].constraint = Broken({6})
-    filled = Sampler(64, 64, batch_fill=True).fill_masks(seqs)
+    filled = Sampler(64, 64, batch_fill=True).fill_masks(seqs, stale)
     assert list(filled.errors) == [3] and "boom" in filled.errors[3]
-    assert torch.equal(filled.bitmask[0], one_by_one.bitmask[0])
+    assert torch.equal(filled.bitmask[:2], one_by_one.bitmask[:2])
 
 
 def test_masked_argmax_is_the_max_of_the_masked_logits():
