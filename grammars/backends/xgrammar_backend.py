@@ -170,16 +170,21 @@ class _PreparedAccept:
         return status
 
     def _keep_texts(self, tokens: list[int], verdicts: list[int]) -> None:
-        """The texts of the rows that keep one grow by the tokens they took."""
+        """The texts of the rows that keep one grow by the tokens they took
+        (:meth:`XGrammarMatcher._took`, unrolled: every row of the first steps)."""
         matchers, kept = self.matchers, []
         for i in self.texts:
             m = matchers[i]
-            if m._text is None:
+            text = m._text
+            if text is None:
                 continue
             if verdicts[i] > 0:
-                m._took(tokens[i])
-                if m._text is None:
+                token = tokens[i]
+                text = None if token in m._stops else text + m._token_bytes[token]
+                if text is None or len(text) > TEXT_KEY_LIMIT:
+                    m._text = None
                     continue
+                m._text = text
             kept.append(i)
         self.texts = kept
 
