@@ -85,3 +85,34 @@ def test_gpu_benchmark_runs_a_deepseek_v4_shape_on_the_cpu(tmp_path, smollm2_ggu
     ratio_rows = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
     assert len(ratio_rows) == 2 and ratio_rows[0][-1].endswith("x")   # [1] and [2] rows
     assert json.loads(out.strip().splitlines()[-1]) == {"done": True}
+
+
+@pytest.mark.slow
+def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf):
+    # the benchmark's smoke mode: each side's totals, the first steps one by one
+    # with their masked rows, and the json/free line whose extra time adds up
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from formcast.engine.tokenizer import cached_gguf_tokenizer
+
+    cached_gguf_tokenizer(smollm2_gguf).save_pretrained(str(tmp_path / "tok"))
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "step_series.py"), "--tokenizer-dir",
+         str(tmp_path / "tok"), "--device", "cpu", "--shape", "deepseek-v4-tiny",
+         "--batch-sizes", "2", "--tokens", "8", "--runs", "1", "--opening", "3", "--show", "4"],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    totals = {side: float(ms) for side, ms in
+              re.findall(r"batch +2 (free|json): total +([0-9.]+) ms", out)}
+    assert set(totals) == {"free", "json"}
+    steps = re.findall(r"step us/masked: (.*)", out)
+    assert len(steps) == 2 and all(re.fullmatch(r"(\d+/\d+ ?){1,4}", s.strip()) for s in steps)
+    ratio, extra = re.search(r"json/free tokens/s ([0-9.]+); extra time (-?[0-9.]+) ms",
+                             out).groups()
+    assert float(ratio) == pytest.approx(totals["free"] / totals["json"], rel=0.01, abs=0.002)
+    assert float(extra) == pytest.approx(totals["json"] - totals["free"], abs=0.2)
