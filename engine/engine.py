@@ -154,6 +154,7 @@ class Engine:
         self._masks_ahead: tuple[list[Sequence], Future] | None = None
         self._accept_pool: ThreadPoolExecutor | None = None  # checks picks during sampling
         self._acceptor: _Acceptor | None = None  # (the accept thread's own)
+        self._masked_acceptor: _Acceptor | None = None  # (rows sampled under their masks)
         self._switch_interval: float | None = None  # the process's, while ours is set
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
@@ -960,7 +961,11 @@ class Engine:
                 ok.update(rows)
             if masked:  # sampled under their masks: their constraints take them in one go
                 rows, tokens = self._rows_of(seqs, token_list, masked)
-                verdicts = self._accept_batch(rows, tokens)
+                # (prepared once while the same rows are masked: a batch's opening)
+                acceptor = self._masked_acceptor
+                if acceptor is None or acceptor.seqs != rows:
+                    acceptor = self._masked_acceptor = _Acceptor(rows)
+                verdicts = acceptor(tokens)
                 for seq, token, verdict in zip(rows, tokens, verdicts):
                     if verdict <= 0:  # a token its own mask allowed, or the constraint failed
                         seq.error = seq.error or f"constraint rejected sampled token {token}"
@@ -1077,7 +1082,8 @@ class Engine:
         self._quick_switches(False)
         prev, self._inflight = self._inflight, None
         outputs = self._take(prev)[0] if prev is not None else []
-        self._acceptor = None  # (the accept thread is done: its rows are let go)
+        # (the accept thread is done: the rows are let go)
+        self._acceptor = self._masked_acceptor = None
         return outputs
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -1509,9 +1515,10 @@ def _accept_many(many, seqs: list[Sequence], constraints: list, tokens: list[int
 
 
 class _Acceptor:
-    """The accept thread's check of a pipelined step's unmasked picks, for rows
-    that stay the same from step to step (the steady state of a large batch):
-    :meth:`Engine._accept_batch` for these ``seqs``, through their constraint
+    """The accept of a pipelined step's tokens by rows that stay the same from
+    step to step (the accept thread's check of a large batch's unmasked picks,
+    and the take of the rows sampled under their masks, all of a batch's rows in
+    its opening): :meth:`Engine._accept_batch` for these ``seqs``, through their constraint
     class's ``batch_acceptor`` hook when they share one, its per-row
     preparation made once rather than every step. A hook that raises, when
     prepared or called, fails every request of the call, as ``accept_tokens``."""

@@ -618,12 +618,15 @@ def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(
     assert outputs[True] == outputs[False]
 
 
+@pytest.mark.parametrize("masked", [False, True])
 def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smollm2_engine,
-                                                                           monkeypatch):
+                                                                           monkeypatch, masked):
     """A constraint class's ``batch_acceptor`` hook is prepared once for the rows
     the accept thread checks while they stay the same, and called every step:
-    the outputs are those of the class without the hook. A hook that raises,
-    when prepared or when called, fails only its own requests, with its error."""
+    the outputs are those of the class without the hook. So is it for the rows
+    sampled under their masks (``masked``: every step, ``unmasked_greedy`` off),
+    whose tokens the host's take offers. A hook that raises, when prepared or
+    when called, fails only its own requests, with its error."""
     import formcast.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
@@ -659,7 +662,8 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
                all(c == " " or "a" <= c <= "z" for c in text)}
 
     def run(cls):
-        engine = variant(smollm2_engine, async_scheduling=True, spec="none")
+        engine = variant(smollm2_engine, async_scheduling=True, spec="none",
+                         unmasked_greedy=not masked)
         ids = [engine.add_request(chat(engine, t), greedy, constraint=cls(letters))
                for t in texts]
         done = {}
@@ -670,10 +674,13 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
     want, _ = run(AllowOnly)
     got, engine = run(Prepared)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert engine.num_refused_picks > 0 and calls[0] >= 5 and made[0] < calls[0]
+    assert calls[0] >= 5 and made[0] < calls[0]
+    assert engine.num_pipelined_steps >= 5
+    assert (engine.num_unmasked_picks == 0) if masked else engine.num_refused_picks > 0
     for cls, error in ((BreaksWhenPrepared, "no batch today"),
                        (BreaksWhenCalled, "grammar service down")):
-        engine = variant(smollm2_engine, async_scheduling=True, spec="none")
+        engine = variant(smollm2_engine, async_scheduling=True, spec="none",
+                         unmasked_greedy=not masked)
         broken = [engine.add_request(chat(engine, t), greedy, constraint=cls(letters))
                   for t in texts[:2]]
         plain = engine.add_request(chat(engine, texts[2]), greedy)
