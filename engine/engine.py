@@ -153,8 +153,8 @@ class Engine:
         # checked, for its sampling
         self._masks_ahead: tuple[list[Sequence], Future] | None = None
         self._accept_pool: ThreadPoolExecutor | None = None  # checks picks during sampling
-        self._acceptor: _Acceptor | None = None  # (the accept thread's own)
-        self._masked_acceptor: _Acceptor | None = None  # (rows sampled under their masks)
+        self._acceptor = _Acceptor()  # (the accept thread's own)
+        self._masked_acceptor = _Acceptor()  # (rows sampled under their masks)
         self._switch_interval: float | None = None  # the process's, while ours is set
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
@@ -743,10 +743,7 @@ class Engine:
         if any(dead_list):
             return None
         rows, tokens = self._rows_of(step.seqs, token_list, list(step.unchecked))
-        acceptor = self._acceptor
-        if acceptor is None or acceptor.seqs != rows:  # (identity compares, in C)
-            acceptor = self._acceptor = _Acceptor(rows)
-        return acceptor(tokens)
+        return self._acceptor(rows, tokens)
 
     def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
                      rows: list[int] | None):
@@ -962,10 +959,7 @@ class Engine:
             if masked:  # sampled under their masks: their constraints take them in one go
                 rows, tokens = self._rows_of(seqs, token_list, masked)
                 # (prepared once while the same rows are masked: a batch's opening)
-                acceptor = self._masked_acceptor
-                if acceptor is None or acceptor.seqs != rows:
-                    acceptor = self._masked_acceptor = _Acceptor(rows)
-                verdicts = acceptor(tokens)
+                verdicts = self._masked_acceptor(rows, tokens)
                 for seq, token, verdict in zip(rows, tokens, verdicts):
                     if verdict <= 0:  # a token its own mask allowed, or the constraint failed
                         seq.error = seq.error or f"constraint rejected sampled token {token}"
@@ -1083,7 +1077,8 @@ class Engine:
         prev, self._inflight = self._inflight, None
         outputs = self._take(prev)[0] if prev is not None else []
         # (the accept thread is done: the rows are let go)
-        self._acceptor = self._masked_acceptor = None
+        self._acceptor.reset()
+        self._masked_acceptor.reset()
         return outputs
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -1518,16 +1513,29 @@ class _Acceptor:
     """The accept of a pipelined step's tokens by rows that stay the same from
     step to step (the accept thread's check of a large batch's unmasked picks,
     and the take of the rows sampled under their masks, all of a batch's rows in
-    its opening): :meth:`Engine._accept_batch` for these ``seqs``, through their constraint
-    class's ``batch_acceptor`` hook when they share one, its per-row
-    preparation made once rather than every step. A hook that raises, when
-    prepared or called, fails every request of the call, as ``accept_tokens``."""
+    its opening): :meth:`Engine._accept_batch`, through the rows' constraint
+    class's ``batch_acceptor`` hook when they share one, its per-row preparation
+    made again only when the rows change. A hook that raises, when prepared or
+    called, fails every request of the call, as ``accept_tokens``."""
 
     __slots__ = ("seqs", "prepared", "failure")
 
-    def __init__(self, seqs: list[Sequence]) -> None:
-        self.seqs = seqs
-        self.prepared = self.failure = None
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Let go of the rows (the next call prepares for its own)."""
+        self.seqs = self.prepared = self.failure = None
+
+    def __call__(self, seqs: list[Sequence], tokens: list[int]) -> list[int]:
+        if self.seqs != seqs:  # (identity compares, in C)
+            self._prepare(seqs)
+        if self.prepared is None and self.failure is None:
+            return Engine._accept_batch(seqs, tokens)
+        return _accept_many(self._hook, seqs, None, tokens)
+
+    def _prepare(self, seqs: list[Sequence]) -> None:
+        self.seqs, self.prepared, self.failure = seqs, None, None
         kinds = set(type(s.constraint) for s in seqs)
         hook = getattr(kinds.pop(), "batch_acceptor", None) if len(kinds) == 1 else None
         if hook is not None:
@@ -1535,11 +1543,6 @@ class _Acceptor:
                 self.prepared = hook([s.constraint for s in seqs])
             except Exception as exc:
                 self.failure = exc
-
-    def __call__(self, tokens: list[int]) -> list[int]:
-        if self.prepared is None and self.failure is None:
-            return Engine._accept_batch(self.seqs, tokens)
-        return _accept_many(self._hook, self.seqs, None, tokens)
 
     def _hook(self, _constraints, tokens: list[int]) -> list[int]:
         """The prepared hook as :func:`_accept_many` calls one."""

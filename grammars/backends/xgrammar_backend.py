@@ -170,22 +170,14 @@ class _PreparedAccept:
         return status
 
     def _keep_texts(self, tokens: list[int], verdicts: list[int]) -> None:
-        """The texts of the rows that keep one grow by the tokens they took
-        (:meth:`XGrammarMatcher._took`, unrolled: every row of the first steps)."""
+        """The texts of the rows that keep one grow by the tokens they took."""
         matchers, kept = self.matchers, []
         for i in self.texts:
             m = matchers[i]
-            text = m._text
-            if text is None:
-                continue
-            if verdicts[i] > 0:
-                token = tokens[i]
-                text = None if token in m._stops else text + m._token_bytes[token]
-                if text is None or len(text) > TEXT_KEY_LIMIT:
-                    m._text = None
-                    continue
-                m._text = text
-            kept.append(i)
+            if m._text is not None and verdicts[i] > 0:
+                m._took(tokens[i])
+            if m._text is not None:
+                kept.append(i)
         self.texts = kept
 
 
@@ -316,17 +308,17 @@ class XGrammarMatcher(Matcher):
         self._moved = True
         taken = self._m.accept_string(text)
         if self._text is not None:
-            grown = self._text + text.encode("utf-8")
-            self._text = grown if taken and len(grown) <= TEXT_KEY_LIMIT else None
+            self._grow_text(text.encode("utf-8") if taken else None)
         return taken
 
     def _took(self, token_id: int) -> None:
-        """Keep the text of a token just taken (while the text is short)."""
-        if token_id in self._stops:
-            self._text = None  # (terminated: a state of its own)
-            return
-        grown = self._text + self._token_bytes[token_id]
-        self._text = grown if len(grown) <= TEXT_KEY_LIMIT else None
+        """Keep the text of a token just taken (a stop token: a state of its own)."""
+        self._grow_text(None if token_id in self._stops else self._token_bytes[token_id])
+
+    def _grow_text(self, data: bytes | None) -> None:
+        """The kept text with ``data`` after it, while short; None: no longer kept."""
+        grown = None if data is None else self._text + data
+        self._text = grown if grown is not None and len(grown) <= TEXT_KEY_LIMIT else None
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens < 0:
