@@ -24,8 +24,8 @@ import sys
 import torch
 
 from formcast.engine.kernels.paged_attention import paged_decode_attention
-from formcast.engine.kernels.paged_attention_triton import (_decode_kernel, num_splits,
-                                                            paged_decode_attention_triton)
+from formcast.engine.kernels.paged_attention_triton import (
+    SPLIT_BLOCK_N, launch_decode, num_splits, paged_decode_attention_triton)
 
 GRID = list(itertools.product((16, 32, 64), (1, 2, 4), (1, 2, 3)))  # keys a tile, warps, stages
 
@@ -70,13 +70,13 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     h, hkv, d, bs, width = args.heads, args.kv_heads, args.head_dim, args.block_size, \
         args.table_blocks
-    group, scale = h // hkv, d ** -0.5
+    scale = d ** -0.5
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16, "
           f"{h} heads over {hkv}, head dim {d}\n")
     torch.manual_seed(0)
     for rows, context in itertools.product(map(int, args.rows.split(",")),
                                            map(int, args.context.split(","))):
-        if num_splits(rows, hkv, width * bs, 64) != 1:
+        if num_splits(rows, hkv, width * bs, SPLIT_BLOCK_N) != 1:
             print(f"{rows} rows: the kernel splits contexts there (under 128 programs): skipped")
             continue
         blocks = rows * width + 1
@@ -93,13 +93,8 @@ def main() -> None:
             out = torch.empty(rows, h, d, device=dev, dtype=dt)
 
             def call():
-                _decode_kernel[(rows, hkv, 1)](
-                    q, k_cache, v_cache, tables, lens, out, out, scale, group, d,
-                    q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-                    k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-                    tables.stride(0), BLOCK_SIZE=bs, BLOCK_G=max(16, 1 << (group - 1).bit_length()),
-                    BLOCK_N=block_n, BLOCK_D=max(16, 1 << (d - 1).bit_length()), SPLITS=1,
-                    IEEE=False, num_warps=warps, num_stages=stages)
+                launch_decode(q, k_cache, v_cache, tables, lens, out, out, scale, 1,
+                              (block_n, warps, stages))
 
             us = graph_us(call)
             err = (out.float() - ref.float()).abs().max().item()

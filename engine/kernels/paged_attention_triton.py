@@ -119,39 +119,59 @@ def num_splits(rows: int, kv_heads: int, max_len: int, block_n: int) -> int:
     return splits
 
 
+SPLIT_BLOCK_N = 64  # keys a tile when contexts are split (the split count counts those)
+
+
+def decode_config(splits: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """Keys a tile, warps and stages of the decode kernel.
+
+    Measured on the H200 (9 heads over 3, head dim 64; 27 configurations in a
+    CUDA graph of 50 calls, each checked against the torch path:
+    benchmarks/decode_attention_configs.py): with a program per row and head in
+    bf16, tiles of 32 keys, two warps and two stages took 6.8 us at 256 rows of
+    80 tokens (tiles of 64, two warps, three stages: 8.0), 9.9 at 140 tokens
+    (10.3) and 5.5 at 64 rows of 80 (5.8); float32 keeps the latter. Split
+    contexts: tiles of 64, four warps and two stages."""
+    if splits > 1:
+        return SPLIT_BLOCK_N, 4, 2
+    return (64, 2, 3) if dtype == torch.float32 else (32, 2, 2)
+
+
+def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, context_lens: torch.Tensor, part: torch.Tensor,
+                  lse: torch.Tensor, scale: float, splits: int,
+                  config: tuple[int, int, int]) -> None:
+    """One launch of the decode kernel: ``part`` (and ``lse``) take each split's
+    output; with one split ``part`` is the ``[B, H, D]`` output itself.
+    ``config``: keys a tile, warps, stages (:func:`decode_config`)."""
+    b, h, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    block_n, warps, stages = config
+    _decode_kernel[(b, hkv, splits)](
+        q, k_cache, v_cache, block_tables, context_lens, part, lse, scale,
+        h // hkv, d, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
+        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
+        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+
+
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   scale: float) -> torch.Tensor:
     b, h, d = q.shape
-    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    group = h // hkv
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged attention: the head dimension must be contiguous")
-    max_len = block_tables.shape[1] * block_size
-    splits = num_splits(b, hkv, max_len, 64)
-    # measured on the H200 (9 heads over 3, head dim 64; 27 configurations in a CUDA
-    # graph of 50 calls, each checked against the torch path): with a program per
-    # row and head in bf16, tiles of 32 keys, two warps and two stages took 6.8 us
-    # at 256 rows of 80 tokens (tiles of 64, two warps, three stages: 8.0), 9.9 at
-    # 140 tokens (10.3) and 5.5 at 64 rows of 80 (5.8); float32 keeps the latter.
-    # Split contexts: tiles of 64, four warps and two stages
-    if splits > 1:
-        block_n, warps, stages = 64, 4, 2
-    else:
-        block_n, warps, stages = (64, 2, 3) if q.dtype == torch.float32 else (32, 2, 2)
+    splits = num_splits(b, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                        SPLIT_BLOCK_N)
     if splits == 1:  # the kernel writes the output: no partial results to merge
         part = lse = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     else:
         part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
-    _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_tables, context_lens, part, lse, scale,
-        group, d, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    launch_decode(q, k_cache, v_cache, block_tables, context_lens, part, lse, scale, splits,
+                  decode_config(splits, q.dtype))
     if splits == 1:
         return part
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
