@@ -797,9 +797,7 @@ class Engine:
         index = iter(())
         if any(lists):
             flat = to_device([v for part in lists for v in part], torch.long, dev)
-            bounds = itertools.accumulate(map(len, lists), initial=0)
-            starts = list(bounds)
-            index = iter([flat[a:b] for a, b in zip(starts, starts[1:])])
+            index = iter(flat.split([len(part) for part in lists]))  # (one call: views)
         greedy = None
         if plain or watch:  # (before the sampler masks the logits in place)
             greedy = self.runner.greedy_samples(len(logits))
