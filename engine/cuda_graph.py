@@ -9,8 +9,8 @@ their keys to a scratch slot past the cache blocks the block manager owns and
 attend to it alone, and their logits are dropped.
 
 Inputs live in one device buffer (token ids, positions, cache slots, context
-lengths, block tables) filled from one pinned host buffer with two
-non-blocking copies. Block tables are as wide as the longest context the engine
+lengths, block tables) filled from one pinned host buffer with one
+non-blocking copy. Block tables are as wide as the longest context the engine
 admits; attention reads a row's table only up to its length, so stale entries
 past it are harmless.
 
@@ -242,10 +242,9 @@ class DecodeGraphs:
         self.staging.invalidate()
 
     def _replay(self, n: int, b: int, tokens: torch.Tensor | None) -> torch.Tensor:
-        m, host = self.max_rows, self.staging.host
-        self._dev[:4 * m].copy_(host[:4 * m], non_blocking=True)
-        width = b * self.max_blocks
-        self._dev[4 * m:4 * m + width].copy_(host[4 * m:4 * m + width], non_blocking=True)
+        # (the rows' inputs, then the tables of the size's rows: one copy)
+        end = 4 * self.max_rows + b * self.max_blocks
+        self._dev[:end].copy_(self.staging.host[:end], non_blocking=True)
         if tokens is not None:
             self._dev[:n].copy_(tokens)
         self._copied.record(current_stream(self._dev.device))
