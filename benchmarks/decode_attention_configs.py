@@ -25,7 +25,7 @@ import torch
 
 from formcast.engine.kernels.paged_attention import paged_decode_attention
 from formcast.engine.kernels.paged_attention_triton import (
-    SPLIT_BLOCK_N, launch_decode, num_splits, paged_decode_attention_triton)
+    decode_splits, launch_decode, paged_decode_attention_triton)
 
 GRID = list(itertools.product((16, 32, 64), (1, 2, 4), (1, 2, 3)))  # keys a tile, warps, stages
 
@@ -76,13 +76,13 @@ def main() -> None:
     torch.manual_seed(0)
     for rows, context in itertools.product(map(int, args.rows.split(",")),
                                            map(int, args.context.split(","))):
-        if num_splits(rows, hkv, width * bs, SPLIT_BLOCK_N) != 1:
-            print(f"{rows} rows: the kernel splits contexts there (under 128 programs): skipped")
-            continue
         blocks = rows * width + 1
         k_cache = torch.randn(blocks, bs, hkv, d, device=dev, dtype=dt)
         v_cache = torch.randn(blocks, bs, hkv, d, device=dev, dtype=dt)
         tables = torch.randperm(blocks - 1, device=dev)[:rows * width].view(rows, width)
+        if decode_splits(rows, k_cache, tables) != 1:
+            print(f"{rows} rows: the kernel splits contexts there (under 128 programs): skipped")
+            continue
         lens = torch.full((rows,), context, device=dev, dtype=torch.long)
         q = torch.randn(rows, h, d, device=dev, dtype=dt)
         ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, backend="torch")

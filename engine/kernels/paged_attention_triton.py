@@ -122,6 +122,13 @@ def num_splits(rows: int, kv_heads: int, max_len: int, block_n: int) -> int:
 SPLIT_BLOCK_N = 64  # keys a tile when contexts are split (the split count counts those)
 
 
+def decode_splits(rows: int, k_cache: torch.Tensor, block_tables: torch.Tensor) -> int:
+    """The splits the decode kernel runs for ``rows`` rows over these tables
+    (:func:`num_splits` for the cache's kv heads and the tables' longest context)."""
+    return num_splits(rows, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
+                      SPLIT_BLOCK_N)
+
+
 def decode_config(splits: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """Keys a tile, warps and stages of the decode kernel.
 
@@ -163,8 +170,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     b, h, d = q.shape
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged attention: the head dimension must be contiguous")
-    splits = num_splits(b, k_cache.shape[2], block_tables.shape[1] * k_cache.shape[1],
-                        SPLIT_BLOCK_N)
+    splits = decode_splits(b, k_cache, block_tables)
     if splits == 1:  # the kernel writes the output: no partial results to merge
         part = lse = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     else:
