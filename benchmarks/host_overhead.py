@@ -65,9 +65,10 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
                             pin=False)
     state = {"at": 0}
 
-    def execute_decode(runner, seqs, tokens):
+    def execute_decode(runner, seqs, tokens, staged=False):
         runner._replayed = True
-        staging.stage_seqs(seqs, len(seqs))
+        if not staged:
+            staging.stage_seqs(seqs, len(seqs))
         staging.host[:len(seqs)].copy_(tokens)
         at = state["at"] = (state["at"] * 1103515245 + 12345) % (POOL - len(seqs))
         return pool[at:at + len(seqs)]
@@ -75,7 +76,12 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
     def greedy_samples(runner, n):
         return greedy[:, state["at"]:state["at"] + n]
 
+    def stage_decode_ahead(runner, seqs):
+        staging.stage_seqs(seqs, len(seqs), ahead=1)
+        return True
+
     eng.runner.execute_decode = types.MethodType(execute_decode, eng.runner)
+    eng.runner.stage_decode_ahead = types.MethodType(stage_decode_ahead, eng.runner)
     eng.runner.greedy_samples = types.MethodType(greedy_samples, eng.runner)
     masked_secs = [0.0]
     greedy_masked = eng.sampler.greedy_masked_

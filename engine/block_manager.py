@@ -103,17 +103,21 @@ class BlockManager:
             self._take(block_id)
             seq.block_table.append(block_id)
 
-    def grow_decode(self, seqs: list[Sequence]) -> bool:
+    def grow_decode(self, seqs: list[Sequence], ahead: int = 0) -> bool:
         """Room for one more computed token in each of ``seqs`` (a decode step),
         all or none: False, nothing given, when fewer blocks are free than the
-        step opens (a row opens one every ``block_size`` steps). The check is
-        :meth:`blocks_needed` inline: it runs for every row of every decode step."""
+        step opens (a row opens one every ``block_size`` steps). ``ahead``: for
+        the step that many tokens later (the step after the one in flight, its
+        rows assumed to advance). The check is :meth:`blocks_needed` inline: it
+        runs for every row of every decode step."""
         bs = self.block_size
-        opening = [s for s in seqs if s.num_computed_tokens >= len(s.block_table) * bs]
-        if len(opening) > len(self._free):
+        opening = [s for s in seqs if s.num_computed_tokens + ahead >= len(s.block_table) * bs]
+        need = len(opening) if not ahead else sum(self.blocks_needed(s, 1 + ahead)
+                                                  for s in opening)
+        if need > len(self._free):
             return False
         for s in opening:
-            self.grow(s, 1)
+            self.grow(s, 1 + ahead)
         return True
 
     def commit(self, seq: Sequence) -> None:

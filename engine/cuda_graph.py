@@ -107,9 +107,10 @@ class DecodeStaging:
             self.tables[i, :len(table)] = table
         self.pad(n, padded)
 
-    def stage_seqs(self, seqs: list, padded: int) -> None:
-        """Rows for ``seqs``, each decoding at its ``num_computed_tokens`` over its
-        ``block_table`` (tokens come from the device), padding up to ``padded``."""
+    def stage_seqs(self, seqs: list, padded: int, ahead: int = 0) -> None:
+        """Rows for ``seqs``, each decoding at its ``num_computed_tokens`` (plus
+        ``ahead``) over its ``block_table`` (tokens come from the device), padding
+        up to ``padded``."""
         n, bs = len(seqs), self.block_size
         # (sequences compare by identity: in steady decoding the rows stay, and the
         # lists compare in C, lengths first)
@@ -123,6 +124,8 @@ class DecodeStaging:
             self._table_len[:n] = np.where(kept, self._table_len[src], 0)
             self._rows = list(seqs)
         pos = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        if ahead:
+            pos += ahead
         block = pos // bs
         for i in np.flatnonzero(block >= self._table_len[:n]).tolist():
             table = seqs[i].block_table
@@ -168,7 +171,9 @@ class DecodeGraphs:
         self._before = 0  # the size the replay before it ran
         self.replays = 0  # steps served from a graph
         self.greedy_reads = 0  # of them, steps whose tokens the graph sampled
+        self.staged_replays = 0  # of them, steps staged ahead (see stage_ahead)
         self._copied = torch.cuda.Event()  # the host buffer is free again once it fires
+        self._staged: tuple | None = None  # (rows, size) staged ahead (see stage_ahead)
         self._dev.copy_(self.staging.host)
         self._capture()
 
@@ -223,22 +228,46 @@ class DecodeGraphs:
         n = len(positions)
         b = self.size_for(n)
         self._copied.synchronize()  # the last step's copies have read the host buffer
+        self._staged = None
         on_device = isinstance(tokens, torch.Tensor)
         self.staging.stage(None if on_device else tokens, positions, slots, tables, lens, b)
         return self._replay(n, b, tokens if on_device else None)
 
-    def run_seqs(self, seqs: list, tokens: torch.Tensor) -> torch.Tensor:
+    def run_seqs(self, seqs: list, tokens: torch.Tensor, *, staged: bool = False
+                 ) -> torch.Tensor:
         """:meth:`run` for ``seqs`` decoding at their ``num_computed_tokens``, their
         input tokens ``tokens`` [n] on the device, the host buffer kept from the
-        last call (:meth:`DecodeStaging.stage_seqs`)."""
+        last call (:meth:`DecodeStaging.stage_seqs`). ``staged``: the caller
+        knows :meth:`stage_ahead` staged this very step for ``seqs`` (its rows
+        advanced by the one token it assumed), the last thing staged."""
         n = len(seqs)
         b = self.size_for(n)
         self._copied.synchronize()
-        self.staging.stage_seqs(seqs, b)
+        ahead, self._staged = self._staged, None
+        if staged and ahead is not None and ahead[1] == b and ahead[0] is seqs:
+            self.staged_replays += 1
+        else:
+            self.staging.stage_seqs(seqs, b)
         return self._replay(n, b, tokens)
+
+    def stage_ahead(self, seqs: list) -> bool:
+        """Stage the decode step of ``seqs`` one token past their
+        ``num_computed_tokens`` (whose KV blocks must be allocated), for a
+        :meth:`run_seqs` of the same list once they advanced by it: the host's
+        part of that step done while it waits for something else. False when
+        no graph serves that many rows."""
+        n = len(seqs)
+        b = self.size_for(n)
+        if b is None:
+            return False
+        self._copied.synchronize()  # (the replay in flight has read the host buffer)
+        self.staging.stage_seqs(seqs, b, ahead=1)
+        self._staged = (seqs, b)
+        return True
 
     def invalidate(self) -> None:
         """Something other than steady decoding changed the sequences' tables."""
+        self._staged = None
         self.staging.invalidate()
 
     def _replay(self, n: int, b: int, tokens: torch.Tensor | None) -> torch.Tensor:

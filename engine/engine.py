@@ -582,6 +582,10 @@ class Engine:
             if any(len(s.token_ids) + 1 >= s.max_total_len
                    for i, s in enumerate(seqs) if i not in pending):
                 return None
+        # the step after this one, staged on the host while the accept thread
+        # works, for the usual verdicts: every pick taken, every row one token on
+        staged = self.block_manager.grow_decode(launch, ahead=1) and \
+            self.runner.stage_decode_ahead(launch)
         try:
             verdicts = taking.pending.result()
         except BaseException:
@@ -601,19 +605,22 @@ class Engine:
         settled = self._launch_sampled(prev, launch, logits, picked, set(), refused,
                                        self._num_finishes, filled=filled)
         if not settled:
-            self._launch_ahead(launch, self._inflight.tokens)
+            self._launch_ahead(launch, self._inflight.tokens, staged=staged and not refused)
         return filled, settled
 
-    def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+    def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor, *,
+                      staged: bool = False) -> None:
         """Launch the decode step after the one in flight for ``seqs``, on its sampled
         ``tokens`` on the device, as the next pipelined step would (it takes it
         when its rows are still these). Skipped when the blocks it opens are not
-        free, or when it fails (the next step launches it again, and reports it)."""
-        if not self.block_manager.grow_decode(seqs):
+        free, or when it fails (the next step launches it again, and reports it).
+        ``staged``: its blocks were grown and its inputs staged (see
+        :meth:`ModelRunner.stage_decode_ahead`) before every row advanced."""
+        if not staged and not self.block_manager.grow_decode(seqs):
             return
         mark = self.runner.decode_mark()
         try:
-            logits = self.runner.execute_decode(seqs, tokens)
+            logits = self.runner.execute_decode(seqs, tokens, staged=staged)
         except Exception:
             self.runner.rewind_decode(mark)
             return

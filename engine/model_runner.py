@@ -143,14 +143,17 @@ class ModelRunner:
             return self.model.logits(hidden)
 
     @torch.inference_mode()
-    def execute_decode(self, seqs: list[Sequence], tokens: torch.Tensor) -> torch.Tensor:
+    def execute_decode(self, seqs: list[Sequence], tokens: torch.Tensor, *,
+                       staged: bool = False) -> torch.Tensor:
         """One decode row per sequence, its input token taken from ``tokens`` [B] on
         the device (the previous step's samples: the host need not have them yet), at
         position ``seq.num_computed_tokens``, whose KV block must be allocated.
+        ``staged``: :meth:`stage_decode_ahead` staged this step for ``seqs`` (the
+        same list), which then advanced by one token, and nothing ran since.
         Returns float32 logits ``[B, V]`` (a graph's output view when one ran)."""
         self._replayed = self.graphs is not None and self.graphs.size_for(len(seqs)) is not None
         if self._replayed:
-            return self.graphs.run_seqs(seqs, tokens)
+            return self.graphs.run_seqs(seqs, tokens, staged=staged)
         layout = StepLayout()
         for seq in seqs:
             p = seq.num_computed_tokens
@@ -160,6 +163,13 @@ class ModelRunner:
         with prompt_rows(layout.is_prompt, self.device):
             hidden = self.model(tokens, pos, self.kv_caches, meta)
             return self.model.logits(hidden)
+
+    def stage_decode_ahead(self, seqs: list[Sequence]) -> bool:
+        """Stage the host's part of :meth:`execute_decode` for ``seqs`` one token
+        past their ``num_computed_tokens`` (its KV blocks allocated), while they
+        have yet to advance by it; False when no decode graph serves it (then
+        :meth:`execute_decode` does it all)."""
+        return self.graphs is not None and self.graphs.stage_ahead(seqs)
 
     def decode_mark(self) -> int:
         """Where the decode graphs' replays stand (for :meth:`rewind_decode`)."""

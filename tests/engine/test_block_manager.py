@@ -41,6 +41,22 @@ def test_grow_decode_opens_a_block_only_at_a_boundary_and_is_all_or_none():
     assert (len(full.block_table), len(partial.block_table)) == (2, 1)
 
 
+def test_grow_decode_ahead_makes_room_for_the_step_after():
+    """``ahead=1``: the step after the one in flight (whose block is there)."""
+    bm = BlockManager(4, 4)
+    a, b = make_seq(list(range(3)), rid="a"), make_seq(list(range(2)), rid="b")
+    for seq in (a, b):
+        bm.grow(seq, len(seq.token_ids) + 1)  # (the step in flight's position)
+        seq.num_computed_tokens = len(seq.token_ids)
+    assert bm.grow_decode([a, b], ahead=1)  # a's next position (4) opens a block, b's (3) not
+    assert (len(a.block_table), len(b.block_table), bm.num_free_blocks) == (2, 1, 1)
+    a.num_computed_tokens = b.num_computed_tokens = 4
+    assert bm.grow_decode([a, b])  # the advanced rows' step: nothing new for a, b opens one
+    assert (len(a.block_table), len(b.block_table), bm.num_free_blocks) == (2, 2, 0)
+    assert not bm.grow_decode([a, b], ahead=4)  # both would open one: all or none
+    assert (len(a.block_table), len(b.block_table)) == (2, 2)
+
+
 @pytest.mark.parametrize("prompt_len, expected_hit", [
     (9, 8),    # two full blocks before the last token are shared
     (8, 4),    # the block holding the last token is never shared: it is recomputed

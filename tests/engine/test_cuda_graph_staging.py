@@ -77,6 +77,28 @@ def test_kept_staging_equals_staging_afresh() -> None:
             made += 1
 
 
+def test_staging_ahead_equals_staging_after_the_rows_advance() -> None:
+    """What ``stage_seqs(ahead=1)`` writes before the rows advance is what staging
+    them afresh after they advanced by a token writes."""
+    rng = random.Random(1)
+    next_block = iter(range(10**6))
+    st = DecodeStaging(ROWS, MAX_BLOCKS, block_size=BS, scratch_slot=SCRATCH, pin=False)
+    seqs = []
+    for k in range(9):
+        p = rng.randrange(0, 20)
+        seqs.append(SimpleNamespace(request_id=f"r{k}", num_computed_tokens=p,
+                                    block_table=[next(next_block) for _ in range(p // BS + 1)]))
+    for step in range(24):
+        st.stage_seqs(seqs, 16)  # this step
+        for s in seqs:  # the block of the step after, grown before it is staged
+            if (s.num_computed_tokens + 1) // BS >= len(s.block_table):
+                s.block_table.append(next(next_block))
+        st.stage_seqs(seqs, 16, ahead=1)
+        for s in seqs:
+            s.num_computed_tokens += 1
+        assert_same(st, fresh(seqs, 16), seqs, 16)
+
+
 def test_a_row_without_its_block_is_refused() -> None:
     st = DecodeStaging(ROWS, MAX_BLOCKS, block_size=BS, scratch_slot=SCRATCH, pin=False)
     seq = SimpleNamespace(request_id="r0", num_computed_tokens=BS, block_table=[3])

@@ -210,6 +210,8 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         assert (eng._accept_pool is not None) == overlap
         # (overlap: steps launched before the last one's tokens were appended)
         assert (eng.num_launched_ahead > 0) == overlap and eng._ahead is None
+        if graphs:  # (the steps launched ahead were staged while the picks were checked)
+            assert (eng.runner.graphs.staged_replays > 0) == overlap
     assert results[True, False] == results[True, True] == results[False, False]
 
 
