@@ -156,6 +156,10 @@ class Engine:
         self._acceptor = _Acceptor()  # (the accept thread's own)
         self._masked_acceptor = _Acceptor()  # (rows sampled under their masks)
         self._switch_interval: float | None = None  # the process's, while ours is set
+        self._room: _Room | None = None  # (see _room_of)
+        # (rows, Sequence.sampling_epoch, unmasked_greedy, _sort_rows' answer) of
+        # the last _sample_live over a whole step's rows
+        self._sorted_rows: tuple | None = None
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
         freeze = self.config.freeze_gc
@@ -428,7 +432,7 @@ class Engine:
         the KV cache has no room for it."""
         prev, bm = self._inflight, self.block_manager
         running = list(self.scheduler.running)
-        if prev is None:
+        if prev is None or self._room_of(running).tokens > 1:
             launch = running
         else:  # a request whose token in flight is its last gets no row
             launch = [s for s in running if len(s.token_ids) + 1 < s.max_total_len]
@@ -572,11 +576,16 @@ class Engine:
         eos = self.eos_token_ids
         every = len(checked) == len(seqs)
         ending = set()  # (rows whose token would end them: the lane goes on only if refused)
-        for i in range(len(seqs)) if every else checked:
-            s = seqs[i]
-            if not (s.ends_on_length_only and tokens[i] not in eos and s.first_token_time
-                    and len(s.token_ids) + 2 < s.max_total_len):
-                ending.add(i)
+        room = self._room_of(seqs)
+        if room.quiet and room.tokens > 2:  # (the usual step: only an end token ends a row)
+            if not eos.isdisjoint(tokens):
+                ending = {i for i in (range(len(seqs)) if every else checked) if tokens[i] in eos}
+        else:
+            for i in range(len(seqs)) if every else checked:
+                s = seqs[i]
+                if not (s.ends_on_length_only and tokens[i] not in eos and s.first_token_time
+                        and len(s.token_ids) + 2 < s.max_total_len):
+                    ending.add(i)
         if not every:
             pending = set(checked)
             if any(len(s.token_ids) + 1 >= s.max_total_len
@@ -607,6 +616,21 @@ class Engine:
         if not settled:
             self._launch_ahead(launch, self._inflight.tokens, staged=staged and not refused)
         return filled, settled
+
+    def _room_of(self, seqs: list[Sequence]) -> "_Room":
+        """How many more tokens every one of ``seqs`` has room for, at least, and
+        whether each ends on its length only (no stop strings or stop tokens)
+        and has its first token: what the pipelined steps check of every row,
+        every step, found once per run of steps over the same rows. The room
+        found then shrinks by at most a token a pipelined step (each takes one
+        token a row); an ordinary step forgets it (:meth:`_drain`)."""
+        room, steps = self._room, self.num_pipelined_steps
+        if room is None or room.seqs != seqs:  # (identity compares, in C)
+            quiet = all(s.ends_on_length_only and s.first_token_time for s in seqs)
+            least = min((s.max_total_len - len(s.token_ids) for s in seqs), default=0)
+            room = self._room = _Room(seqs=list(seqs), tokens=least, quiet=quiet, steps=steps)
+        return _Room(seqs=room.seqs, tokens=room.tokens - (steps - room.steps),
+                     quiet=room.quiet, steps=steps)
 
     def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor, *,
                       staged: bool = False) -> None:
@@ -767,24 +791,17 @@ class Engine:
         unmasked argmax; the rows without a constraint; the other constrained rows
         (sampled under their masks). None when a constraint failed to fill its mask."""
         unmasked = self.config.unmasked_greedy
-        plain, drawn, unchecked, watch, free, masked = [], [], {}, [], [], []
-        # (the rule of _picks_unmasked, unrolled: this runs for every row, every step)
-        for j, s in enumerate(live):
-            greedy = s.params.greedy and not s.banned_tokens
-            if s.constraint is None:
-                free.append(j)
-                if greedy:
-                    plain.append(j)
-                    continue
-            elif greedy and unmasked:
-                if not s.masked:
-                    plain.append(j)
-                    unchecked[j] = j if rows is None else rows[j]
-                    continue
-                watch.append(len(drawn))  # (masked since a refused pick: watched for agreement)
-            if s.constraint is not None:
-                masked.append(j)
-            drawn.append(j)
+        kept = self._sorted_rows
+        if kept is not None and rows is None and kept[1] == Sequence.sampling_epoch and \
+                kept[2] == unmasked and kept[0] == live:  # (identity compares, in C)
+            # the rows as the last step sorted them: nothing changed their way since
+            plain, drawn, unchecked, watch, free, masked = kept[3]
+            unchecked = dict(unchecked)  # (the caller's to change)
+        else:
+            plain, drawn, unchecked, watch, free, masked = self._sort_rows(live, rows)
+            if rows is None:
+                self._sorted_rows = (list(live), Sequence.sampling_epoch, unmasked,
+                                     (plain, drawn, dict(unchecked), watch, free, masked))
         dev = logits.device
         seqs = live if not plain else [live[j] for j in drawn]
         watched = [drawn[k] for k in watch]
@@ -844,6 +861,33 @@ class Engine:
             greedy = greedy.clone()  # (the graph's own output otherwise)
         greedy[:, cols] = both
         return greedy, unchecked, watched, agree, free, masked
+
+    def _sort_rows(self, live: list[Sequence], rows: list[int] | None) -> tuple:
+        """:meth:`_sample_live`'s rows by how each is sampled: the greedy rows
+        given the unmasked argmax, the rows drawn by the sampler, those of
+        them given an unmasked pick (-> logits row), the drawn ones watched for
+        agreement (index into drawn), the rows without a constraint, and the
+        constrained ones sampled under their masks."""
+        unmasked = self.config.unmasked_greedy
+        plain, drawn, unchecked, watch, free, masked = [], [], {}, [], [], []
+        # (the rule of _picks_unmasked, unrolled: this runs for every row)
+        for j, s in enumerate(live):
+            greedy = s.params.greedy and not s.banned_tokens
+            if s.constraint is None:
+                free.append(j)
+                if greedy:
+                    plain.append(j)
+                    continue
+            elif greedy and unmasked:
+                if not s.masked:
+                    plain.append(j)
+                    unchecked[j] = j if rows is None else rows[j]
+                    continue
+                watch.append(len(drawn))  # (masked since a refused pick: watched for agreement)
+            if s.constraint is not None:
+                masked.append(j)
+            drawn.append(j)
+        return plain, drawn, unchecked, watch, free, masked
 
     def _picks_unmasked(self, s: Sequence) -> bool:
         """Whether a pipelined step gives ``s`` the unmasked argmax (checked later
@@ -1079,6 +1123,7 @@ class Engine:
         ordinary state (its sampled token appended)."""
         self._drop_ahead()
         self._quick_switches(False)
+        self._room = None  # (an ordinary step may take several tokens a row)
         prev, self._inflight = self._inflight, None
         outputs = self._take(prev)[0] if prev is not None else []
         # (the accept thread is done: the rows are let go)
@@ -1250,8 +1295,7 @@ class Engine:
         del seq.token_ids[keep:]
         if seq.logprobs is not None:
             del seq.logprobs[seq.num_output_tokens:]
-        seq.banned_tokens = {p: t for p, t in seq.banned_tokens.items() if p <= keep}
-        seq.banned_tokens.setdefault(keep, set()).add(banned)
+        seq.ban(keep, banned)
         seq.num_rollbacks += 1
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         seq.text = seq.detok.feed_many(seq.output_ids)
@@ -1567,6 +1611,16 @@ def _dead_end_message(seq: Sequence, error: str) -> str:
     if seq.error:
         parts.append(seq.error)
     return "; ".join(parts)
+
+
+@dataclass(slots=True)
+class _Room:
+    """What :meth:`Engine._room_of` found of a list of rows."""
+
+    seqs: list[Sequence]
+    tokens: int   # every row has room for at least this many more tokens
+    quiet: bool   # every row ends on its length only and has its first token
+    steps: int    # Engine.num_pipelined_steps when found
 
 
 class _HostSlots:

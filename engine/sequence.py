@@ -83,6 +83,10 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """The engine's state of one request: tokens, KV blocks, progress, sampler state."""
 
+    # counts the changes of any sequence's way of sampling (``masked``, banned
+    # tokens): a list of sequences sorted by it once stays sorted while it holds
+    sampling_epoch = 0
+
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  constraint: LogitsConstraint | None, generator: torch.Generator,
                  max_total_len: int) -> None:
@@ -152,7 +156,9 @@ class Sequence:
         """Its unmasked greedy pick was refused: masks serve it until 1, 2, 4, ...
         16 masked picks in a row (as refusals repeat) are its unmasked argmax."""
         self.refusal_streak += 1
-        self.masked = True
+        if not self.masked:
+            self.masked = True
+            Sequence.sampling_epoch += 1
         self.agreements_due = 1 << min(self.refusal_streak - 1, 4)
 
     def masked_pick_seen(self, agreed: bool) -> None:
@@ -160,11 +166,22 @@ class Sequence:
         One that was not masks the request from then on (as a refused pick
         would, without a step lost to it)."""
         if not agreed:
-            self.masked = True
+            if not self.masked:
+                self.masked = True
+                Sequence.sampling_epoch += 1
             self.agreements_due = 1 << min(max(self.refusal_streak - 1, 0), 4)
         elif self.masked:
             self.agreements_due -= 1
-            self.masked = self.agreements_due > 0
+            if self.agreements_due <= 0:
+                self.masked = False
+                Sequence.sampling_epoch += 1
+
+    def ban(self, position: int, token_id: int) -> None:
+        """The sampler must not pick ``token_id`` at ``position`` (a dead end
+        backed out of); bans at later positions are dropped."""
+        self.banned_tokens = {p: t for p, t in self.banned_tokens.items() if p <= position}
+        self.banned_tokens.setdefault(position, set()).add(token_id)
+        Sequence.sampling_epoch += 1
 
     def defer_text(self, token_id: int) -> None:
         """Append ``token_id``'s text the next time :attr:`text` is read."""

@@ -410,6 +410,37 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
 
 
 
+def test_pipelined_rows_ending_on_length_end_where_synchronous_ones_do(smollm2_engine,
+                                                                       monkeypatch):
+    """The pipelined steps check what every row's room and way of ending allow
+    once per run of steps over the same rows (``Engine._room_of``), not row by
+    row each step: rows whose budgets run out one after another, under a
+    grammar or not, still end on exactly their ``max_tokens``."""
+    import formcast.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    compiled = city_year_grammar(smollm2_engine)
+    budgets = [3, 4, 6, 9, 13, 14]
+
+    def run(asynchronous: bool):
+        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
+        quiet = []
+        room_of = engine._room_of
+        engine._room_of = lambda seqs: quiet.append(room_of(seqs)) or quiet[-1]
+        outs = engine.generate(
+            [chat(smollm2_engine, f"Write {n} words about rivers.") for n in budgets],
+            [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets],
+            constraints=[compiled.matcher() if i % 2 else None for i in range(len(budgets))])
+        return [(o.token_ids, o.finish_reason) for o in outs], quiet
+
+    synchronous, _ = run(False)
+    asynchronous, rooms = run(True)
+    assert asynchronous == synchronous
+    assert [len(ids) for ids, _ in synchronous] == budgets
+    assert any(r.quiet and r.tokens > 2 for r in rooms)  # (the shortcut served)
+    assert any(r.tokens <= 2 for r in rooms)             # (and the row by row check)
+
+
 def test_freeze_gc_moves_the_heap_out_of_the_collectors_way(smollm2_engine):
     """``freeze_gc`` (default on CUDA only) freezes what is alive once the engine is
     built; a CPU engine leaves the collector alone by default."""
