@@ -116,7 +116,8 @@ class _PreparedAccept:
     one for as many steps as its rows run together. Per row: 0 refused (state
     unchanged), 1 taken, 2 taken and now terminated."""
 
-    __slots__ = ("matchers", "handles", "one_vocabulary", "blocked", "size", "stops", "texts")
+    __slots__ = ("matchers", "handles", "one_vocabulary", "blocked", "size", "stops", "texts",
+                 "one_text_rule")
 
     def __init__(self, matchers: list["XGrammarMatcher"]) -> None:
         self.matchers = matchers
@@ -125,9 +126,13 @@ class _PreparedAccept:
         # the rows whose matcher keeps its text (see XGrammarMatcher): few past
         # the first tokens of an answer
         self.texts = [i for i, m in enumerate(matchers) if m._text is not None]
+        self.one_text_rule = False
         if not matchers:
             return
         first = matchers[0]
+        # (a kept text grows by a token's bytes the same way for every row)
+        self.one_text_rule = all(m._token_bytes is first._token_bytes and
+                                 m._stops is first._stops for m in matchers)
         self.blocked, self.size, self.stops = first._blocked, first._size, first._stops
         self.one_vocabulary = all(m._blocked is self.blocked and m._size == self.size
                                   for m in matchers)
@@ -170,13 +175,31 @@ class _PreparedAccept:
         return status
 
     def _keep_texts(self, tokens: list[int], verdicts: list[int]) -> None:
-        """The texts of the rows that keep one grow by the tokens they took."""
+        """The texts of the rows that keep one grow by the tokens they took. Rows
+        that kept the same text and took the same token (a batch's opening: the
+        rows in step) share the grown text, made once."""
         matchers, kept = self.matchers, []
+        if not self.one_text_rule:
+            for i in self.texts:
+                m = matchers[i]
+                if m._text is not None and verdicts[i] > 0:
+                    m._took(tokens[i])
+                if m._text is not None:
+                    kept.append(i)
+            self.texts = kept
+            return
+        grown: dict[tuple[bytes, int], bytes | None] = {}
         for i in self.texts:
             m = matchers[i]
-            if m._text is not None and verdicts[i] > 0:
-                m._took(tokens[i])
-            if m._text is not None:
+            text = m._text
+            if text is not None and verdicts[i] > 0:
+                key = (text, tokens[i])
+                if key in grown:
+                    text = m._text = grown[key]
+                else:
+                    m._took(tokens[i])
+                    text = grown[key] = m._text
+            if text is not None:
                 kept.append(i)
         self.texts = kept
 

@@ -460,6 +460,36 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, way, monkeyp
     assert all(torch.equal(_mask(m, person), _mask(hooked[0], person)) for m in fresh)
 
 
+def test_a_batch_accept_keeps_each_rows_text_as_accepting_alone_does(compiler, tiny_vocab):
+    """Rows in step (the same text, the same token) share their grown text in a
+    batch accept; each row's kept text is still the one ``accept`` row by row
+    keeps, through refusals, differing tokens, a stop token and the length limit."""
+    from formcast.grammars.backends import xgrammar_backend as xb
+
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+
+    def byte(c: str) -> int:
+        return 2 + ord(c)
+
+    batch = [digits.matcher() for _ in range(6)]
+    alone = [digits.matcher() for _ in range(6)]
+    accept = type(batch[0]).batch_acceptor(batch)
+    steps = [[byte("1")] * 6,
+             [byte("2"), byte("2"), byte("3"), byte("x"), byte("2"), byte("3")],
+             [byte("4"), EOS, byte("4"), byte("4"), byte("5"), byte("4")]]
+    steps += [[byte("9")] * 6] * (xb.TEXT_KEY_LIMIT + 1)  # (past the limit: none kept)
+    kept_before_limit = None
+    for k, tokens in enumerate(steps):
+        got = accept(tokens)
+        for b, a, t, verdict in zip(batch, alone, tokens, got):
+            assert a.accept(t) == (verdict > 0)
+            assert b._text == a._text
+        if k == 2:
+            kept_before_limit = [b._text for b in batch]
+    assert kept_before_limit == [b"124", None, b"134", b"14", b"125", b"134"]
+    assert all(b._text is None for b in batch)
+
+
 @pytest.mark.parametrize("way", [pytest.param("native", marks=_NATIVE), "public"])
 def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, tiny_vocab,
                                                                       way, monkeypatch):
