@@ -24,6 +24,7 @@ import argparse
 import cProfile
 import dataclasses
 import json
+import os
 import pstats
 import statistics
 import time
@@ -37,6 +38,17 @@ from formcast.engine.models.shapes import (DEEPSEEK_V4_SHAPES, SHAPES, random_de
                                            random_llama_weights)
 
 DEVICE = torch.device("cuda")
+
+
+def limit_host_cores(n: int | None) -> None:
+    """Pin this process (and the threads it starts) to its first ``n`` allowed cores."""
+    if n is None:
+        return
+    allowed = sorted(os.sched_getaffinity(0))
+    if not 0 < n <= len(allowed):
+        raise SystemExit(f"--host-cores {n}: this process may use {len(allowed)} cores")
+    os.sched_setaffinity(0, allowed[:n])
+    print(f"host cores: {allowed[:n]}")
 
 
 def sync() -> None:
@@ -254,7 +266,11 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: hf, constrained, bound")
     ap.add_argument("--profile", action="store_true", help="host profile of a constrained run")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    ap.add_argument("--host-cores", type=int, default=None,
+                    help="run on this many host cores (a slower host: the constrained "
+                    "steps of a large batch are host-bound on some H200 machines)")
     args = ap.parse_args()
+    limit_host_cores(args.host_cores)
     global DEVICE
     DEVICE = torch.device(args.device)
     skip = set(filter(None, args.skip.split(",")))

@@ -32,7 +32,7 @@ import torch
 import gpu_throughput
 from formcast.engine import SamplingParams, Tokenizer
 from formcast.grammars import JsonSchema, compile
-from gpu_throughput import SCHEMA, make_engine, prompts
+from gpu_throughput import SCHEMA, limit_host_cores, make_engine, prompts
 
 
 def series(eng, ps, sp, compiled=None) -> tuple[list[float], list[int]]:
@@ -61,7 +61,10 @@ def main() -> None:
     ap.add_argument("--opening", type=int, default=25, help="steps counted as the opening")
     ap.add_argument("--show", type=int, default=28, help="first steps printed one by one")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--host-cores", type=int, default=None,
+                    help="run on this many host cores (a slower host)")
     args = ap.parse_args()
+    limit_host_cores(args.host_cores)
     gpu_throughput.DEVICE = torch.device(args.device)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
