@@ -179,26 +179,19 @@ class _PreparedAccept:
         that kept the same text and took the same token (a batch's opening: the
         rows in step) share the grown text, made once."""
         matchers, kept = self.matchers, []
-        if not self.one_text_rule:
-            for i in self.texts:
-                m = matchers[i]
-                if m._text is not None and verdicts[i] > 0:
-                    m._took(tokens[i])
-                if m._text is not None:
-                    kept.append(i)
-            self.texts = kept
-            return
-        grown: dict[tuple[bytes, int], bytes | None] = {}
+        grown: dict[tuple[bytes, int], bytes | None] | None = {} if self.one_text_rule else None
         for i in self.texts:
             m = matchers[i]
             text = m._text
             if text is not None and verdicts[i] > 0:
                 key = (text, tokens[i])
-                if key in grown:
+                if grown is not None and key in grown:
                     text = m._text = grown[key]
                 else:
                     m._took(tokens[i])
-                    text = grown[key] = m._text
+                    text = m._text
+                    if grown is not None:
+                        grown[key] = text
             if text is not None:
                 kept.append(i)
         self.texts = kept
