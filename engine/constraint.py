@@ -48,6 +48,13 @@ class LogitsConstraint(Protocol):
 # clear them first). On CUDA the engine uses it for a step's rows of that class
 # (falling back to ``fill_bitmask`` row by row, on cleared rows, if it raises).
 #
+# Optional: ``fill_distinct_bitmasks(constraints, bitmask) -> list[int] | None`` (a
+# static or class method) fills one row of ``bitmask`` per distinct state among
+# several of its instances, rows ``0..k-1`` written whole, and returns the row
+# holding each instance's mask (None: row ``i`` is instance ``i``'s). On CUDA the
+# engine prefers it to ``fill_bitmasks`` when a step's constrained rows are all of
+# that class: the device then reads the shared rows where they are.
+#
 # Optional: ``accept_tokens(constraints, tokens) -> list[int]`` (static or class
 # method) accepts ``tokens[i]`` into ``constraints[i]`` for several instances in one
 # call, giving per row 0 (refused, state unchanged), 1 (taken) or 2 (taken, and the

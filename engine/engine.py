@@ -795,18 +795,23 @@ class Engine:
         if kept is not None and rows is None and kept[1] == Sequence.sampling_epoch and \
                 kept[2] == unmasked and kept[0] == live:  # (identity compares, in C)
             # the rows as the last step sorted them: nothing changed their way since
-            plain, drawn, unchecked, watch, free, masked = kept[3]
+            plain, drawn, unchecked, watch, free, masked, masked_only = kept[3]
             unchecked = dict(unchecked)  # (the caller's to change)
         else:
-            plain, drawn, unchecked, watch, free, masked = self._sort_rows(live, rows)
+            plain, drawn, unchecked, watch, free, masked, masked_only = \
+                self._sort_rows(live, rows)
             if rows is None:
                 self._sorted_rows = (list(live), Sequence.sampling_epoch, unmasked,
-                                     (plain, drawn, dict(unchecked), watch, free, masked))
+                                     (plain, drawn, dict(unchecked), watch, free, masked,
+                                      masked_only))
         dev = logits.device
         seqs = live if not plain else [live[j] for j in drawn]
         watched = [drawn[k] for k in watch]
-        masked_only = bool(drawn) and all(  # masked greedy rows: one kernel picks them all
-            s.params.greedy and not s.banned_tokens and s.constraint is not None for s in seqs)
+        masks = None
+        if masked_only:
+            masks = self._masks_for(seqs)
+            if masks.errors:
+                return None
         # every index list the sampling needs goes to the device in one upload
         lists: list[list[int]] = []
         gather = (plain or watch) and rows is not None
@@ -815,7 +820,8 @@ class Engine:
         if drawn:
             logit_rows = drawn if rows is None else [rows[j] for j in drawn]
             if masked_only:
-                lists += [drawn, logit_rows, watch if len(watch) < len(drawn) else []]
+                lists += [drawn, logit_rows, watch if len(watch) < len(drawn) else [],
+                          masks.shared or []]
             else:
                 lists += [logit_rows, watch, watched, drawn]
         index = iter(())
@@ -832,20 +838,17 @@ class Engine:
         if not drawn:
             return greedy, unchecked, [], None, free, masked
         if masked_only:
-            masks = self._masks_for(seqs)
-            if masks.errors:
-                return None
-            cols, at, subset = next(index), next(index), next(index)
+            cols, at, subset, mask_rows = next(index), next(index), next(index), next(index)
             if greedy is None:
                 out = torch.empty(2, len(live), dtype=torch.long, device=dev)
             else:
                 out = greedy if gather else greedy.clone()
-            agree = self.sampler.greedy_masked_(out, logits, at, cols, masks)
+            agree = self.sampler.greedy_masked_(
+                out, logits, at, cols, masks, mask_rows if masks.shared is not None else None)
             if len(watch) < len(drawn):
                 agree = agree[subset] if watch else None
             return out, unchecked, watched, agree, free, masked
         at, w, w_cols, cols = next(index), next(index), next(index), next(index)
-        masks = None
         if any(s.constraint is not None for s in seqs):
             masks = self._masks_for(seqs)
             if masks.errors:
@@ -866,10 +869,12 @@ class Engine:
         """:meth:`_sample_live`'s rows by how each is sampled: the greedy rows
         given the unmasked argmax, the rows drawn by the sampler, those of
         them given an unmasked pick (-> logits row), the drawn ones watched for
-        agreement (index into drawn), the rows without a constraint, and the
-        constrained ones sampled under their masks."""
+        agreement (index into drawn), the rows without a constraint, the
+        constrained ones sampled under their masks, and whether the drawn rows
+        are all masked greedy rows (one kernel then picks them all)."""
         unmasked = self.config.unmasked_greedy
         plain, drawn, unchecked, watch, free, masked = [], [], {}, [], [], []
+        masked_only = True
         # (the rule of _picks_unmasked, unrolled: this runs for every row)
         for j, s in enumerate(live):
             greedy = s.params.greedy and not s.banned_tokens
@@ -886,8 +891,11 @@ class Engine:
                 watch.append(len(drawn))  # (masked since a refused pick: watched for agreement)
             if s.constraint is not None:
                 masked.append(j)
+            else:
+                masked_only = False
+            masked_only = masked_only and greedy
             drawn.append(j)
-        return plain, drawn, unchecked, watch, free, masked
+        return plain, drawn, unchecked, watch, free, masked, masked_only and bool(drawn)
 
     def _picks_unmasked(self, s: Sequence) -> bool:
         """Whether a pipelined step gives ``s`` the unmasked argmax (checked later
@@ -979,7 +987,10 @@ class Engine:
             for i, agreed in zip(prev.watched, prev.agree.tolist()):
                 seqs[i].masked_pick_seen(agreed)
         free, masked, checked = prev.free, prev.masked, list(prev.unchecked)
-        taking = _Taking(prev=prev, token_list=token_list, checked=checked, defer=defer)
+        room = self._room_of(seqs)
+        taking = _Taking(prev=prev, token_list=token_list, checked=checked, defer=defer,
+                         quiet=room.quiet and room.tokens > 2 and
+                         self.eos_token_ids.isdisjoint(token_list))
         outputs = taking.outputs
         if errors or prev.void or self._num_finishes != prev.finishes:
             taking.clean = False
@@ -1002,20 +1013,24 @@ class Engine:
             # are checked, both in native code
             if free:
                 rows, tokens = self._rows_of(seqs, token_list, free)
-                self._append_taken(rows, tokens)
+                self._append_taken(rows, tokens, quiet=taking.quiet)
                 outputs += rows
                 ok.update(rows)
             if masked:  # sampled under their masks: their constraints take them in one go
                 rows, tokens = self._rows_of(seqs, token_list, masked)
                 # (prepared once while the same rows are masked: a batch's opening)
                 verdicts = self._masked_acceptor(rows, tokens)
-                for seq, token, verdict in zip(rows, tokens, verdicts):
-                    if verdict <= 0:  # a token its own mask allowed, or the constraint failed
-                        seq.error = seq.error or f"constraint rejected sampled token {token}"
-                        self._finish(seq, "abort")
-                self._append_taken(rows, tokens, verdicts)
+                if verdicts.count(1) == len(verdicts):  # (the usual step)
+                    self._append_taken(rows, tokens, quiet=taking.quiet)
+                    ok.update(rows)
+                else:
+                    for seq, token, verdict in zip(rows, tokens, verdicts):
+                        if verdict <= 0:  # a token its own mask allowed, or the constraint failed
+                            seq.error = seq.error or f"constraint rejected sampled token {token}"
+                            self._finish(seq, "abort")
+                    self._append_taken(rows, tokens, verdicts)
+                    ok.update(seq for seq, verdict in zip(rows, verdicts) if verdict > 0)
                 outputs += rows
-                ok.update(seq for seq, verdict in zip(rows, verdicts) if verdict > 0)
             if defer and checked and masked:  # (the rows the next sampling draws, as it lists them)
                 nxt = [seqs[i] for i in (sorted(free + masked) if free else masked)]
                 nxt = [s for s in nxt if s in ok and s.status is not FINISHED
@@ -1064,7 +1079,7 @@ class Engine:
                     rows, tokens = _without(rows, odd), _without(tokens, odd)
                 for seq in rows:
                     seq.refusal_streak = 0  # a pick taken ends the streak of refusals
-                self._append_taken(rows, tokens)
+                self._append_taken(rows, tokens, quiet=taking.quiet)
                 outputs += rows
                 ok.update(rows)
                 self.num_unmasked_picks += len(verdicts) - verdicts.count(-1)
@@ -1302,13 +1317,19 @@ class Engine:
         return True
 
     def _append_taken(self, seqs: list[Sequence], tokens: list[int],
-                      verdicts: list[int] | None = None) -> None:
+                      verdicts: list[int] | None = None, *, quiet: bool = False) -> None:
         """:meth:`_append_token` of each of ``seqs``' ``tokens`` that its
         constraint (if any) took, by :meth:`_accept_batch`'s ``verdicts`` (rows
         under 1 are skipped; None: every row took its token and none ended its
         constraint), without logprobs. A token that cannot end its request (no
         end-of-sequence or stop token, no stop strings to look for, room left,
-        not the first) is appended here in two list appends: every row, every step."""
+        not the first) is appended here in two list appends: every row, every step.
+        ``quiet``: that is known of every row (:attr:`_Taking.quiet`)."""
+        if quiet and verdicts is None:
+            for seq, token in zip(seqs, tokens):
+                seq.token_ids.append(token)
+                seq.defer_text(token)
+            return
         eos, append = self.eos_token_ids, self._append_token
         for seq, token, verdict in zip(seqs, tokens, verdicts or itertools.repeat(1)):
             if verdict == 1 and seq.ends_on_length_only and token not in eos and \
@@ -1705,6 +1726,9 @@ class _Taking:
     pending_rows: list[int] = field(default_factory=list)
     ahead: tuple[list[Sequence], Future] | None = None  # the next masks, on the mask thread
     clean: bool = True  # every row sampled, none voided, no request ended since the launch
+    # no row's token can end its request (see Engine._room_of; no end token among
+    # them): a row that took its token appends it plainly
+    quiet: bool = False
 
     def abandon(self) -> None:
         """Wait for the threads working on its constraints (their errors show

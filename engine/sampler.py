@@ -34,9 +34,16 @@ class FilledMasks:
     """Grammar bitmasks of a batch's constrained rows, filled ahead of sampling."""
 
     rows: list[int]                            # batch rows that have a constraint
-    bitmask: torch.Tensor                      # [len(rows), words] int32
+    bitmask: torch.Tensor                      # [len(rows), words] int32, or [k, words]:
     errors: dict[int, str]                     # row -> why its constraint failed
     ring_slot: int | None = None               # the sampler's pinned buffer it lives in
+    # rows in the same state share a mask row: the row of each of ``rows``' masks
+    # in ``bitmask`` (None: mask row ``j`` is ``rows[j]``'s)
+    shared: list[int] | None = None
+
+    def mask_rows(self, device: torch.device) -> torch.Tensor | None:
+        """``shared`` on ``device`` (None when it is None)."""
+        return None if self.shared is None else to_device(self.shared, torch.long, device)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,14 +142,19 @@ class Sampler:
         return tokens, dead, errors
 
     def greedy_masked_(self, out: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
-                       cols: torch.Tensor, filled: FilledMasks) -> torch.Tensor:
+                       cols: torch.Tensor, filled: FilledMasks,
+                       mask_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy picks under the masks ``filled`` holds (all of its rows
-        constrained: mask row ``j`` is pick ``j``), from ``logits[rows]`` as they are,
-        into ``out[:, cols]`` (tokens, dead-end flags) in one kernel. Returns, on the
-        device, whether each pick equals the token ``out`` held there before."""
+        constrained: ``filled.rows[j]``'s mask is pick ``j``'s), from
+        ``logits[rows]`` as they are, into ``out[:, cols]`` (tokens, dead-end
+        flags) in one kernel. ``mask_rows``: ``filled.mask_rows`` on the device
+        already. Returns, on the device, whether each pick equals the token
+        ``out`` held there before."""
         agree = torch.empty(len(filled.rows), dtype=torch.bool, device=logits.device)
+        if mask_rows is None:
+            mask_rows = filled.mask_rows(logits.device)
         masked_argmax_(out, logits, filled.bitmask, rows, cols, agree,
-                       vocab_size=self.valid_vocab_size)
+                       vocab_size=self.valid_vocab_size, mask_rows=mask_rows)
         if filled.ring_slot is not None:  # on the stream that copies the mask
             self._ring_used[filled.ring_slot].record(current_stream(logits.device))
         return agree
@@ -232,7 +244,11 @@ class Sampler:
             errors.update(filled.errors)
             if filled.rows:
                 every = len(filled.rows) == len(logits)  # then rows are 0..B-1, in order
-                apply_token_bitmask_(logits, filled.bitmask, None if every else
+                bitmask = filled.bitmask
+                if filled.shared is not None:  # (a row per constrained row)
+                    bitmask = bitmask.to(logits.device, non_blocking=True)[
+                        filled.mask_rows(logits.device)]
+                apply_token_bitmask_(logits, bitmask, None if every else
                                      to_device(filled.rows, torch.long, logits.device))
                 if filled.ring_slot is not None:  # on the stream that copies the mask
                     self._ring_used[filled.ring_slot].record(current_stream(logits.device))
@@ -259,8 +275,23 @@ class Sampler:
         if self.batch_fill and len(rows) > 1:
             constraints = [seqs[i].constraint for i in rows]
             kinds = set(map(type, constraints))
-            if len(kinds) == 1:  # (the usual batch: one class of constraint)
-                many = getattr(kinds.pop(), "fill_bitmasks", None)
+            kind = kinds.pop() if len(kinds) == 1 else None
+            distinct = getattr(kind, "fill_distinct_bitmasks", None)
+            if distinct is not None:  # (the usual batch: shared states read shared)
+                try:
+                    shared = distinct(constraints, bitmask)
+                    if shared is not None and (len(shared) != len(rows) or min(shared) < 0
+                                               or max(shared) >= len(rows)):
+                        raise ValueError("mask rows out of place")
+                except Exception:  # the broken one is found row by row below
+                    pass
+                else:
+                    if shared is not None:
+                        bitmask = bitmask[:max(shared) + 1]
+                    return FilledMasks(rows=rows, bitmask=bitmask, errors=errors,
+                                       ring_slot=slot, shared=shared)
+            if kind is not None:  # (the usual batch: one class of constraint)
+                many = getattr(kind, "fill_bitmasks", None)
                 groups = {many: single} if many is not None else {}
                 single = [] if many is not None else single
             else:

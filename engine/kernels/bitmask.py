@@ -57,12 +57,13 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
 
 def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
                    rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor, *,
-                   vocab_size: int, backend: str = "auto") -> None:
+                   vocab_size: int, mask_rows: torch.Tensor | None = None,
+                   backend: str = "auto") -> None:
     """Greedy picks under bitmasks, written into ``out`` in place; ``logits`` are
     left as they are.
 
     For each ``i``: the first maximum of ``logits[rows[i], :vocab_size]`` over the
-    tokens bitmask row ``i`` allows goes to ``out[0, cols[i]]``, whether there is
+    tokens bitmask row ``i`` (or ``mask_rows[i]``) allows goes to ``out[0, cols[i]]``, whether there is
     none (a dead end; the token is then 0) to ``out[1, cols[i]]``, and whether the
     pick equals the token ``out[0, cols[i]]`` held before (the row's unmasked
     argmax, where ``out`` holds those) to ``agree[i]``. This is what applying the
@@ -75,13 +76,16 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
     logits : torch.Tensor
         float ``[R, V]``, rows contiguous.
     bitmask : torch.Tensor
-        int32 ``[N, W]`` (may be on the host: copied without waiting).
+        int32 ``[M, W]`` (may be on the host: copied without waiting).
     rows, cols : torch.Tensor
         long ``[N]`` on the logits' device.
     agree : torch.Tensor
         bool ``[N]``.
     vocab_size : int
         Columns that may be picked (at most ``V``); ids past the mask's width never are.
+    mask_rows : torch.Tensor | None
+        long ``[N]`` on the logits' device: the bitmask row of pick ``i`` (rows
+        in the same grammar state share one); None: row ``i`` (then ``M == N``).
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown bitmask backend {backend!r}: use 'auto', 'torch' or 'triton'")
@@ -91,10 +95,13 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
     if backend == "triton" or (backend == "auto" and logits.is_cuda and triton_available()):
         from formcast.engine.kernels.bitmask_triton import masked_argmax_triton_
 
-        masked_argmax_triton_(out, logits, bitmask, rows, cols, agree, vocab_size)
+        masked_argmax_triton_(out, logits, bitmask, rows, cols, agree, vocab_size, mask_rows)
         return
     x = logits[rows, :vocab_size].float()
-    allowed = unpack_bitmask(bitmask.to(logits.device, non_blocking=True), vocab_size)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if mask_rows is not None:
+        bitmask = bitmask[mask_rows]
+    allowed = unpack_bitmask(bitmask, vocab_size)
     values, ids = x.masked_fill_(~allowed, float("-inf")).max(dim=-1)
     agree.copy_(ids == out[0, cols])
     out[0, cols] = ids

@@ -45,23 +45,30 @@ def apply_token_bitmask_triton_(logits: torch.Tensor, bitmask: torch.Tensor,
                                 logits.stride(0), bitmask.stride(0), BLOCK_SIZE=BLOCK)
 
 
-ARGMAX_BLOCK = 2048
+# 8192 ids a pass, 8 warps: on the H200, 256 rows took 24 us against 41 at 2048
+# ids and 4 warps, 64 rows 18 against 23 (a row's passes run one after another)
+ARGMAX_BLOCK = 8192
+ARGMAX_WARPS = 8
 
 
 @triton.jit
 def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitmask_stride,
                           num_words, vocab_size, out_ptr, out_stride, cols_ptr, agree_ptr,
-                          BLOCK_SIZE: tl.constexpr):
+                          mask_rows_ptr, BLOCK_SIZE: tl.constexpr, SHARED: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(rows_ptr + i).to(tl.int64)
     col = tl.load(cols_ptr + i).to(tl.int64)
+    if SHARED:  # rows in one grammar state read one mask row
+        mask_row = tl.load(mask_rows_ptr + i).to(tl.int64)
+    else:
+        mask_row = i.to(tl.int64)
     best = float("-inf")
     best_idx = 0
     for start in range(0, vocab_size, BLOCK_SIZE):
         offs = start + tl.arange(0, BLOCK_SIZE)
         in_vocab = offs < vocab_size
         word = offs // 32
-        words = tl.load(bitmask_ptr + i * bitmask_stride + word,
+        words = tl.load(bitmask_ptr + mask_row * bitmask_stride + word,
                         mask=in_vocab & (word < num_words), other=0)
         allowed = ((words >> (offs % 32)) & 1) != 0
         x = tl.load(logits_ptr + row * logits_stride + offs, mask=in_vocab & allowed,
@@ -79,12 +86,14 @@ def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitm
 
 def masked_argmax_triton_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
                           rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor,
-                          vocab_size: int) -> None:
+                          vocab_size: int, mask_rows: torch.Tensor | None = None) -> None:
     """See :func:`formcast.engine.kernels.bitmask.masked_argmax_` (CUDA tensors)."""
     n = rows.shape[0]
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if logits.stride(1) != 1 or bitmask.stride(1) != 1 or not out.is_contiguous():
         raise ValueError("logits and bitmask rows, and out, must be contiguous")
+    shared = mask_rows is not None
     _masked_argmax_kernel[(n,)](logits, logits.stride(0), rows, bitmask, bitmask.stride(0),
                                 bitmask.shape[1], vocab_size, out, out.stride(0), cols, agree,
-                                BLOCK_SIZE=ARGMAX_BLOCK)
+                                mask_rows if shared else rows, BLOCK_SIZE=ARGMAX_BLOCK,
+                                SHARED=shared, num_warps=ARGMAX_WARPS)

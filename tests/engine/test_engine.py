@@ -554,8 +554,8 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     assert any(ahead_eng.filled_ahead)
     shared = []
     distinct = xgrammar_backend._distinct_states
-    monkeypatch.setattr(xgrammar_backend, "_distinct_states", lambda m, r: (
-        out := distinct(m, r), shared.append(out[2] is not None))[0])
+    monkeypatch.setattr(xgrammar_backend, "_distinct_states", lambda m: (
+        out := distinct(m), shared.append(out[1] is not None))[0])
     batched, _, _ = run(True, True, overlap=True, async_fill=True, batch_fill=True)
     assert any(shared)  # (the fresh matchers of the first step at least)
     assert unmasked == overlapped == filled_ahead == batched == masked == pipelined_masked

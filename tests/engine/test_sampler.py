@@ -225,6 +225,49 @@ def test_batch_fill_hook_fills_a_class_s_rows_in_one_call_and_falls_back_per_row
     assert torch.equal(filled.bitmask[:2], one_by_one.bitmask[:2])
 
 
+def test_distinct_fill_hook_shares_mask_rows_and_falls_back_when_it_breaks():
+    """A constraint class's ``fill_distinct_bitmasks`` fills one mask row per
+    state (the engine's usual batch, on CUDA): the filled masks then hold fewer
+    rows than constrained rows and say which row each reads; sampling, the
+    masked greedy pick and the sampler's other paths read them so. A hook that
+    raises, or names rows out of place, is not trusted: the rows are filled as
+    without it."""
+    broken = []
+
+    class Shared(AllowOnly):
+        @staticmethod
+        def fill_distinct_bitmasks(constraints, bitmask):
+            if broken and isinstance(broken[0], Exception):
+                raise broken[0]
+            if broken:
+                return broken[0]
+            states = sorted({frozenset(c.allowed) for c in constraints}, key=sorted)
+            for k, state in enumerate(states):
+                bitmask[k] = 0
+                AllowOnly(set(state)).fill_bitmask(bitmask, k)
+            return [states.index(frozenset(c.allowed)) for c in constraints]
+
+    seqs = [make_seq([1], rid=f"r{i}", temperature=0.0) for i in range(5)]
+    for seq, allowed in zip(seqs, [{7}, {3}, {7}, {3, 9}, {3}]):
+        seq.constraint = Shared(allowed)
+    one_by_one = Sampler(64, 64).fill_masks(seqs)
+    filled = Sampler(64, 64, batch_fill=True).fill_masks(seqs)
+    assert filled.shared == [2, 0, 2, 1, 0] and filled.bitmask.shape[0] == 3
+    assert torch.equal(filled.bitmask[filled.shared], one_by_one.bitmask)
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    want = [7, 3, 7, 3 if logits[3, 3] >= logits[3, 9] else 9, 3]
+    assert Sampler(64, 64)(logits.clone(), seqs, masks=filled).token_ids == want
+    out = torch.zeros(2, 5, dtype=torch.long)
+    rows = torch.arange(5)
+    Sampler(64, 64).greedy_masked_(out, logits, rows, rows, filled)
+    assert out[0].tolist() == want and out[1].tolist() == [0] * 5
+    for bad in ([0, 1], [0, 0, 0, 0, 5], RuntimeError("boom")):
+        broken[:] = [bad]
+        again = Sampler(64, 64, batch_fill=True).fill_masks(seqs)
+        assert again.shared is None and not again.errors
+        assert torch.equal(again.bitmask, one_by_one.bitmask)
+
+
 def test_masked_argmax_is_the_max_of_the_masked_logits():
     """The fused greedy pick under a bitmask (torch reference here; the CUDA test
     holds the Triton kernel to it): first maximum among allowed ids below the
@@ -251,3 +294,11 @@ def test_masked_argmax_is_the_max_of_the_masked_logits():
     assert out[:, 1].tolist() == before[:, 1].tolist()          # other columns untouched
     assert agree.tolist() == (ids == before[0, cols]).tolist()
     assert torch.isneginf(values[2])
+    # picks whose rows share a mask row read it where it is
+    shared = before.clone()
+    masked_argmax_(shared, logits, bitmask[[2, 0]], rows, cols, agree, vocab_size=290,
+                   mask_rows=torch.tensor([1, 1, 0]), backend="torch")
+    again = before.clone()
+    masked_argmax_(again, logits, bitmask[[0, 0, 2]], rows, cols, agree, vocab_size=290,
+                   backend="torch")
+    assert torch.equal(shared, again) and shared[1, cols].tolist() == [0, 0, 1]

@@ -321,6 +321,17 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab, m
     # one fill each: the '{"name"' state, the fresh one, `back`, `longer`, the
     # fresh digits, `pair`
     assert filled == [[12, 5, 1, 7, 11, 8]]
+    # the engine's other hook fills each state once and tells each matcher's row
+    filled.clear()
+    got = person.allocate_bitmask(len(matchers))
+    got.fill_(-1)
+    index = kinds.fill_distinct_bitmasks(matchers, got)
+    assert index == [0, 0, 0, 1, 2, 3, 1, 0, 4, 4, 5] and filled == [[0, 1, 2, 3, 4, 5]]
+    for j, at in enumerate(index):
+        assert torch.equal(got[at], expected[j]), j
+    assert torch.equal(got[6], torch.full_like(got[6], -1))  # (rows past the states)
+    assert kinds.fill_distinct_bitmasks([back, longer, pair], got) is None  # (none shared)
+    assert torch.equal(got[2], expected[10]) and torch.equal(got[0], expected[4])
     # a long text is not kept
     long = digits.matcher()
     assert long.accept_text("1" * xb.TEXT_KEY_LIMIT) and long._text is not None
