@@ -53,6 +53,7 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
     eng = Engine(model, tok, config=EngineConfig(
         max_num_seqs=max_batch, num_kv_blocks=8192, max_num_batched_tokens=16384,
         async_scheduling=True, spec="none", freeze_gc=True), device=torch.device("cpu"))
+    eng.sampler.batch_fill = True  # (masks filled as on CUDA: the grammar's batch hooks)
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(POOL, cfg.vocab_size, generator=gen)
     pool[:, tok.vocab_size:] = float("-inf")
@@ -69,6 +70,7 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
         runner._replayed = True
         if not staged:
             staging.stage_seqs(seqs, len(seqs))
+        staging.upload(len(seqs))  # (what the replay copies)
         staging.host[:len(seqs)].copy_(tokens)
         at = state["at"] = (state["at"] * 1103515245 + 12345) % (POOL - len(seqs))
         return pool[at:at + len(seqs)]

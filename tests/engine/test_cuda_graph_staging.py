@@ -37,6 +37,33 @@ def assert_same(kept: DecodeStaging, ref: DecodeStaging, seqs, padded: int) -> N
     np.testing.assert_array_equal(kept.tables[n:padded, 0], ref.tables[n:padded, 0])
 
 
+class Device:
+    """What a decode graph's device buffer holds: each step's upload copied, its
+    patches scattered into the tables (as the graph does first)."""
+
+    def __init__(self, st: DecodeStaging) -> None:
+        self.st = st
+        self.buf = st.host.clone()
+        self.partial = 0  # steps that copied no table
+
+    def step(self, rows: int) -> None:
+        st, m = self.st, self.st.max_rows
+        end = st.upload(rows)
+        self.partial += end == st.tables_at
+        self.buf[:end] = st.host[:end]
+        at, p = st.tables_at, st.patches
+        self.buf[at:].scatter_(0, self.buf[4 * m:4 * m + p], self.buf[4 * m + p:at])
+
+    def assert_tables(self, seqs, padded: int) -> None:
+        tables = self.buf[self.st.tables_at:-1].view(ROWS, MAX_BLOCKS).numpy()
+        for i, s in enumerate(seqs):
+            used = s.num_computed_tokens // BS + 1
+            np.testing.assert_array_equal(tables[i, :used], self.st.tables[i, :used],
+                                          err_msg=f"device row {i}")
+        np.testing.assert_array_equal(tables[len(seqs):padded, 0],
+                                      self.st.tables[len(seqs):padded, 0])
+
+
 def test_kept_staging_equals_staging_afresh() -> None:
     rng = random.Random(0)
     next_block = iter(range(10**6))
@@ -49,10 +76,13 @@ def test_kept_staging_equals_staging_afresh() -> None:
 
     seqs = [new_seq(k) for k in range(10)]
     made = 10
+    device = Device(st)
     for step in range(300):
         padded = next(b for b in graph_ladder(ROWS) if b >= len(seqs))
         st.stage_seqs(seqs, padded)
         assert_same(st, fresh(seqs, padded), seqs, padded)
+        device.step(padded)  # (the tables the graph reads are the host's)
+        device.assert_tables(seqs, padded)
         # one decode step on: every row moves a position, opening blocks as it goes
         for s in seqs:
             s.num_computed_tokens += 1
@@ -75,6 +105,7 @@ def test_kept_staging_equals_staging_afresh() -> None:
             seqs = [s for s in seqs if s.num_computed_tokens // BS < MAX_BLOCKS - 1] \
                 or [new_seq(made)]
             made += 1
+    assert device.partial > 150  # most steps copy patches, not tables
 
 
 def test_staging_ahead_equals_staging_after_the_rows_advance() -> None:
@@ -88,8 +119,10 @@ def test_staging_ahead_equals_staging_after_the_rows_advance() -> None:
         p = rng.randrange(0, 20)
         seqs.append(SimpleNamespace(request_id=f"r{k}", num_computed_tokens=p,
                                     block_table=[next(next_block) for _ in range(p // BS + 1)]))
+    device = Device(st)
     for step in range(24):
         st.stage_seqs(seqs, 16)  # this step
+        device.step(16)
         for s in seqs:  # the block of the step after, grown before it is staged
             if (s.num_computed_tokens + 1) // BS >= len(s.block_table):
                 s.block_table.append(next(next_block))
@@ -97,6 +130,9 @@ def test_staging_ahead_equals_staging_after_the_rows_advance() -> None:
         for s in seqs:
             s.num_computed_tokens += 1
         assert_same(st, fresh(seqs, 16), seqs, 16)
+        device.step(16)
+        device.assert_tables(seqs, 16)
+    assert device.partial >= 40
 
 
 def test_a_row_without_its_block_is_refused() -> None:
