@@ -291,35 +291,3 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
-
-
-@pytest.mark.cuda
-def test_to_device_stages_int_lists_through_its_pinned_buffer_across_turns(monkeypatch):
-    """Flat int lists go to the device through a pinned buffer of two halves
-    used in turn; what comes out is the list, however many turns the buffer
-    takes (each half written again only after its copies are done), and other
-    lists (nested, bools, other dtypes, too long for a half) go the plain way."""
-    import formcast.engine.kernels as kernels
-
-    monkeypatch.setattr(kernels._PinnedLongs, "HALF", 64)
-    monkeypatch.setattr(kernels, "_PINNED", __import__("threading").local())
-    dev = torch.device("cuda")
-    gen = torch.Generator().manual_seed(0)
-    sent = []
-    for k in range(200):  # ~5000 ints: the buffer turns ~40 times
-        n = int(torch.randint(0, 50, (1,), generator=gen))
-        values = torch.randint(-2**40, 2**40, (n,), generator=gen).tolist()
-        sent.append((values, kernels.to_device(values, torch.long, dev)))
-    torch.cuda.synchronize()
-    assert all(got.tolist() == values and got.dtype == torch.long for values, got in sent)
-    ring = kernels._pinned_longs(dev)
-    assert ring.done[0] is not None and ring.done[1] is not None
-    for values, dtype in (([[1, 2], [3, 4]], torch.long), ([True, False], torch.long),
-                          ([1.5, 2.0], torch.float32), (list(range(65)), torch.long),
-                          ([3, 4], torch.int32)):
-        got = kernels.to_device(values, dtype, dev)
-        assert got.tolist() == torch.tensor(values, dtype=dtype).tolist() and got.dtype == dtype
-    with pytest.raises(Exception) as plain:
-        torch.tensor([1, 2**70], dtype=torch.long)
-    with pytest.raises(type(plain.value)):  # (too large: as torch.tensor says)
-        kernels.to_device([1, 2**70], torch.long, dev)
