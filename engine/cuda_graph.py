@@ -325,12 +325,16 @@ class DecodeGraphs:
     def _replay(self, n: int, b: int, tokens: torch.Tensor | None) -> torch.Tensor:
         # (the rows' inputs and patches, and the tables when they must go: one copy)
         end = self.staging.upload(b)
-        self._dev[:end].copy_(self.staging.host[:end], non_blocking=True)
-        if tokens is not None:
-            self._dev[:n].copy_(tokens)
-        self._copied.record(current_stream(self._dev.device))
-        self._copy = (self._copy + 1) % COPIES
-        self._graphs[b][self._copy].replay()
+        try:
+            self._dev[:end].copy_(self.staging.host[:end], non_blocking=True)
+            if tokens is not None:
+                self._dev[:n].copy_(tokens)
+            self._copied.record(current_stream(self._dev.device))
+            self._copy = (self._copy + 1) % COPIES
+            self._graphs[b][self._copy].replay()
+        except BaseException:
+            self.staging.invalidate()  # (its patches may not have reached the device)
+            raise
         self._last, self._before = b, self._last
         self.replays += 1
         return self._logits[b][self._copy][:n]

@@ -1138,9 +1138,11 @@ class Engine:
         ordinary state (its sampled token appended)."""
         self._drop_ahead()
         self._quick_switches(False)
-        self._room = None  # (an ordinary step may take several tokens a row)
         prev, self._inflight = self._inflight, None
         outputs = self._take(prev)[0] if prev is not None else []
+        # (after the take, which finds it for its rows: an ordinary step may take
+        # several tokens a row without counting as a pipelined one)
+        self._room = None
         # (the accept thread is done: the rows are let go)
         self._acceptor.reset()
         self._masked_acceptor.reset()

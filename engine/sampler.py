@@ -34,7 +34,7 @@ class FilledMasks:
     """Grammar bitmasks of a batch's constrained rows, filled ahead of sampling."""
 
     rows: list[int]                            # batch rows that have a constraint
-    bitmask: torch.Tensor                      # [len(rows), words] int32, or [k, words]:
+    bitmask: torch.Tensor                      # [len(rows), words] int32 (or fewer: shared)
     errors: dict[int, str]                     # row -> why its constraint failed
     ring_slot: int | None = None               # the sampler's pinned buffer it lives in
     # rows in the same state share a mask row: the row of each of ``rows``' masks

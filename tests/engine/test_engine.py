@@ -615,6 +615,58 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
     assert engine.num_refused_picks > 0 and engine.num_launched_ahead > 5
 
 
+def test_an_ordinary_step_between_pipelined_runs_leaves_no_stale_room(smollm2_engine,
+                                                                      monkeypatch):
+    """A request that ends at its prefill puts one ordinary step between two
+    pipelined runs over the same rows, a token a row the pipeline does not
+    count: the rows' room is found again after it, so no row whose token in
+    flight is its last is launched again, and the step after a row that
+    reaches the end of its context is never staged (with CUDA graphs, a block
+    past the staging tables). Outputs are the synchronous ones."""
+    import types
+
+    import formcast.engine.engine as engine_module
+    from formcast.engine.cuda_graph import DecodeStaging
+
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tok = smollm2_engine.tokenizer
+    every = set(range(tok.vocab_size))
+    prompts = [tok.encode("word " * n, add_special_tokens=False)[:n] for n in (30, 20)]
+    long = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def run(asynchronous: bool):
+        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none",
+                         max_model_len=64)
+        bs = engine.config.block_size
+        staging = DecodeStaging(8, -(-64 // bs), block_size=bs, scratch_slot=0, pin=False)
+        engine.runner.stage_decode_ahead = types.MethodType(  # (as the graphs stage it)
+            lambda runner, seqs: (staging.stage_seqs(seqs, 8, ahead=1), True)[1], engine.runner)
+        late = []
+        execute = engine.runner.execute_decode
+
+        def launched(seqs, tokens, **kw):
+            if engine._inflight is not None:  # (pipelined: each row's token is in flight)
+                late.extend(s.request_id for s in seqs if len(s.token_ids) + 1 >= s.max_total_len)
+            return execute(seqs, tokens, **kw)
+
+        engine.runner.execute_decode = launched
+        ids = [engine.add_request(p, long, constraint=AllowOnly(every)) for p in prompts]
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            steps += 1
+            if steps == 5:
+                ids.append(engine.add_request(tok.encode("hi", add_special_tokens=False), short))
+        return [(done[i].token_ids, done[i].finish_reason) for i in ids], late, engine
+
+    synchronous, _, _ = run(False)
+    pipelined, late, engine = run(True)
+    assert pipelined == synchronous and not late
+    assert [r for _, r in pipelined] == ["length"] * 3
+    assert engine.num_pipelined_steps > 20 and engine.num_launched_ahead > 5
+
+
 def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(smollm2_engine):
     """A greedy constrained request's first pick (masked, in an ordinary step)
     is compared with the model's unmasked argmax: where they differ (a prose
