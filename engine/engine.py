@@ -576,16 +576,17 @@ class Engine:
         eos = self.eos_token_ids
         every = len(checked) == len(seqs)
         ending = set()  # (rows whose token would end them: the lane goes on only if refused)
-        room = self._room_of(seqs)
-        if room.quiet and room.tokens > 2:  # (the usual step: only an end token ends a row)
-            if not eos.isdisjoint(tokens):
-                ending = {i for i in (range(len(seqs)) if every else checked) if tokens[i] in eos}
-        else:
-            for i in range(len(seqs)) if every else checked:
-                s = seqs[i]
-                if not (s.ends_on_length_only and tokens[i] not in eos and s.first_token_time
-                        and len(s.token_ids) + 2 < s.max_total_len):
-                    ending.add(i)
+        if not taking.quiet:  # (quiet, the usual step: no row's token ends it)
+            room = self._room_of(seqs)
+            if room.quiet and room.tokens > 2:  # (only an end token ends a row)
+                ending = {i for i in (range(len(seqs)) if every else checked)
+                          if tokens[i] in eos}
+            else:
+                for i in range(len(seqs)) if every else checked:
+                    s = seqs[i]
+                    if not (s.ends_on_length_only and tokens[i] not in eos and s.first_token_time
+                            and len(s.token_ids) + 2 < s.max_total_len):
+                        ending.add(i)
         if not every:
             pending = set(checked)
             if any(len(s.token_ids) + 1 >= s.max_total_len
