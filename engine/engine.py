@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 import secrets
 import sys
+import threading
 import time
 from collections.abc import Sequence as SequenceABC
 
@@ -481,6 +482,7 @@ class Engine:
                 raise
             if lane is not None:
                 filled, settled = lane
+                self._let_accept_in()
                 taken = self._take_end(taking)[0]  # (refused rows: sampled again already)
                 for s in filled:  # (hashed now their last token is there)
                     bm.commit(s)
@@ -740,6 +742,7 @@ class Engine:
         if overlap:
             # the accept thread offers the unmasked picks to their constraints as soon
             # as they land, while the host goes on to the next step
+            step.landed = threading.Event()
             step.early = self._accept_thread().submit(self._check_landed, step)
 
     def _quick_switches(self, on: bool) -> None:
@@ -760,6 +763,16 @@ class Engine:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
 
+    def _let_accept_in(self) -> None:
+        """When the step in flight's tokens have landed and the accept thread has
+        yet to start on them, wait until it has (it needs the interpreter lock
+        for that, which this thread would otherwise keep up to a switch interval):
+        its native accept then runs while this thread appends the last tokens."""
+        step = self._inflight
+        if step is not None and step.landed is not None and not step.landed.is_set() and (
+                step.ready is None or step.ready.query()):
+            _wait_landed(step)
+
     def _accept_thread(self) -> ThreadPoolExecutor:
         if self._accept_pool is None:
             self._accept_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-accept")
@@ -769,12 +782,17 @@ class Engine:
         """On the accept thread: wait for ``step``'s tokens, then offer its unmasked
         picks to their constraints; the verdicts of ``list(step.unchecked)``, or None
         when a row failed to sample (its take sorts that out first, then checks)."""
-        if step.ready is not None:
-            step.ready.synchronize()
-        token_list, dead_list = step.host.tolist()
-        if any(dead_list):
-            return None
-        rows, tokens = self._rows_of(step.seqs, token_list, list(step.unchecked))
+        try:
+            # (landed already, the usual case when the host is behind: a query keeps
+            # the interpreter lock, which a wait lets go of and must get back)
+            if step.ready is not None and not step.ready.query():
+                step.ready.synchronize()
+            step.lists = token_list, dead_list = step.host.tolist()
+            if any(dead_list):
+                return None
+            rows, tokens = self._rows_of(step.seqs, token_list, list(step.unchecked))
+        finally:
+            step.landed.set()
         return self._acceptor(rows, tokens)
 
     def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
@@ -977,9 +995,18 @@ class Engine:
         those that stay masked start filling on the mask thread. The unmasked
         picks are offered to their constraints by :meth:`_take_end`, unless the
         accept thread has been at it since they landed (``prev.early``)."""
-        if prev.ready is not None:
-            prev.ready.synchronize()
-        token_list, dead_list = prev.host.tolist()
+        lists = None
+        if prev.early is not None:
+            # the accept thread reads the tokens first (and this thread sleeps
+            # meanwhile): it then holds the interpreter lock only until its native
+            # accept starts, rather than waiting for it behind this thread's work
+            _wait_landed(prev)
+            lists = prev.lists
+        if lists is None:
+            if prev.ready is not None:
+                prev.ready.synchronize()
+            lists = prev.host.tolist()
+        token_list, dead_list = lists
         errors: dict[int, str] = {}
         if any(dead_list):
             token_list = Sampler.finish_rows(token_list, dead_list, errors)
@@ -1556,6 +1583,13 @@ _ASYNC_FILL_ROWS = 16
 _ACCEPT_SWITCH_INTERVAL = 2e-4  # seconds (see Engine._quick_switches)
 
 
+def _wait_landed(step: "_InFlight") -> None:
+    """Wait until the accept thread has read ``step``'s tokens (or is done with it)."""
+    while not step.landed.wait(0.05):
+        if step.early.done():  # (a job that never ran: the caller reads the tokens itself)
+            return
+
+
 def _without(items: SequenceABC, drop: list[int]) -> list:
     """``items`` but those at ``drop`` (ascending indices): a few slices."""
     out, start = [], 0
@@ -1702,6 +1736,8 @@ class _InFlight:
     void: set[int] = field(default_factory=set)
     # the verdicts of ``unchecked``'s picks, on the accept thread from the moment they land
     early: Future | None = None
+    landed: threading.Event | None = None
+    lists: list | None = None
 
 
 @dataclass(eq=False, kw_only=True)

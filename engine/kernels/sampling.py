@@ -23,10 +23,16 @@ from formcast.engine.kernels import use_triton
 _MASK64 = (1 << 64) - 1
 
 
-def greedy_picks(logits: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+def greedy_picks(logits: torch.Tensor, vocab_size: int | None = None, *,
+                 backend: str = "auto") -> torch.Tensor:
     """``[2, B]`` long: each row's argmax over its first ``vocab_size`` columns (the
     first maximum) and whether the row is a dead end (all ``-inf``); ``logits``
     are left as they are."""
+    if use_triton(logits, backend):
+        from formcast.engine.kernels.sampling_triton import greedy_picks_triton
+
+        width = logits.shape[1]
+        return greedy_picks_triton(logits, width if vocab_size is None else min(vocab_size, width))
     values, ids = logits[:, :vocab_size].max(dim=-1)
     return torch.stack((ids, torch.isneginf(values).long()))
 

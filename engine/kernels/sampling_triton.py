@@ -96,3 +96,63 @@ def sample_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         top_p.to(dev, torch.float32), min_p.to(dev, torch.float32), seeds.to(dev, torch.int32),
         vocab, logits.stride(0), BLOCK=4096, ITERS=ITERS)
     return tokens, thr
+
+
+# Greedy picks split each row over programs of GREEDY_CHUNK ids (a second kernel
+# takes the best of a row's parts): 256 rows of 49152 ids make 2048 programs
+# rather than 256 that each walk 192 KB alone.
+GREEDY_CHUNK = 6144
+GREEDY_BLOCK = 2048
+
+
+@triton.jit
+def _greedy_part_kernel(logits_ptr, stride, vocab, val_ptr, idx_ptr, CHUNK: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    begin = part * CHUNK
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = begin  # (a part of -inf only: its first id)
+    for start in range(begin, begin + CHUNK, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(logits_ptr + row * stride + offs, mask=offs < vocab,
+                    other=float("-inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        first = tl.min(tl.where(x == m, offs, vocab), axis=0)  # first id of the max
+        take = m > best  # strictly: an earlier block keeps a tie
+        best_idx = tl.where(take, first, best_idx)
+        best = tl.where(take, m, best)
+    tl.store(val_ptr + row * parts + part, best)
+    tl.store(idx_ptr + row * parts + part, best_idx)
+
+
+@triton.jit
+def _greedy_merge_kernel(val_ptr, idx_ptr, out_ptr, out_stride, parts, PARTS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, PARTS)
+    live = p < parts
+    v = tl.load(val_ptr + row * parts + p, mask=live, other=float("-inf"))
+    i = tl.load(idx_ptr + row * parts + p, mask=live, other=2**30)
+    m = tl.max(v, axis=0)
+    first = tl.min(tl.where(v == m, i, 2**30), axis=0)  # ties: the earliest part's
+    tl.store(out_ptr + row, first.to(tl.int64))
+    tl.store(out_ptr + out_stride + row, (m == float("-inf")).to(tl.int64))
+
+
+def greedy_picks_triton(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """See :func:`formcast.engine.kernels.sampling.greedy_picks` (CUDA tensors)."""
+    if logits.stride(1) != 1:
+        raise ValueError("logits rows must be contiguous")
+    rows = logits.shape[0]
+    parts = triton.cdiv(vocab_size, GREEDY_CHUNK)
+    out = torch.empty(2, rows, dtype=torch.long, device=logits.device)
+    if rows == 0:
+        return out
+    vals = torch.empty(rows, parts, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(rows, parts, dtype=torch.int32, device=logits.device)
+    _greedy_part_kernel[(rows, parts)](logits, logits.stride(0), vocab_size, vals, idx,
+                                       CHUNK=GREEDY_CHUNK, BLOCK=GREEDY_BLOCK, num_warps=4)
+    _greedy_merge_kernel[(rows,)](vals, idx, out, out.stride(0), parts,
+                                  PARTS=max(triton.next_power_of_2(parts), 2), num_warps=1)
+    return out

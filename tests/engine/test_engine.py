@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -829,3 +830,24 @@ def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine, mon
         assert done[rid].finish_reason == "length" and done[rid].token_ids == out.token_ids
     assert engine.num_unmasked_picks > 0 and engine.num_refused_picks > 0
     assert (engine._accept_pool is not None) == overlap
+
+
+def test_a_take_waits_for_the_accept_threads_reading_only_while_its_job_can_run():
+    """A take waits until the accept thread has read the step's tokens; a job
+    that ended without reading them (cancelled, never run) lets it go on and
+    read them itself, rather than hanging."""
+    import threading
+    import types
+    from concurrent.futures import Future
+
+    from formcast.engine.engine import _wait_landed
+
+    step = types.SimpleNamespace(landed=threading.Event(), early=Future())
+    threading.Timer(0.12, step.landed.set).start()
+    t = time.perf_counter()
+    _wait_landed(step)
+    assert step.landed.is_set() and time.perf_counter() - t >= 0.1
+    never = types.SimpleNamespace(landed=threading.Event(), early=Future())
+    assert never.early.cancel()
+    _wait_landed(never)  # (returns: the job will not run)
+    assert not never.landed.is_set()

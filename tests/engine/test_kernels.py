@@ -229,6 +229,33 @@ def _compare_sampling(backend_device: str, backends=("torch", "triton")) -> None
         assert (freq - want).abs().max().item() < 0.035, (backend, freq, want)
 
 
+def _compare_greedy(backend_device: str) -> None:
+    """Greedy picks (Triton: each row split over programs) against the first
+    maximum: ties inside a part and across parts, rows all -inf (dead ends),
+    a vocabulary narrower than the logits, widths that are not whole parts."""
+    from formcast.engine.kernels.sampling import greedy_picks
+
+    gen = torch.Generator().manual_seed(8)
+    for rows, width, vocab in ((5, 3000, None), (7, 13000, 12500), (1, 49152, None),
+                               (300, 6145, 6145)):
+        x = torch.randn(rows, width, generator=gen)
+        x[0, 2] = x[0, width - 1] = x[0].max() + 1      # a tie across parts (and blocks)
+        if rows > 2:
+            x[1] = float("-inf")                        # a dead end
+            x[2, 10:] = float("-inf")
+            x[2, 3] = x[2, 7] = 5.0                     # a tie inside a block
+        if vocab is not None:
+            x[-1, vocab:] = 1e9                         # past the vocabulary: never picked
+        want_ids = x[:, :vocab].argmax(-1)              # (the first maximum)
+        want_dead = torch.isneginf(x[:, :vocab].max(-1).values).long()
+        for backend in ("torch", "triton"):
+            got = greedy_picks(x.to(backend_device), vocab, backend=backend).cpu()
+            if rows > 2:
+                got[0, 1] = want_ids[1]                 # (a dead end's token is not read)
+            assert torch.equal(got[0], want_ids), backend
+            assert torch.equal(got[1], want_dead), backend
+
+
 def _compare_moe(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """Triton grouped expert GEMMs vs the per-expert torch reference: one token and
     many, experts left empty, every token on one expert, K of 1 to 3, widths that
@@ -261,6 +288,7 @@ def test_triton_kernels_match_the_reference_on_cuda():
     _compare_paged("cuda")
     _compare_prefill("cuda")
     _compare_sampling("cuda")
+    _compare_greedy("cuda")
     _compare_moe("cuda")
 
 
@@ -274,11 +302,12 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
         import torch
         sys.path.insert(0, {here!r})
         from test_kernels import (_compare, _compare_paged, _compare_prefill, _compare_sampling,
-                                  _compare_moe)
+                                  _compare_greedy, _compare_moe)
         _compare("cpu")
         _compare_paged("cpu", dtypes=(torch.float32,))
         _compare_prefill("cpu", dtypes=(torch.float32,))
         _compare_sampling("cpu", backends=("triton",))
+        _compare_greedy("cpu")
         _compare_moe("cpu", dtypes=(torch.float32,))
         from test_bitmask_cuda import _masked_argmax_case
         for vocab, mask_vocab in ((1000, 999), (5000, 4097)):
