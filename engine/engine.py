@@ -685,15 +685,16 @@ class Engine:
         self._advance(live, filled)
         void: set[int] = set()
         if refused:
-            _, fixed_both, settled = self._resample(prev, refused)
+            _, fixed_both, settled = self._resample(prev, refused, into=both if _RESAMPLE_INTO else None)
             at = refused
             if settled:  # (ended, or backed out of a dead end: void rows)
                 void = set(settled)
                 at = [i for i in refused if i not in void]
             if at:
-                index = to_device(at, torch.long, both.device)
-                with torch.inference_mode():  # (the graph's output may be sampled rows)
-                    both[:, index] = fixed_both
+                if fixed_both is not None:  # (else written into ``both`` already)
+                    index = to_device(at, torch.long, both.device)
+                    with torch.inference_mode():  # (the graph's output may be sampled rows)
+                        both[:, index] = fixed_both
                 masked = sorted(masked + at)  # (sampled again under their masks)
             for i in refused:
                 del unchecked[i]
@@ -940,23 +941,33 @@ class Engine:
                 pass
         return self.sampler.fill_masks(seqs)
 
-    def _resample(self, prev: "_InFlight", refused: list[int]
+    def _resample(self, prev: "_InFlight", refused: list[int], into: torch.Tensor | None = None
                   ) -> tuple[list[Sequence], torch.Tensor | None, list[int]]:
         """Sample again, under their masks, the rows of ``prev`` (indices) whose
         unmasked greedy pick the constraint refused, from the logits they were
         picked from. Returns those rows and their ``[2, r]`` tokens and dead-end
         flags on the device, and the rows (indices) settled here instead (backed
-        out or ended) since their constraint failed to fill its mask."""
+        out or ended) since their constraint failed to fill its mask. ``into``:
+        ``[2, len(prev.seqs)]`` tokens and flags whose columns ``refused`` take
+        the picks in place, when every row is picked under its mask (then no
+        tokens are returned)."""
         seqs = [prev.seqs[i] for i in refused]
         dev = prev.logits.device
-        r = len(seqs)  # logits rows, then 0..r-1 (the columns written): one upload
-        index = to_device([prev.unchecked[i] for i in refused] + list(range(r)), torch.long, dev)
-        rows = index[:r]
+        r = len(seqs)
+        logit_rows = [prev.unchecked[i] for i in refused]
         masks = self.sampler.fill_masks(seqs)
         if not masks.errors and not any(s.banned_tokens for s in seqs):
-            both = torch.empty(2, r, dtype=torch.long, device=dev)
-            self.sampler.greedy_masked_(both, prev.logits, rows, index[r:], masks)
-            return seqs, both, []
+            # logits rows, the columns written and the rows' mask rows: one upload
+            shared = masks.shared or []
+            out = into if into is not None else torch.empty(2, r, dtype=torch.long, device=dev)
+            index = to_device(logit_rows + (refused if into is not None else list(range(r)))
+                              + shared, torch.long, dev)
+            rows, cols, mask_rows = index.split([r, r, len(shared)])
+            with torch.inference_mode():  # (``into`` may be a graph's output)
+                self.sampler.greedy_masked_(out, prev.logits, rows, cols, masks,
+                                            mask_rows if masks.shared is not None else None)
+            return seqs, None if into is not None else out, []
+        rows = to_device(logit_rows, torch.long, dev)
         tokens, dead, errors = self.sampler.sample_on_device(prev.logits[rows], seqs, masks)
         settled = [refused[j] for j in sorted(errors)]
         if errors:
@@ -1581,6 +1592,7 @@ _OVERLAP_ROWS = 128
 # went from 0.675 to 0.704 of free text's with it
 _ASYNC_FILL_ROWS = 16
 _ACCEPT_SWITCH_INTERVAL = 2e-4  # seconds (see Engine._quick_switches)
+_RESAMPLE_INTO = True
 
 
 def _wait_landed(step: "_InFlight") -> None:

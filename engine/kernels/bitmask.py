@@ -72,7 +72,7 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
     Parameters
     ----------
     out : torch.Tensor
-        long ``[2, B]``, contiguous.
+        long ``[2, B]``, each row contiguous (a graph's output may be a column slice).
     logits : torch.Tensor
         float ``[R, V]``, rows contiguous.
     bitmask : torch.Tensor

@@ -52,6 +52,17 @@ ARGMAX_WARPS = 8
 
 
 @triton.jit
+def fold_first_max(x, offs, best, best_idx, none):
+    """A block of values ``x`` at ids ``offs`` folded into a running first
+    maximum ``best`` at ``best_idx``: returns the new pair (``none``: an id
+    past every one of ``offs``)."""
+    m = tl.max(x, axis=0)
+    first = tl.min(tl.where(x == m, offs, none), axis=0)  # the first id of the max
+    take = m > best  # strictly: an earlier block keeps a tie
+    return tl.where(take, m, best), tl.where(take, first, best_idx)
+
+
+@triton.jit
 def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitmask_stride,
                           num_words, vocab_size, out_ptr, out_stride, cols_ptr, agree_ptr,
                           mask_rows_ptr, BLOCK_SIZE: tl.constexpr, SHARED: tl.constexpr):
@@ -73,11 +84,7 @@ def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitm
         allowed = ((words >> (offs % 32)) & 1) != 0
         x = tl.load(logits_ptr + row * logits_stride + offs, mask=in_vocab & allowed,
                     other=float("-inf")).to(tl.float32)
-        m = tl.max(x, axis=0)
-        first = tl.min(tl.where(x == m, offs, vocab_size), axis=0)  # first index of the max
-        take = m > best  # strictly: an earlier block keeps a tie
-        best_idx = tl.where(take, first, best_idx)
-        best = tl.where(take, m, best)
+        best, best_idx = fold_first_max(x, offs, best, best_idx, vocab_size)
     before = tl.load(out_ptr + col)
     tl.store(out_ptr + col, best_idx.to(tl.int64))
     tl.store(out_ptr + out_stride + col, (best == float("-inf")).to(tl.int64))
@@ -90,8 +97,8 @@ def masked_argmax_triton_(out: torch.Tensor, logits: torch.Tensor, bitmask: torc
     """See :func:`formcast.engine.kernels.bitmask.masked_argmax_` (CUDA tensors)."""
     n = rows.shape[0]
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    if logits.stride(1) != 1 or bitmask.stride(1) != 1 or not out.is_contiguous():
-        raise ValueError("logits and bitmask rows, and out, must be contiguous")
+    if logits.stride(1) != 1 or bitmask.stride(1) != 1 or out.stride(1) != 1:
+        raise ValueError("logits, bitmask and out rows must be contiguous")
     shared = mask_rows is not None
     _masked_argmax_kernel[(n,)](logits, logits.stride(0), rows, bitmask, bitmask.stride(0),
                                 bitmask.shape[1], vocab_size, out, out.stride(0), cols, agree,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from formcast.engine.kernels.bitmask_triton import fold_first_max
+
 ITERS = 40  # bisection steps: the logit range shrinks 2**40-fold, far below float32 spacing
 
 
@@ -118,11 +120,7 @@ def _greedy_part_kernel(logits_ptr, stride, vocab, val_ptr, idx_ptr, CHUNK: tl.c
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(logits_ptr + row * stride + offs, mask=offs < vocab,
                     other=float("-inf")).to(tl.float32)
-        m = tl.max(x, axis=0)
-        first = tl.min(tl.where(x == m, offs, vocab), axis=0)  # first id of the max
-        take = m > best  # strictly: an earlier block keeps a tie
-        best_idx = tl.where(take, first, best_idx)
-        best = tl.where(take, m, best)
+        best, best_idx = fold_first_max(x, offs, best, best_idx, vocab)
     tl.store(val_ptr + row * parts + part, best)
     tl.store(idx_ptr + row * parts + part, best_idx)
 
