@@ -38,7 +38,7 @@ def test_auto_backend_uses_triton_on_cuda_and_masks_padded_vocab():
 
 
 def _masked_argmax_case(vocab: int, mask_vocab: int, device: str, backend: str,
-                        shared: bool = False):
+                        shared: bool = False, sliced: bool = False):
     from formcast.engine.kernels.bitmask import masked_argmax_
 
     gen = torch.Generator().manual_seed(vocab + mask_vocab)
@@ -50,19 +50,22 @@ def _masked_argmax_case(vocab: int, mask_vocab: int, device: str, backend: str,
     bitmask[3] = 0
     bitmask[3, 0] = 1 << 7              # one token allowed
     rows, cols = torch.tensor([6, 0, 2, 4, 4]), torch.tensor([3, 0, 5, 1, 6])
-    out = torch.stack((torch.arange(7) * 3, torch.full((7,), 9)))
+    # ``sliced``: the output is the first columns of a wider tensor (as a graph's is)
+    wide = torch.stack((torch.arange(10) * 3, torch.full((10,), 9)))
     agree = torch.zeros(5, dtype=torch.bool)
     mask_rows = torch.tensor([3, 3, 0, 1, 3]) if shared else None  # (rows sharing masks)
-    args = [t.to(device) for t in (out, logits, bitmask, rows, cols, agree)]
+    args = [t.to(device) for t in (wide, logits, bitmask, rows, cols, agree)]
+    wide = args[0]
+    args[0] = wide[:, :7] if sliced else wide[:, :7].clone()
     masked_argmax_(*args, vocab_size=vocab - 1, backend=backend,
                    mask_rows=None if mask_rows is None else mask_rows.to(device))
-    return args[0].cpu(), args[5].cpu()
+    return (wide if sliced else args[0]).cpu(), args[5].cpu()
 
 
 @pytest.mark.parametrize("vocab, mask_vocab", [(49152, 49152), (1000, 999), (50304, 49152),
                                                (7, 7)])
-@pytest.mark.parametrize("shared", [False, True])
-def test_triton_masked_argmax_matches_torch(vocab, mask_vocab, shared):
+@pytest.mark.parametrize("shared, sliced", [(False, False), (True, False), (True, True)])
+def test_triton_masked_argmax_matches_torch(vocab, mask_vocab, shared, sliced):
     assert all(torch.equal(a, b) for a, b in zip(
-        _masked_argmax_case(vocab, mask_vocab, "cpu", "torch", shared),
-        _masked_argmax_case(vocab, mask_vocab, "cuda", "triton", shared)))
+        _masked_argmax_case(vocab, mask_vocab, "cpu", "torch", shared, sliced),
+        _masked_argmax_case(vocab, mask_vocab, "cuda", "triton", shared, sliced)))

@@ -310,9 +310,9 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
         _compare_greedy("cpu")
         _compare_moe("cpu", dtypes=(torch.float32,))
         from test_bitmask_cuda import _masked_argmax_case
-        for vocab, mask_vocab in ((1000, 999), (5000, 4097)):
-            ref = _masked_argmax_case(vocab, mask_vocab, "cpu", "torch")
-            got = _masked_argmax_case(vocab, mask_vocab, "cpu", "triton")
+        for vocab, mask_vocab, sliced in ((1000, 999, False), (5000, 4097, True)):
+            ref = _masked_argmax_case(vocab, mask_vocab, "cpu", "torch", True, sliced)
+            got = _masked_argmax_case(vocab, mask_vocab, "cpu", "triton", True, sliced)
             assert all(torch.equal(a, b) for a, b in zip(ref, got))
         print("ok")
     """).format(here=os.path.dirname(__file__))
