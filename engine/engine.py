@@ -685,7 +685,7 @@ class Engine:
         self._advance(live, filled)
         void: set[int] = set()
         if refused:
-            _, fixed_both, settled = self._resample(prev, refused, into=both if _RESAMPLE_INTO else None)
+            _, fixed_both, settled = self._resample(prev, refused, into=both)
             at = refused
             if settled:  # (ended, or backed out of a dead end: void rows)
                 void = set(settled)
@@ -1592,7 +1592,6 @@ _OVERLAP_ROWS = 128
 # went from 0.675 to 0.704 of free text's with it
 _ASYNC_FILL_ROWS = 16
 _ACCEPT_SWITCH_INTERVAL = 2e-4  # seconds (see Engine._quick_switches)
-_RESAMPLE_INTO = True
 
 
 def _wait_landed(step: "_InFlight") -> None:
