@@ -27,8 +27,8 @@ def greedy_picks(logits: torch.Tensor, vocab_size: int | None = None, *,
                  backend: str = "auto") -> torch.Tensor:
     """``[2, B]`` long: each row's argmax over its first ``vocab_size`` columns (the
     first maximum) and whether the row is a dead end (all ``-inf``); ``logits``
-    are left as they are."""
-    if use_triton(logits, backend):
+    are left as they are. Triton (a split kernel) takes CUDA rows that are contiguous."""
+    if use_triton(logits, backend) and logits.stride(1) == 1:
         from formcast.engine.kernels.sampling_triton import greedy_picks_triton
 
         width = logits.shape[1]
@@ -84,7 +84,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if logits.shape[0] == 0:
         return (torch.empty(0, dtype=torch.long, device=logits.device),
                 torch.empty(0, dtype=torch.float32, device=logits.device))
-    if use_triton(logits, backend):
+    if use_triton(logits, backend) and logits.stride(1) == 1:
         from formcast.engine.kernels.sampling_triton import sample_triton
 
         return sample_triton(logits, temperature, top_k, top_p, min_p, seeds)
