@@ -863,8 +863,7 @@ class Engine:
                 out = torch.empty(2, len(live), dtype=torch.long, device=dev)
             else:
                 out = greedy if gather else greedy.clone()
-            agree = self.sampler.greedy_masked_(
-                out, logits, at, cols, masks, mask_rows if masks.shared is not None else None)
+            agree = self.sampler.greedy_masked_(out, logits, at, cols, masks, mask_rows)
             if len(watch) < len(drawn):
                 agree = agree[subset] if watch else None
             return out, unchecked, watched, agree, free, masked
@@ -964,8 +963,7 @@ class Engine:
                               + shared, torch.long, dev)
             rows, cols, mask_rows = index.split([r, r, len(shared)])
             with torch.inference_mode():  # (``into`` may be a graph's output)
-                self.sampler.greedy_masked_(out, prev.logits, rows, cols, masks,
-                                            mask_rows if masks.shared is not None else None)
+                self.sampler.greedy_masked_(out, prev.logits, rows, cols, masks, mask_rows)
             return seqs, None if into is not None else out, []
         rows = to_device(logit_rows, torch.long, dev)
         tokens, dead, errors = self.sampler.sample_on_device(prev.logits[rows], seqs, masks)

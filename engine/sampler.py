@@ -148,10 +148,12 @@ class Sampler:
         constrained: ``filled.rows[j]``'s mask is pick ``j``'s), from
         ``logits[rows]`` as they are, into ``out[:, cols]`` (tokens, dead-end
         flags) in one kernel. ``mask_rows``: ``filled.mask_rows`` on the device
-        already. Returns, on the device, whether each pick equals the token
-        ``out`` held there before."""
+        already (read only when ``filled.shared`` is set). Returns, on the
+        device, whether each pick equals the token ``out`` held there before."""
         agree = torch.empty(len(filled.rows), dtype=torch.bool, device=logits.device)
-        if mask_rows is None:
+        if filled.shared is None:
+            mask_rows = None
+        elif mask_rows is None:
             mask_rows = filled.mask_rows(logits.device)
         masked_argmax_(out, logits, filled.bitmask, rows, cols, agree,
                        vocab_size=self.valid_vocab_size, mask_rows=mask_rows)
