@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -88,7 +89,8 @@ class Sequence:
     sampling_epoch = 0
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 constraint: LogitsConstraint | None, generator: torch.Generator,
+                 constraint: LogitsConstraint | None,
+                 generator: torch.Generator | Callable[[], torch.Generator],
                  max_total_len: int) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_ids)
@@ -96,7 +98,9 @@ class Sequence:
         self._prompt_tuple: tuple[int, ...] | None = None  # (for outputs)
         self.params = params
         self.constraint = constraint
-        self.generator = generator
+        # a torch.Generator, or a function making it when first asked for: greedy
+        # requests never draw, and a CUDA generator costs microseconds to make
+        self._generator = generator
         # generation stops at max_tokens or when the context is full
         self.max_total_len = min(max_total_len, self.num_prompt_tokens + params.max_tokens)
         # no stop strings or stop tokens: a token that is not an end-of-sequence
@@ -137,6 +141,14 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The request's random generator (its seed: ``generator.initial_seed()``)."""
+        made = self._generator
+        if not isinstance(made, torch.Generator):
+            made = self._generator = made()
+        return made
 
     @property
     def text(self) -> str:

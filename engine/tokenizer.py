@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import codecs
 import hashlib
-import itertools
 import json
+import operator
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -429,6 +429,12 @@ class Tokenizer:
                 out.append(spelled(text))
         return tuple(out)
 
+    @cached_property
+    def _text_bytes(self) -> tuple[bytes, ...]:
+        # (the bytes of each token in text without special tokens: theirs are empty)
+        special = self.special_token_ids
+        return tuple(b"" if i in special else b for i, b in enumerate(self._token_bytes))
+
     def token_bytes(self) -> list[bytes]:
         """The raw bytes each token id stands for, indexed by id. Does not change state.
 
@@ -550,8 +556,8 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
-        self._bytes = tokenizer._token_bytes
-        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
+        # (skipping special tokens: a table where they stand for no bytes)
+        self._bytes = tokenizer._text_bytes if skip_special_tokens else tokenizer._token_bytes
         self._strip_space = tokenizer._strips_leading_space
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._started = False
@@ -567,8 +573,6 @@ class IncrementalDetokenizer:
         if not 0 <= token_id < len(self._bytes):
             raise RequestError(
                 f"token id {token_id} is outside the vocabulary [0, {len(self._bytes)})")
-        if token_id in self._skip:
-            return ""
         return self._emit(self._utf8.decode(self._bytes[token_id]))
 
     def feed_many(self, token_ids: list[int]) -> str:
@@ -583,12 +587,17 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         table = self._bytes
-        if min(token_ids) < 0 or max(token_ids) >= len(table):
+        try:
+            if min(token_ids) < 0:
+                raise IndexError
+            # (one itemgetter over the ids: the fastest gather of many table entries;
+            # an id past the table raises)
+            got = operator.itemgetter(*token_ids)(table)
+        except IndexError:
             bad = next(t for t in token_ids if not 0 <= t < len(table))
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {len(table)})")
-        if self._skip:
-            token_ids = itertools.filterfalse(self._skip.__contains__, token_ids)
-        return self._emit(self._utf8.decode(b"".join(map(table.__getitem__, token_ids))))
+            raise RequestError(
+                f"token id {bad} is outside the vocabulary [0, {len(table)})") from None
+        return self._emit(self._utf8.decode(b"".join(got) if len(token_ids) > 1 else got))
 
     def flush(self) -> str:
         """Return what is held back (an unfinished character becomes U+FFFD). Changes state."""

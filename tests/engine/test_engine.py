@@ -491,7 +491,9 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     """Greedy constrained rows of pipelined steps take their unmasked argmax and
     the grammar checks it afterwards; a refused pick is sampled again under the
     mask from the same logits. The outputs are those of masked decoding, with
-    and without the pipeline: for prompts whose answers follow the schema (picks
+    and without the pipeline (where masked rows' step after is launched once their
+    picks are, and with ``overlap`` staged while the accept thread takes the
+    tokens in flight): for prompts whose answers follow the schema (picks
     taken) and for prose prompts (picks refused, then masks for good), with
     requests arriving mid-run so that the pipeline drains with refused picks in
     flight (resampled there and then). xgrammar matchers take their picks through
@@ -545,6 +547,11 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     masked, _, _ = run(False, False)
     pipelined_masked, eng, _ = run(True, False)
     assert eng.num_pipelined_steps > 10 and eng.num_unmasked_picks == 0
+    # masked rows: the step after is launched once the masked picks are, and
+    # (``overlap``) staged while the accept thread takes the tokens in flight
+    assert eng.num_launched_ahead > 10 and eng._ahead is None and eng._accept_pool is None
+    lane_overlapped, eng, _ = run(True, False, overlap=True)
+    assert eng.num_launched_ahead > 10 and eng._accept_pool is not None
     unmasked, eng, drained = run(True, True)
     assert eng._accept_pool is None
     overlapped, eng, drained = run(True, True, overlap=True)
@@ -559,7 +566,8 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
         out := distinct(m), shared.append(out[1] is not None))[0])
     batched, _, _ = run(True, True, overlap=True, async_fill=True, batch_fill=True)
     assert any(shared)  # (the fresh matchers of the first step at least)
-    assert unmasked == overlapped == filled_ahead == batched == masked == pipelined_masked
+    assert unmasked == overlapped == filled_ahead == batched == masked == pipelined_masked \
+        == lane_overlapped
     texts_out = [(tok.decode(list(t), skip_special_tokens=True), r) for t, r in masked]
     assert all(json.loads(t) for k, (t, r) in enumerate(texts_out) if r == "stop" and k != 4)
     assert re.fullmatch(r"[A-Z][a-z]+( [a-z]+)*\.", texts_out[4][0]), texts_out[4]
