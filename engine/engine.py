@@ -17,7 +17,7 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence as SequenceABC
+from collections.abc import Sequence as SequenceABC
 
 import torch
 
@@ -462,19 +462,8 @@ class Engine:
         self._masks_ahead = None
         finishes = self._num_finishes
         taking = early = None
-        # rows sampled under their masks (a constrained batch's opening): the next
-        # masks wait for the tokens in flight, the step after for those masked
-        # picks. That step is staged on the host while the accept thread takes the
-        # tokens, and launched as soon as the picks are (see the end)
-        lane = prev is not None and prev.early is None and bool(prev.masked) and bool(launch)
-        staged = [False]
         if prev is not None:
-            meanwhile = None
-            if lane and len(prev.masked) >= _OVERLAP_ROWS:
-                def meanwhile() -> None:
-                    staged[0] = bm.grow_decode(launch, ahead=1) and \
-                        self.runner.stage_decode_ahead(launch)
-            taking = self._take_begin(prev, defer=True, meanwhile=meanwhile)
+            taking = self._take_begin(prev, defer=True)
             if taking.pending is not None and len(launch) == len(prev.seqs) and \
                     finishes == prev.finishes == self._num_finishes:
                 # the accept thread is checking the unmasked picks, every row launched
@@ -562,11 +551,6 @@ class Engine:
             both = merged
         self._launch_inflight(seqs, both, logits, unchecked, watched, agree, free, masked,
                               self._num_finishes)
-        if lane and seqs is launch and all(len(s.token_ids) + 1 < s.max_total_len
-                                           for s in launch):
-            # every row runs the step after (with room for its token): launched now
-            # rather than when the next step finds these rows again
-            self._launch_ahead(launch, self._inflight.tokens, staged=staged[0] and not refused)
         return taken
 
     def _fast_lane(self, taking: "_Taking", launch: list[Sequence], logits: torch.Tensor,
@@ -1014,15 +998,12 @@ class Engine:
         (waiting for the device), and then count among the outputs."""
         return self._take_end(self._take_begin(prev, defer=defer))
 
-    def _take_begin(self, prev: "_InFlight", *, defer: bool = False,
-                    meanwhile: Callable[[], None] | None = None) -> "_Taking":
+    def _take_begin(self, prev: "_InFlight", *, defer: bool = False) -> "_Taking":
         """:meth:`_take`'s first half: the rows sampled on the device (no
         constraint, or under their masks) take their tokens and the next masks of
         those that stay masked start filling on the mask thread. The unmasked
         picks are offered to their constraints by :meth:`_take_end`, unless the
-        accept thread has been at it since they landed (``prev.early``).
-        ``meanwhile``: run on this thread while the accept thread offers the
-        masked rows their tokens (none: it runs after the tokens landed)."""
+        accept thread has been at it since they landed (``prev.early``)."""
         lists = None
         if prev.early is not None:
             # the accept thread reads the tokens first (and this thread sleeps
@@ -1075,11 +1056,7 @@ class Engine:
             if masked:  # sampled under their masks: their constraints take them in one go
                 rows, tokens = self._rows_of(seqs, token_list, masked)
                 # (prepared once while the same rows are masked: a batch's opening)
-                if meanwhile is not None:
-                    verdicts = self._accept_meanwhile(rows, tokens, meanwhile)
-                    meanwhile = None
-                else:
-                    verdicts = self._masked_acceptor(rows, tokens)
+                verdicts = self._masked_acceptor(rows, tokens)
                 if verdicts.count(1) == len(verdicts):  # (the usual step)
                     self._append_taken(rows, tokens, quiet=taking.quiet)
                     ok.update(rows)
@@ -1100,28 +1077,7 @@ class Engine:
         except BaseException:
             taking.abandon()
             raise
-        if meanwhile is not None:
-            meanwhile()
         return taking
-
-    def _accept_meanwhile(self, seqs: list[Sequence], tokens: list[int],
-                          meanwhile: Callable[[], None]) -> list[int]:
-        """The masked rows' take of their tokens (:attr:`_masked_acceptor`) on the
-        accept thread, while this thread runs ``meanwhile``: it starts once that
-        thread has (whose native accept then runs without the interpreter lock)."""
-        started = threading.Event()
-
-        def accept() -> list[int]:
-            started.set()
-            return self._masked_acceptor(seqs, tokens)
-
-        future = self._accept_thread().submit(accept)
-        started.wait()
-        try:
-            meanwhile()
-        finally:
-            verdicts = future.result()  # (the thread is done with the constraints)
-        return verdicts
 
     def _take_end(self, taking: "_Taking") -> tuple[list[Sequence], set[Sequence], list[int]]:
         """:meth:`_take`'s second half: the unmasked picks' verdicts (waited for

@@ -208,10 +208,9 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
             assert eng.num_refused_picks > 0
             assert eng.num_unmasked_picks > eng.num_refused_picks
         assert (eng._accept_pool is not None) == overlap
-        # steps launched before the last one's tokens were appended: masked rows'
-        # once their picks are, the unmasked ones' (overlap) once checked
-        assert eng.num_launched_ahead > 0 and eng._ahead is None
-        if graphs:  # (overlap: staged while the accept thread took the tokens)
+        # (overlap: steps launched before the last one's tokens were appended)
+        assert (eng.num_launched_ahead > 0) == overlap and eng._ahead is None
+        if graphs:  # (the steps launched ahead were staged while the picks were checked)
             assert (eng.runner.graphs.staged_replays > 0) == overlap
     assert results[True, False] == results[True, True] == results[False, False]
 
