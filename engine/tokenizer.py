@@ -587,16 +587,15 @@ class IncrementalDetokenizer:
         if not token_ids:
             return ""
         table = self._bytes
+        # (one itemgetter over the ids: the fastest gather of many table entries; an
+        # id past the table raises, a negative one would count from its end)
         try:
-            if min(token_ids) < 0:
-                raise IndexError
-            # (one itemgetter over the ids: the fastest gather of many table entries;
-            # an id past the table raises)
-            got = operator.itemgetter(*token_ids)(table)
+            got = operator.itemgetter(*token_ids)(table) if min(token_ids) >= 0 else None
         except IndexError:
+            got = None
+        if got is None:
             bad = next(t for t in token_ids if not 0 <= t < len(table))
-            raise RequestError(
-                f"token id {bad} is outside the vocabulary [0, {len(table)})") from None
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {len(table)})")
         return self._emit(self._utf8.decode(b"".join(got) if len(token_ids) > 1 else got))
 
     def flush(self) -> str:
