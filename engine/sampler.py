@@ -130,7 +130,7 @@ class Sampler:
                 knobs = to_device([[p.temperature for p in ps], [p.top_k or 0 for p in ps],
                                    [p.top_p for p in ps], [p.min_p for p in ps]],
                                   torch.float32, dev)
-                seeds = to_device([row_seed(seqs[i].generator.initial_seed(), len(seqs[i]))
+                seeds = to_device([row_seed(seqs[i].seed, len(seqs[i]))
                                    for i in drawn], torch.long, dev)
                 idx = to_device(drawn, torch.long, dev)
                 tokens[idx] = sample(logits[idx], knobs[0], knobs[1], knobs[2], knobs[3],

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +89,7 @@ class Sequence:
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  constraint: LogitsConstraint | None,
-                 generator: torch.Generator | Callable[[], torch.Generator],
+                 generator: torch.Generator | tuple[torch.device, int],
                  max_total_len: int) -> None:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_ids)
@@ -98,8 +97,8 @@ class Sequence:
         self._prompt_tuple: tuple[int, ...] | None = None  # (for outputs)
         self.params = params
         self.constraint = constraint
-        # a torch.Generator, or a function making it when first asked for: greedy
-        # requests never draw, and a CUDA generator costs microseconds to make
+        # a torch.Generator, or the (device, seed) of one made when first asked
+        # for: greedy requests never draw, and a CUDA generator costs microseconds
         self._generator = generator
         # generation stops at max_tokens or when the context is full
         self.max_total_len = min(max_total_len, self.num_prompt_tokens + params.max_tokens)
@@ -144,11 +143,18 @@ class Sequence:
 
     @property
     def generator(self) -> torch.Generator:
-        """The request's random generator (its seed: ``generator.initial_seed()``)."""
+        """The request's random generator, seeded with :attr:`seed`."""
         made = self._generator
         if not isinstance(made, torch.Generator):
-            made = self._generator = made()
+            device, seed = made
+            made = self._generator = torch.Generator(device=device).manual_seed(seed)
         return made
+
+    @property
+    def seed(self) -> int:
+        """The seed of :attr:`generator` (read without making it)."""
+        made = self._generator
+        return made.initial_seed() if isinstance(made, torch.Generator) else made[1]
 
     @property
     def text(self) -> str:
