@@ -101,6 +101,11 @@ class DecodeStaging:
         self._rows = None
         self._device_rows = 0
 
+    def forget_device(self) -> None:
+        """The device's tables may have missed patches (an upload that no replay
+        applied): the next upload copies the tables whole."""
+        self._device_rows = 0
+
     def pad(self, start: int, stop: int) -> None:
         """Rows ``start:stop`` as padding: token 0 at position 0, keys to the
         scratch slot, attending to that slot alone (table entry 0 holds it)."""
@@ -217,8 +222,10 @@ class DecodeGraphs:
         self.replays = 0  # steps served from a graph
         self.greedy_reads = 0  # of them, steps whose tokens the graph sampled
         self.staged_replays = 0  # of them, steps staged ahead (see stage_ahead)
+        self.preloaded_replays = 0  # of those, steps whose copies were queued ahead (preload)
         self._copied = torch.cuda.Event()  # the host buffer is free again once it fires
         self._staged: tuple | None = None  # (rows, size) staged ahead (see stage_ahead)
+        self._preloaded = False  # the staged step's copies are queued (see preload)
         self._dev.copy_(self.staging.host)
         self._capture()
 
@@ -280,7 +287,7 @@ class DecodeGraphs:
         n = len(positions)
         b = self.size_for(n)
         self._copied.synchronize()  # the last step's copies have read the host buffer
-        self._staged = None
+        self._staged, self._preloaded = None, False  # (stage() copies the tables whole)
         on_device = isinstance(tokens, torch.Tensor)
         self.staging.stage(None if on_device else tokens, positions, slots, tables, lens, b)
         return self._replay(n, b, tokens if on_device else None)
@@ -294,11 +301,18 @@ class DecodeGraphs:
         advanced by the one token it assumed), the last thing staged."""
         n = len(seqs)
         b = self.size_for(n)
-        self._copied.synchronize()
         ahead, self._staged = self._staged, None
+        preloaded, self._preloaded = self._preloaded, False
         if staged and ahead is not None and ahead[1] == b and ahead[0] is seqs:
             self.staged_replays += 1
+            if preloaded:  # (its copies are queued, behind the replay in flight)
+                self.preloaded_replays += 1
+                return self._replay(n, b, None, copied=True)
+            self._copied.synchronize()
         else:
+            self._copied.synchronize()
+            if preloaded:  # (its upload took patches no replay applied)
+                self.staging.forget_device()
             self.staging.stage_seqs(seqs, b)
         return self._replay(n, b, tokens)
 
@@ -313,23 +327,59 @@ class DecodeGraphs:
         if b is None:
             return False
         self._copied.synchronize()  # (the replay in flight has read the host buffer)
+        if self._preloaded:  # (a preload no replay took: its patches never applied)
+            self.staging.forget_device()
+            self._preloaded = False
         self.staging.stage_seqs(seqs, b, ahead=1)
         self._staged = (seqs, b)
         return True
 
+    def preload(self, tokens: torch.Tensor) -> bool:
+        """Queue the copies of the step :meth:`stage_ahead` staged (its inputs, and
+        its input ``tokens`` [n] on the device) now, rather than when it launches:
+        the stream runs them after the replay in flight, and the launch, when
+        :meth:`run_seqs` comes for that step with ``staged`` and nothing else
+        replayed or staged since, is the replay alone. The asynchronous engine
+        preloads while it waits for the grammar's verdicts on the picks the step
+        takes as input, which decide whether it launches: the launch after the
+        verdicts is what the device waits for. The price: when the step does
+        not launch as staged after all (a refused pick), the step that runs
+        instead stages into the host buffer the queued copy reads, so its launch
+        waits for the replay in flight to end. False (nothing queued) when
+        nothing is staged or it is preloaded already."""
+        staged = self._staged
+        if staged is None or self._preloaded:
+            return False
+        seqs, b = staged
+        self._copy_inputs(len(seqs), b, tokens)
+        self._preloaded = True
+        return True
+
     def invalidate(self) -> None:
         """Something other than steady decoding changed the sequences' tables."""
-        self._staged = None
+        self._staged, self._preloaded = None, False
         self.staging.invalidate()
 
-    def _replay(self, n: int, b: int, tokens: torch.Tensor | None) -> torch.Tensor:
-        # (the rows' inputs and patches, and the tables when they must go: one copy)
+    def _copy_inputs(self, n: int, b: int, tokens: torch.Tensor | None) -> None:
+        """The host buffer's part for a step of ``b`` rows (the rows' inputs and
+        patches, and the tables when they must go: one copy), then the first
+        ``n`` rows' ``tokens`` from the device, queued on the stream."""
         end = self.staging.upload(b)
         try:
             self._dev[:end].copy_(self.staging.host[:end], non_blocking=True)
             if tokens is not None:
                 self._dev[:n].copy_(tokens)
             self._copied.record(current_stream(self._dev.device))
+        except BaseException:
+            self.staging.invalidate()  # (its patches may not have reached the device)
+            raise
+
+    def _replay(self, n: int, b: int, tokens: torch.Tensor | None, *, copied: bool = False
+                ) -> torch.Tensor:
+        """``copied``: the inputs are queued already (:meth:`preload`)."""
+        if not copied:
+            self._copy_inputs(n, b, tokens)
+        try:
             self._copy = (self._copy + 1) % COPIES
             self._graphs[b][self._copy].replay()
         except BaseException:

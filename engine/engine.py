@@ -598,6 +598,10 @@ class Engine:
         # works, for the usual verdicts: every pick taken, every row one token on
         staged = self.block_manager.grow_decode(launch, ahead=1) and \
             self.runner.stage_decode_ahead(launch)
+        if staged:
+            # its inputs queued too (the picks it takes as they stand, every pick
+            # taken): the launch after the verdicts is then the replay alone
+            self.runner.preload_decode(picked[0][0])
         try:
             verdicts = taking.pending.result()
         except BaseException:

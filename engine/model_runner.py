@@ -171,6 +171,13 @@ class ModelRunner:
         :meth:`execute_decode` does it all)."""
         return self.graphs is not None and self.graphs.stage_ahead(seqs)
 
+    def preload_decode(self, tokens: torch.Tensor) -> bool:
+        """Queue the input copies of the step :meth:`stage_decode_ahead` staged, its
+        input tokens ``tokens`` on the device, now rather than at its launch (see
+        :meth:`DecodeGraphs.preload`); its :meth:`execute_decode` with ``staged``
+        then only replays. False when nothing was queued."""
+        return self.graphs is not None and self.graphs.preload(tokens)
+
     def decode_mark(self) -> int:
         """Where the decode graphs' replays stand (for :meth:`rewind_decode`)."""
         return self.graphs.replays if self.graphs is not None else 0

@@ -210,9 +210,48 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         assert (eng._accept_pool is not None) == overlap
         # (overlap: steps launched before the last one's tokens were appended)
         assert (eng.num_launched_ahead > 0) == overlap and eng._ahead is None
-        if graphs:  # (the steps launched ahead were staged while the picks were checked)
+        if graphs:  # (the steps launched ahead were staged, and their copies queued,
+            # while the picks were checked)
             assert (eng.runner.graphs.staged_replays > 0) == overlap
+            assert (eng.runner.graphs.preloaded_replays > 0) == overlap
     assert results[True, False] == results[True, True] == results[False, False]
+
+
+def test_cuda_a_preload_no_replay_takes_loses_no_table_entry(weights, tokenizer):
+    """A step staged ahead whose input copies were queued (``preload``: the table
+    entries of the blocks its rows open went as patches) and then not launched
+    (a refused pick) leaves the device's tables right for the step that runs
+    instead: its logits equal those of the same step staged from scratch."""
+    from types import SimpleNamespace
+
+    eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=64,
+                      max_num_seqs=8)
+    graphs, bs = eng.runner.graphs, eng.config.block_size
+    seqs = [SimpleNamespace(request_id=str(i), num_computed_tokens=bs - 1,
+                            block_table=[2 * i + 1, 2 * i + 2]) for i in range(4)]
+    dev = torch.device("cuda")
+    first = torch.tensor([5, 6, 7, 8], device=dev)
+    graphs.run_seqs(seqs, first)       # position bs - 1: the last slot of each first block
+    picks = torch.tensor([11, 12, 13, 14], device=dev)
+    assert graphs.stage_ahead(seqs)    # position bs: each row opens its second block
+    assert graphs.preload(picks)
+    for s in seqs:                     # (the picks were refused: the step runs unstaged)
+        s.num_computed_tokens += 1
+    got = graphs.run_seqs(seqs, picks).clone()
+    assert graphs.preloaded_replays == 0
+    slots = [s.block_table[1] * bs for s in seqs]
+    want = graphs.run(picks.tolist(), [bs] * 4, slots, [s.block_table for s in seqs], [bs + 1] * 4)
+    assert torch.equal(got, want)
+    # the same step preloaded and taken: the replay alone, the same logits
+    for s in seqs:
+        s.num_computed_tokens -= 1
+    graphs.invalidate()
+    graphs.run_seqs(seqs, first)
+    assert graphs.stage_ahead(seqs) and graphs.preload(picks)
+    for s in seqs:
+        s.num_computed_tokens += 1
+    taken = graphs.run_seqs(seqs, torch.zeros_like(picks), staged=True)
+    assert graphs.preloaded_replays == 1 and torch.equal(taken, want)
 
 
 def test_cuda_graph_outputs_survive_the_next_replay(weights, tokenizer):
