@@ -16,7 +16,7 @@ grammars took and refused. The random logits make a random model, as the GPU
 benchmark's random weights do: most picks inside strings are taken, picks where
 the schema forces punctuation are refused.
 
-    python benchmarks/host_overhead.py --tokenizer-dir DIR [--batch-sizes 64,256] [--picks words]
+    python benchmarks/host_overhead.py --tokenizer-dir DIR [--batch-sizes 64,256] [--picks mixed]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from formcast.grammars import JsonSchema, compile
 from gpu_throughput import SCHEMA, prompts
 
 POOL = 2048  # rows of random logits the stub hands out
+CLOSING = 112  # "mixed" picks: one row in this many closes a string
 
 
 def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
@@ -57,10 +58,15 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(POOL, cfg.vocab_size, generator=gen)
     pool[:, tok.vocab_size:] = float("-inf")
-    if picks == "words":  # each row's argmax a word, which a JSON string takes
+    if picks in ("words", "mixed"):  # each row's argmax a word, which a JSON string takes
         words = torch.tensor([i for i in range(tok.vocab_size)
                               if tok.decode([i]).strip().isalpha()])
         pool[torch.arange(POOL), words[torch.randint(len(words), (POOL,), generator=gen)]] = 10.0
+    if picks == "mixed":  # and 1 row in CLOSING a token that ends the string
+        quotes = torch.tensor([i for i in range(tok.vocab_size)
+                               if tok.decode([i]) in ('"', '",', '"}', '"]')])
+        rows = torch.arange(0, POOL, CLOSING)
+        pool[rows, quotes[torch.randint(len(quotes), (len(rows),), generator=gen)]] = 20.0
     greedy = torch.stack((pool.argmax(-1), torch.zeros(POOL, dtype=torch.long)))
     staging = DecodeStaging(max_batch, 1024, block_size=eng.config.block_size, scratch_slot=0,
                             pin=False)
@@ -125,10 +131,14 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="64,256")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5, help="runs of each side, alternating")
-    ap.add_argument("--picks", choices=("random", "words"), default="random",
+    ap.add_argument("--picks", choices=("random", "words", "mixed"), default="random",
                     help="random: the pool's argmax anywhere in the vocabulary; words: "
                     "a word's token, as the GPU benchmark's random weights mostly pick "
-                    "(rows stay in a JSON string after its opening punctuation)")
+                    "(rows stay in a JSON string after its opening punctuation); mixed: "
+                    "words, and a string's closing quote in one pool row in "
+                    f"{CLOSING}, so rows keep leaving their strings for the schema's "
+                    "punctuation, where picks are refused (~260 refusals a run at 256 "
+                    "rows, as the GPU benchmark's random weights make)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
