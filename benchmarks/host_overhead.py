@@ -58,13 +58,12 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(POOL, cfg.vocab_size, generator=gen)
     pool[:, tok.vocab_size:] = float("-inf")
+    texts = [tok.decode([i]) for i in range(tok.vocab_size)] if picks != "random" else []
     if picks in ("words", "mixed"):  # each row's argmax a word, which a JSON string takes
-        words = torch.tensor([i for i in range(tok.vocab_size)
-                              if tok.decode([i]).strip().isalpha()])
+        words = torch.tensor([i for i, t in enumerate(texts) if t.strip().isalpha()])
         pool[torch.arange(POOL), words[torch.randint(len(words), (POOL,), generator=gen)]] = 10.0
     if picks == "mixed":  # and 1 row in CLOSING a token that ends the string
-        quotes = torch.tensor([i for i in range(tok.vocab_size)
-                               if tok.decode([i]) in ('"', '",', '"}', '"]')])
+        quotes = torch.tensor([i for i, t in enumerate(texts) if t in ('"', '",', '"}', '"]')])
         rows = torch.arange(0, POOL, CLOSING)
         pool[rows, quotes[torch.randint(len(quotes), (len(rows),), generator=gen)]] = 20.0
     greedy = torch.stack((pool.argmax(-1), torch.zeros(POOL, dtype=torch.long)))

@@ -226,6 +226,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()  # the host buffer is free again once it fires
         self._staged: tuple | None = None  # (rows, size) staged ahead (see stage_ahead)
         self._preloaded = False  # the staged step's copies are queued (see preload)
+        self._unapplied = False  # an upload is queued that no replay has applied
         self._dev.copy_(self.staging.host)
         self._capture()
 
@@ -303,16 +304,15 @@ class DecodeGraphs:
         b = self.size_for(n)
         ahead, self._staged = self._staged, None
         preloaded, self._preloaded = self._preloaded, False
-        if staged and ahead is not None and ahead[1] == b and ahead[0] is seqs:
+        hit = staged and ahead is not None and ahead[1] == b and ahead[0] is seqs
+        if hit and preloaded:  # (its copies are queued, behind the replay in flight)
             self.staged_replays += 1
-            if preloaded:  # (its copies are queued, behind the replay in flight)
-                self.preloaded_replays += 1
-                return self._replay(n, b, None, copied=True)
-            self._copied.synchronize()
+            self.preloaded_replays += 1
+            return self._replay(n, b, None, copied=True)
+        self._copied.synchronize()
+        if hit:
+            self.staged_replays += 1
         else:
-            self._copied.synchronize()
-            if preloaded:  # (its upload took patches no replay applied)
-                self.staging.forget_device()
             self.staging.stage_seqs(seqs, b)
         return self._replay(n, b, tokens)
 
@@ -327,9 +327,7 @@ class DecodeGraphs:
         if b is None:
             return False
         self._copied.synchronize()  # (the replay in flight has read the host buffer)
-        if self._preloaded:  # (a preload no replay took: its patches never applied)
-            self.staging.forget_device()
-            self._preloaded = False
+        self._preloaded = False  # (a step staged before, preloaded or not, is dropped)
         self.staging.stage_seqs(seqs, b, ahead=1)
         self._staged = (seqs, b)
         return True
@@ -352,7 +350,7 @@ class DecodeGraphs:
             return False
         seqs, b = staged
         self._copy_inputs(len(seqs), b, tokens)
-        self._preloaded = True
+        self._preloaded = self._unapplied = True
         return True
 
     def invalidate(self) -> None:
@@ -363,7 +361,12 @@ class DecodeGraphs:
     def _copy_inputs(self, n: int, b: int, tokens: torch.Tensor | None) -> None:
         """The host buffer's part for a step of ``b`` rows (the rows' inputs and
         patches, and the tables when they must go: one copy), then the first
-        ``n`` rows' ``tokens`` from the device, queued on the stream."""
+        ``n`` rows' ``tokens`` from the device, queued on the stream. After an
+        upload that no replay applied (a preload not taken), the tables go whole:
+        the patches it carried never reached the device's tables."""
+        if self._unapplied:
+            self.staging.forget_device()
+            self._unapplied = False
         end = self.staging.upload(b)
         try:
             self._dev[:end].copy_(self.staging.host[:end], non_blocking=True)
@@ -385,6 +388,7 @@ class DecodeGraphs:
         except BaseException:
             self.staging.invalidate()  # (its patches may not have reached the device)
             raise
+        self._unapplied = False  # (a preload's upload, now applied)
         self._last, self._before = b, self._last
         self.replays += 1
         return self._logits[b][self._copy][:n]
