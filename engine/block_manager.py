@@ -109,32 +109,53 @@ class BlockManager:
         step opens (a row opens one every ``block_size`` steps). ``ahead``: for
         the step that many tokens later (the step after the one in flight, its
         rows assumed to advance). The check is :meth:`blocks_needed` inline: it
-        runs for every row of every decode step."""
+        runs for every row of every decode step.
+
+        Rows that start decoding together open their blocks at the same step
+        (at 256 rows, 256 blocks at once), so the blocks are taken in one pass
+        over the free list's head rather than one :meth:`grow` each."""
         bs = self.block_size
         opening = [s for s in seqs if s.num_computed_tokens + ahead >= len(s.block_table) * bs]
-        need = len(opening) if not ahead else sum(self.blocks_needed(s, 1 + ahead)
-                                                  for s in opening)
-        if need > len(self._free):
+        if not opening:
+            return True
+        # (one block a row, but for a row whose table fell behind by more)
+        last = ahead + bs  # (blocks_for, inline)
+        counts = [(s.num_computed_tokens + last) // bs - len(s.block_table) for s in opening]
+        if sum(counts) > len(self._free):
             return False
-        for s in opening:
-            self.grow(s, 1 + ahead)
+        take, blocks, by_hash = self._free.popitem, self.blocks, self._by_hash
+        for s, count in zip(opening, counts):
+            for _ in range(count):
+                block_id = take(last=False)[0]  # (ref count 0: it leaves the free list)
+                block = blocks[block_id]
+                if block.hash is not None:  # evict the cached content
+                    if by_hash.get(block.hash) == block_id:
+                        del by_hash[block.hash]
+                    block.hash, block.token_ids = None, ()
+                block.ref_count = 1
+                s.block_table.append(block_id)
         return True
 
     def commit(self, seq: Sequence) -> None:
         """Hash the blocks of ``seq`` that became full of computed tokens."""
+        self.commit_many((seq,))
+
+    def commit_many(self, seqs) -> None:
+        """:meth:`commit` each of ``seqs``, in one loop: rows that decode together
+        fill their blocks at the same step (256 rows: 256 blocks to hash)."""
         if not self.enable_prefix_caching:
             return
-        bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
-        for i in range(len(seq.block_hashes), full):
-            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            h = chain_hash(parent, ids)
-            seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self._by_hash:
-                block.hash, block.token_ids = h, ids
-                self._by_hash[h] = block.block_id
+        bs, blocks, by_hash = self.block_size, self.blocks, self._by_hash
+        for seq in seqs:
+            hashes, table, ids_of = seq.block_hashes, seq.block_table, seq.token_ids
+            for i in range(len(hashes), min(seq.num_computed_tokens // bs, len(table))):
+                ids = tuple(ids_of[i * bs:(i + 1) * bs])
+                h = chain_hash(hashes[-1] if hashes else None, ids)
+                hashes.append(h)
+                block = blocks[table[i]]
+                if block.hash is None and h not in by_hash:
+                    block.hash, block.token_ids = h, ids
+                    by_hash[h] = block.block_id
 
     def free(self, seq: Sequence) -> None:
         """Release all blocks of ``seq`` (tail first, so shared prefixes live longest)."""

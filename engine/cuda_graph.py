@@ -92,7 +92,8 @@ class DecodeStaging:
         self.tables = h[self.tables_at:-1].reshape(m, max_blocks)
         self._rows: list | None = None               # each row's sequence
         self._table_len = np.zeros(m, dtype=np.int64)  # entries written for that sequence
-        self._patched: list[tuple[int, int]] = []    # table entries written since the copy
+        self._patched_at: list[int] = []      # table entries written since the copy (flat
+        self._patched_values: list[int] = []  # indices into the tables) and their values
         self._device_rows = 0  # the device's tables are the host's below this row, patched
         self.patch_at[:] = m * max_blocks
         self.pad(0, m)
@@ -127,14 +128,15 @@ class DecodeStaging:
         fit, rows past those copied last). Writes the patches; unused ones
         write the spare entry past the tables."""
         spare = self.max_rows * self.max_blocks
-        patched, self._patched = self._patched, []
-        if rows > self._device_rows or len(patched) > self.patches:
+        at, values = self._patched_at, self._patched_values
+        self._patched_at, self._patched_values = [], []
+        if rows > self._device_rows or len(at) > self.patches:
             self.patch_at[:] = spare
             self._device_rows = rows
             return self.tables_at + rows * self.max_blocks
-        k = len(patched)
+        k = len(at)
         if k:
-            self.patch_at[:k], self.patch_values[:k] = zip(*patched)
+            self.patch_at[:k], self.patch_values[:k] = at, values
         self.patch_at[k:] = spare
         return self.tables_at
 
@@ -174,21 +176,46 @@ class DecodeStaging:
         if ahead:
             pos += ahead
         block = pos // bs
-        for i in np.flatnonzero(block >= self._table_len[:n]).tolist():
-            table = seqs[i].block_table
-            if block[i] >= len(table):
-                raise RuntimeError(f"sequence {seqs[i].request_id}: no KV block allocated for "
-                                   f"position {pos[i]}")
-            start = int(self._table_len[i])
-            self.tables[i, start:len(table)] = table[start:]
-            self._table_len[i] = len(table)
-            if i < self._device_rows:  # (the device's copy of the row: patched)
-                at = i * self.max_blocks
-                self._patched += [(at + k, table[k]) for k in range(start, len(table))]
+        grown = np.flatnonzero(block >= self._table_len[:n])
+        if len(grown):
+            self._write_entries(seqs, grown, block, pos)
         self.positions[:n] = pos
         self.lens[:n] = pos + 1
         self.slots[:n] = self.tables[np.arange(n), block] * bs + pos % bs
         self.pad(n, padded)
+
+
+    def _write_entries(self, seqs: list, grown: np.ndarray, block: np.ndarray,
+                       pos: np.ndarray) -> None:
+        """Write the table entries that the sequences of rows ``grown`` gained since
+        the last call. Rows that decode together open a block at the same step
+        (256 rows: 256 entries at once), so the usual call, one entry a row, is
+        written in a few array operations."""
+        tables = [seqs[i].block_table for i in grown.tolist()]
+        lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+        short = np.flatnonzero(block[grown] >= lens)
+        if len(short):
+            i = int(grown[short[0]])
+            raise RuntimeError(f"sequence {seqs[i].request_id}: no KV block allocated for "
+                               f"position {pos[i]}")
+        start = self._table_len[grown]
+        if (lens - start == 1).all():
+            values = np.fromiter((t[-1] for t in tables), dtype=np.int64, count=len(tables))
+            self.tables[grown, start] = values
+            at, rows_of = grown * self.max_blocks + start, grown
+        else:  # (a row that gained more than one entry: one at a time)
+            at_list, value_list = [], []
+            for i, table, first in zip(grown.tolist(), tables, start.tolist()):
+                self.tables[i, first:len(table)] = table[first:]
+                at_list += range(i * self.max_blocks + first, i * self.max_blocks + len(table))
+                value_list += table[first:]
+            at, values = np.array(at_list, dtype=np.int64), np.array(value_list, dtype=np.int64)
+            rows_of = at // self.max_blocks
+        self._table_len[grown] = lens
+        if self._device_rows:  # (the device's copies of those rows: patched)
+            on_device = rows_of < self._device_rows
+            self._patched_at += at[on_device].tolist()
+            self._patched_values += values[on_device].tolist()
 
 
 class DecodeGraphs:

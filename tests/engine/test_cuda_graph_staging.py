@@ -101,6 +101,10 @@ def test_kept_staging_equals_staging_afresh() -> None:
             s = rng.choice(seqs)
             keep = s.num_computed_tokens // BS
             s.block_table[keep:] = [next(next_block)]
+        elif r < 0.4:                        # a row given its next block early
+            s = rng.choice(seqs)              # (its opening writes two entries)
+            if len(s.block_table) <= s.num_computed_tokens // BS + 1:
+                s.block_table.append(next(next_block))
         if any(s.num_computed_tokens // BS >= MAX_BLOCKS - 1 for s in seqs):
             seqs = [s for s in seqs if s.num_computed_tokens // BS < MAX_BLOCKS - 1] \
                 or [new_seq(made)]

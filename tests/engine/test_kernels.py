@@ -320,3 +320,24 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.cuda
+def test_to_device_reuses_its_pinned_buffers_only_once_the_device_read_them():
+    """Integer lists go to the device through a ring of pinned buffers: with the
+    stream held up behind a long kernel, lists written into every buffer in
+    turn (more lists than buffers) still arrive as they were written."""
+    from formcast.engine.kernels import _PinnedRing, to_device
+
+    dev = torch.device("cuda")
+    x = torch.randn(4096, 4096, device=dev)
+    torch.cuda.synchronize()
+    for _ in range(6):
+        x = x @ x / 64  # (the copies queue behind these)
+    lists = [[k * 1000 + j for j in range(k % 5 + 1)] for k in range(3 * _PinnedRing.SLOTS)]
+    got = [to_device(values, torch.long, dev) for values in lists]
+    assert [g.tolist() for g in got] == lists
+    assert to_device([True, False], torch.bool, dev).tolist() == [True, False]
+    assert to_device([[1, 2], [3, 4]], torch.long, dev).tolist() == [[1, 2], [3, 4]]
+    big = list(range(_PinnedRing.SIZE + 1))
+    assert to_device(big, torch.long, dev)[-3:].tolist() == big[-3:]
