@@ -142,6 +142,29 @@ class _PreparedAccept:
         for m in matchers:
             m._moved = True
 
+    def subset(self, rows: list[int]) -> "_PreparedAccept":
+        """This accept for the matchers at ``rows`` (indices) alone: the rows a
+        step offers their tokens when the others were sampled another way (under
+        their masks), which change from step to step while the batch stays. Made
+        from this preparation (its checks hold for any part of the matchers), at
+        the cost of the native call's array of handles."""
+        if not rows:
+            return _PreparedAccept([])
+        part = _PreparedAccept.__new__(_PreparedAccept)
+        matchers = self.matchers
+        part.matchers = [matchers[i] for i in rows]
+        part.one_vocabulary, part.one_text_rule = self.one_vocabulary, self.one_text_rule
+        part.blocked, part.size, part.stops = self.blocked, self.size, self.stops
+        part.handles = None
+        if self.handles is not None:
+            handles = [m._handle for m in part.matchers]
+            part.handles = _TO_ARRAY(*handles) if _TO_ARRAY is not None else handles
+        part.texts = []
+        if self.texts:  # (a matcher that let go of its text never keeps one again)
+            self.texts = [i for i in self.texts if matchers[i]._text is not None]
+            part.texts = [k for k, m in enumerate(part.matchers) if m._text is not None]
+        return part
+
     def __call__(self, tokens: list[int]) -> list[int]:
         matchers = self.matchers
         if len(tokens) != len(matchers):

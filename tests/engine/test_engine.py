@@ -771,10 +771,32 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
             done.update((o.request_id, o) for o in engine.step() if o.finished)
         return [done[i] for i in ids], engine
 
+    class Subsets(AllowOnly):
+        """A hook whose preparation makes its parts (some of the rows) itself."""
+
+        @staticmethod
+        def batch_acceptor(constraints):
+            made[0] += 1
+
+            class Accept:
+                def __call__(self, tokens):
+                    calls[0] += 1
+                    return [int(c.accept(t)) for c, t in zip(constraints, tokens)]
+
+                def subset(self, index):
+                    parts[0] += 1
+                    return Prepared.batch_acceptor([constraints[i] for i in index])
+            return Accept()
+
     want, _ = run(AllowOnly)
     got, engine = run(Prepared)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert calls[0] >= 5 and made[0] < calls[0]
+    parts = [0]
+    got, _ = run(Subsets)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    if not masked:  # (rows masked since a refused pick: the others' picks are a part)
+        assert parts[0] > 0
     assert engine.num_pipelined_steps >= 5
     assert (engine.num_unmasked_picks == 0) if masked else engine.num_refused_picks > 0
     for cls, error in ((BreaksWhenPrepared, "no batch today"),

@@ -502,6 +502,39 @@ def test_a_batch_accept_keeps_each_rows_text_as_accepting_alone_does(compiler, t
 
 
 @pytest.mark.parametrize("way", [pytest.param("native", marks=_NATIVE), "public"])
+def test_a_prepared_acceptors_subsets_accept_as_their_rows_alone_do(compiler, tiny_vocab, way,
+                                                                     monkeypatch):
+    """A prepared accept's ``subset`` offers tokens to some of its rows, which
+    change from step to step (the rest take theirs another way): each step's
+    verdicts, states and kept texts are those of ``accept`` row by row, and
+    rows left out do not move."""
+    from formcast.grammars.backends import xgrammar_backend
+
+    if way == "public":
+        monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", None)
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    one, two, brace, x = (_ids(tiny_vocab, c)[0] for c in "12{x")
+    grammars = [digits, person, digits, digits, person]
+    batch = [g.matcher() for g in grammars]
+    alone = [g.matcher() for g in grammars]
+    accept = type(batch[0]).batch_acceptor(batch)
+    steps = [([0, 2, 3], [one, two, x]),        # row 3 refuses; rows 1 and 4 wait
+             ([1, 4], [brace, one]),            # person rows: one taken, one refused
+             ([4, 0], [brace, two]),            # not ascending
+             ([], []),
+             ([0, 1, 2, 3, 4], [one, brace, one, one, brace])]
+    for rows, tokens in steps:
+        got = accept.subset(rows)(tokens)
+        assert got == [int(alone[i].accept(t)) for i, t in zip(rows, tokens)]
+        for b, a in zip(batch, alone):
+            assert b._text == a._text
+            assert torch.equal(_mask(b, person), _mask(a, person))
+    with pytest.raises(ValueError, match="2 tokens for 1 matchers"):
+        accept.subset([0])([one, one])
+
+
+@pytest.mark.parametrize("way", [pytest.param("native", marks=_NATIVE), "public"])
 def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, tiny_vocab,
                                                                       way, monkeypatch):
     """``batch_acceptor`` prepares the accept of a fixed list of matchers once and
