@@ -41,7 +41,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from formcast.engine.kernels import current_stream
+from formcast.engine.kernels import current_stream, wait_event
 from formcast.engine.kernels.sampling import greedy_picks
 from formcast.engine.layers.attention import AttentionMetadata
 
@@ -314,7 +314,7 @@ class DecodeGraphs:
         last step's samples, never seen by the host)."""
         n = len(positions)
         b = self.size_for(n)
-        self._copied.synchronize()  # the last step's copies have read the host buffer
+        wait_event(self._copied)  # the last step's copies have read the host buffer
         self._staged, self._preloaded = None, False  # (stage() copies the tables whole)
         on_device = isinstance(tokens, torch.Tensor)
         self.staging.stage(None if on_device else tokens, positions, slots, tables, lens, b)
@@ -336,7 +336,7 @@ class DecodeGraphs:
             self.staged_replays += 1
             self.preloaded_replays += 1
             return self._replay(n, b, None, copied=True)
-        self._copied.synchronize()
+        wait_event(self._copied)
         if hit:
             self.staged_replays += 1
         else:
@@ -353,7 +353,7 @@ class DecodeGraphs:
         b = self.size_for(n)
         if b is None:
             return False
-        self._copied.synchronize()  # (the replay in flight has read the host buffer)
+        wait_event(self._copied)  # (the replay in flight has read the host buffer)
         self._preloaded = False  # (a step staged before, preloaded or not, is dropped)
         self.staging.stage_seqs(seqs, b, ahead=1)
         self._staged = (seqs, b)

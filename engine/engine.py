@@ -25,7 +25,7 @@ from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.constraint import LogitsConstraint
 from formcast.engine.cuda_graph import graph_ladder
-from formcast.engine.kernels import current_stream, to_device
+from formcast.engine.kernels import current_stream, to_device, wait_event
 from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -1021,7 +1021,7 @@ class Engine:
             lists = prev.lists
         if lists is None:
             if prev.ready is not None:
-                prev.ready.synchronize()
+                wait_event(prev.ready)
             lists = prev.host.tolist()
         token_list, dead_list = lists
         errors: dict[int, str] = {}

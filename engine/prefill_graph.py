@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from formcast.engine.kernels import current_stream
+from formcast.engine.kernels import current_stream, wait_event
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
 
 MIN_ROWS = 16
@@ -128,7 +128,7 @@ class PrefillGraphs:
         """Write a step into the host buffer (``chunks``: the starts, lengths,
         context lengths and tables of its prompt chunks) and start its copy."""
         n, t, p = len(tokens), key.tokens, key.chunks
-        self._copied.synchronize()  # the last step's copy has read the host buffer
+        wait_event(self._copied)  # the last step's copy has read the host buffer
         self._tokens[:n] = tokens
         self._tokens[n:t] = 0
         self._positions[:n] = positions

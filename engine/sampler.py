@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from formcast.engine.constraint import bitmask_words
-from formcast.engine.kernels import current_stream, to_device, triton_available
+from formcast.engine.kernels import current_stream, to_device, triton_available, wait_event
 from formcast.engine.kernels.bitmask import apply_token_bitmask_, masked_argmax_
 from formcast.engine.kernels.sampling import greedy_picks, row_seed, sample
 from formcast.engine.sampling_params import SamplingParams
@@ -328,7 +328,7 @@ class Sampler:
         """The next pinned mask buffer (``n`` rows), once the device has read it."""
         slot = self._ring_next
         self._ring_next ^= 1
-        self._ring_used[slot].synchronize()  # its last copy to the device is done
+        wait_event(self._ring_used[slot])  # its last copy to the device is done
         buf = self._ring[slot]
         if buf is None or buf.shape[0] < n:
             with torch.inference_mode(False):  # a normal tensor: filled in either mode

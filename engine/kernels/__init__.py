@@ -44,6 +44,16 @@ def current_stream(device: torch.device) -> "torch.cuda.Stream":
     return kept
 
 
+def wait_event(event: "torch.cuda.Event") -> None:
+    """Wait until ``event`` has fired. Asked first: a wait lets go of the
+    interpreter lock even for an event long fired (the usual case: a buffer's
+    last copy, steps ago), and getting it back waits for any thread that took
+    it meanwhile (the accept thread, for up to a switch interval), where a
+    query keeps it."""
+    if not event.query():
+        event.synchronize()
+
+
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A list as a tensor on ``device`` without a host sync: a CUDA copy from
     pageable memory waits for the stream to drain (in steady decoding, for the
@@ -99,7 +109,7 @@ class _PinnedRing:
                     host = torch.empty(self.SIZE, dtype=torch.long, pin_memory=True)
                 self.buffers[k], self.events[k] = (host, host.numpy()), torch.cuda.Event()
             else:
-                self.events[k].synchronize()  # (its last copy has read it: long done)
+                wait_event(self.events[k])  # (its last copy has read it: long done)
             host, view = self.buffers[k]
             view[:n] = values
             out = torch.empty(n, dtype=torch.long, device=self.device)
