@@ -93,15 +93,7 @@ class BlockManager:
         need = self.blocks_needed(seq, num_new_tokens)
         if need > len(self._free):
             raise RuntimeError(f"out of KV blocks: need {need}, {len(self._free)} free")
-        for _ in range(need):
-            block_id = next(iter(self._free))
-            block = self.blocks[block_id]
-            if block.hash is not None:  # evict the cached content
-                if self._by_hash.get(block.hash) == block_id:
-                    del self._by_hash[block.hash]
-                block.hash, block.token_ids = None, ()
-            self._take(block_id)
-            seq.block_table.append(block_id)
+        seq.block_table += self._take_free(need)
 
     def grow_decode(self, seqs: list[Sequence], ahead: int = 0) -> bool:
         """Room for one more computed token in each of ``seqs`` (a decode step),
@@ -121,20 +113,31 @@ class BlockManager:
         # (one block a row, but for a row whose table fell behind by more)
         last = ahead + bs  # (blocks_for, inline)
         counts = [(s.num_computed_tokens + last) // bs - len(s.block_table) for s in opening]
-        if sum(counts) > len(self._free):
+        need = sum(counts)
+        if need > len(self._free):
             return False
-        take, blocks, by_hash = self._free.popitem, self.blocks, self._by_hash
+        taken = iter(self._take_free(need))
         for s, count in zip(opening, counts):
             for _ in range(count):
-                block_id = take(last=False)[0]  # (ref count 0: it leaves the free list)
-                block = blocks[block_id]
-                if block.hash is not None:  # evict the cached content
-                    if by_hash.get(block.hash) == block_id:
-                        del by_hash[block.hash]
-                    block.hash, block.token_ids = None, ()
-                block.ref_count = 1
-                s.block_table.append(block_id)
+                s.block_table.append(next(taken))
         return True
+
+    def _take_free(self, n: int) -> list[int]:
+        """``n`` blocks from the head of the free list (least recently freed),
+        their cached content evicted, each now held once (the caller checked
+        that that many are free)."""
+        take, blocks, by_hash = self._free.popitem, self.blocks, self._by_hash
+        ids = []
+        for _ in range(n):
+            block_id = take(last=False)[0]  # (ref count 0: it leaves the free list)
+            block = blocks[block_id]
+            if block.hash is not None:  # evict the cached content
+                if by_hash.get(block.hash) == block_id:
+                    del by_hash[block.hash]
+                block.hash, block.token_ids = None, ()
+            block.ref_count = 1
+            ids.append(block_id)
+        return ids
 
     def commit(self, seq: Sequence) -> None:
         """Hash the blocks of ``seq`` that became full of computed tokens."""

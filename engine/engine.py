@@ -793,10 +793,8 @@ class Engine:
         picks to their constraints; the verdicts of ``list(step.unchecked)``, or None
         when a row failed to sample (its take sorts that out first, then checks)."""
         try:
-            # (landed already, the usual case when the host is behind: a query keeps
-            # the interpreter lock, which a wait lets go of and must get back)
-            if step.ready is not None and not step.ready.query():
-                step.ready.synchronize()
+            if step.ready is not None:  # (landed already, the usual case: kept the lock)
+                wait_event(step.ready)
             step.lists = token_list, dead_list = step.host.tolist()
             if any(dead_list):
                 return None
@@ -1681,7 +1679,7 @@ class _Acceptor:
                 return Engine._accept_batch(seqs, tokens)
             return _accept_many(self._hook, seqs, None, tokens)
         if at is None:
-            at = list(range(len(seqs)))
+            at = self.every
         rows, tokens = Engine._rows_of(seqs, tokens, at)
         index = at if self.index is None else [self.index[i] for i in at]
         if self.failure is not None:
