@@ -341,7 +341,7 @@ class Engine:
         if self._async:
             if self._can_pipeline():
                 taken = self._pipelined_step()
-                if self._inflight is None or self._inflight.landed is None:
+                if self._inflight is None or self._inflight.early is None:
                     self._quick_switches(False)  # (no picks left with the accept thread)
                 if taken is not None:
                     return outputs + taken
@@ -747,20 +747,18 @@ class Engine:
             seqs=seqs, tokens=both[0], host=host, ready=ready,
             logits=logits if unchecked else None, unchecked=unchecked, watched=watched,
             agree=agree_host, free=free, masked=masked, finishes=finishes, void=void)
-        overlap = len(unchecked) >= _OVERLAP_ROWS
-        early_masked = len(masked) >= _OVERLAP_MASKED_ROWS
-        self._quick_switches(overlap or early_masked)
-        if overlap or early_masked:
+        overlap = len(unchecked) + len(masked) >= _OVERLAP_ROWS
+        self._quick_switches(overlap)
+        if overlap:
             # the accept thread takes the tokens into their constraints as soon as
             # they land, while the host goes on to the next step: first those sampled
             # under their masks (the next step's masks wait for them), then the
             # unmasked picks (checked)
             step.landed = threading.Event()
             pool = self._accept_thread()
-            if early_masked:
+            if masked:
                 step.early_masked = pool.submit(self._take_landed_masked, step)
-            if overlap:
-                step.early = pool.submit(self._check_landed, step)
+            step.early = pool.submit(self._check_landed, step)
 
     def _quick_switches(self, on: bool) -> None:
         """While the accept thread checks picks, the interpreter offers the GIL to
@@ -1037,7 +1035,7 @@ class Engine:
         picks are offered to their constraints by :meth:`_take_end`, unless the
         accept thread has been at it since they landed (``prev.early``)."""
         lists = None
-        if prev.landed is not None:
+        if prev.early is not None:
             # the accept thread reads the tokens first (and this thread sleeps
             # meanwhile): it then holds the interpreter lock only until its native
             # accept starts, rather than waiting for it behind this thread's work
@@ -1626,10 +1624,6 @@ def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: t
 # rows, JSON/free in one run with and without it: 0.68 against 0.56 on one host,
 # 0.78 against 0.82 on another (it slows the host's own launches meanwhile)
 _OVERLAP_ROWS = 128
-# a step in flight with this many rows sampled under their masks has their
-# tokens taken by their constraints on the accept thread as they land, while
-# the host launches the next step (a large batch's opening: all its rows)
-_OVERLAP_MASKED_ROWS = 128
 # Masks of fewer rows than this are filled on the main thread when sampled, not
 # ahead on the mask thread: a few rows' fill takes tens of microseconds, less
 # than the mask thread's trips through the interpreter lock and the wait for it.
@@ -1645,7 +1639,7 @@ _CONFORMING: set[type] = set()  # constraint classes that passed LogitsConstrain
 def _wait_landed(step: "_InFlight") -> None:
     """Wait until the accept thread has read ``step``'s tokens (or is done with it)."""
     while not step.landed.wait(0.05):
-        if (step.early_masked or step.early).done():  # (a job that never ran: the caller reads the tokens itself)
+        if step.early.done():  # (a job that never ran: the caller reads the tokens itself)
             return
 
 

@@ -379,7 +379,6 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
     import formcast.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
-    monkeypatch.setattr(engine_module, "_OVERLAP_MASKED_ROWS", 1)
 
     compiled = city_year_grammar(smollm2_engine)
     work = [  # (prompt, params, constraint?)
@@ -437,7 +436,6 @@ def test_pipelined_rows_ending_on_length_end_where_synchronous_ones_do(smollm2_e
     import formcast.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
-    monkeypatch.setattr(engine_module, "_OVERLAP_MASKED_ROWS", 1)
     compiled = city_year_grammar(smollm2_engine)
     budgets = [3, 4, 6, 9, 13, 14]
 
@@ -540,7 +538,6 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
                          spec="none")
         engine.sampler.batch_fill = batch_fill
         monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
-        monkeypatch.setattr(engine_module, "_OVERLAP_MASKED_ROWS", 1 if overlap else 10**9)
         monkeypatch.setattr(engine_module, "_ASYNC_FILL_ROWS", 1 if async_fill else 10**9)
         drained = []
         settle = engine._settle_on_host
@@ -609,7 +606,6 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
     import formcast.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
-    monkeypatch.setattr(engine_module, "_OVERLAP_MASKED_ROWS", 1)
     compiled = city_year_grammar(smollm2_engine)
     texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
              "Reply in JSON with a city and the year it was founded.", "Write a haiku."]
@@ -659,7 +655,6 @@ def test_an_ordinary_step_between_pipelined_runs_leaves_no_stale_room(smollm2_en
     from formcast.engine.cuda_graph import DecodeStaging
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
-    monkeypatch.setattr(engine_module, "_OVERLAP_MASKED_ROWS", 1)
     tok = smollm2_engine.tokenizer
     every = set(range(tok.vocab_size))
     prompts = [tok.encode("word " * n, add_special_tokens=False)[:n] for n in (30, 20)]
@@ -744,7 +739,6 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
     import formcast.engine.engine as engine_module
 
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
-    monkeypatch.setattr(engine_module, "_OVERLAP_MASKED_ROWS", 1)
     made, calls = [0], [0]
 
     class Prepared(AllowOnly):
@@ -895,13 +889,12 @@ def test_a_take_waits_for_the_accept_threads_reading_only_while_its_job_can_run(
 
     from formcast.engine.engine import _wait_landed
 
-    step = types.SimpleNamespace(landed=threading.Event(), early=Future(), early_masked=None)
+    step = types.SimpleNamespace(landed=threading.Event(), early=Future())
     threading.Timer(0.12, step.landed.set).start()
     t = time.perf_counter()
     _wait_landed(step)
     assert step.landed.is_set() and time.perf_counter() - t >= 0.1
-    never = types.SimpleNamespace(landed=threading.Event(), early=None,
-                                    early_masked=Future())
-    assert never.early_masked.cancel()
+    never = types.SimpleNamespace(landed=threading.Event(), early=Future())
+    assert never.early.cancel()
     _wait_landed(never)  # (returns: the job will not run)
     assert not never.landed.is_set()
