@@ -747,18 +747,13 @@ class Engine:
             seqs=seqs, tokens=both[0], host=host, ready=ready,
             logits=logits if unchecked else None, unchecked=unchecked, watched=watched,
             agree=agree_host, free=free, masked=masked, finishes=finishes, void=void)
-        overlap = len(unchecked) + len(masked) >= _OVERLAP_ROWS
+        overlap = len(unchecked) >= _OVERLAP_ROWS
         self._quick_switches(overlap)
         if overlap:
-            # the accept thread takes the tokens into their constraints as soon as
-            # they land, while the host goes on to the next step: first those sampled
-            # under their masks (the next step's masks wait for them), then the
-            # unmasked picks (checked)
+            # the accept thread offers the unmasked picks to their constraints as soon
+            # as they land, while the host goes on to the next step
             step.landed = threading.Event()
-            pool = self._accept_thread()
-            if masked:
-                step.early_masked = pool.submit(self._take_landed_masked, step)
-            step.early = pool.submit(self._check_landed, step)
+            step.early = self._accept_thread().submit(self._check_landed, step)
 
     def _quick_switches(self, on: bool) -> None:
         """While the accept thread checks picks, the interpreter offers the GIL to
@@ -793,37 +788,18 @@ class Engine:
             self._accept_pool = ThreadPoolExecutor(1, thread_name_prefix="formcast-accept")
         return self._accept_pool
 
-    @staticmethod
-    def _read_landed(step: "_InFlight") -> list[int] | None:
-        """On the accept thread: ``step``'s tokens once they land (read once, kept
-        as ``step.lists``), or None when a row failed to sample (its take sorts
-        that out first, then accepts)."""
-        try:
-            if step.lists is None:
-                if step.ready is not None:  # (landed already, the usual case: kept the lock)
-                    wait_event(step.ready)
-                step.lists = step.host.tolist()
-        finally:
-            step.landed.set()
-        token_list, dead_list = step.lists
-        return None if any(dead_list) else token_list
-
-    def _take_landed_masked(self, step: "_InFlight") -> list[int] | None:
-        """On the accept thread: the verdicts of ``step.masked``'s rows (sampled
-        under their masks) taking their tokens, or None (nothing taken) when a
-        row failed to sample."""
-        token_list = self._read_landed(step)
-        if token_list is None:
-            return None
-        return self._masked_acceptor(step.seqs, token_list, step.masked)
-
     def _check_landed(self, step: "_InFlight") -> list[int] | None:
         """On the accept thread: wait for ``step``'s tokens, then offer its unmasked
         picks to their constraints; the verdicts of ``list(step.unchecked)``, or None
         when a row failed to sample (its take sorts that out first, then checks)."""
-        token_list = self._read_landed(step)
-        if token_list is None:
-            return None
+        try:
+            if step.ready is not None:  # (landed already, the usual case: kept the lock)
+                wait_event(step.ready)
+            step.lists = token_list, dead_list = step.host.tolist()
+            if any(dead_list):
+                return None
+        finally:
+            step.landed.set()
         return self._acceptor(step.seqs, token_list, list(step.unchecked))
 
     def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
@@ -1085,16 +1061,9 @@ class Engine:
                 ok.update(rows)
             if masked:  # sampled under their masks: their constraints take them in one go
                 rows, tokens = self._rows_of(seqs, token_list, masked)
-                verdicts = None
-                if prev.early_masked is not None:  # (taken on the accept thread as they landed)
-                    verdicts = prev.early_masked.result()
-                    if verdicts is not None and len(masked) != len(prev.masked):
-                        at = dict(zip(prev.masked, verdicts))  # (rows gone since: skipped)
-                        verdicts = [at[i] for i in masked]
-                if verdicts is None:
-                    # (prepared once for the batch's rows, its part for the masked rows
-                    # made again only when they change)
-                    verdicts = self._masked_acceptor(seqs, token_list, masked)
+                # (prepared once for the batch's rows, its part for the masked rows
+                # made again only when they change)
+                verdicts = self._masked_acceptor(seqs, token_list, masked)
                 if verdicts.count(1) == len(verdicts):  # (the usual step)
                     self._append_taken(rows, tokens, quiet=taking.quiet)
                     ok.update(rows)
@@ -1838,10 +1807,8 @@ class _InFlight:
     # rows in none of those: requests that ended since (dropped when taken), and
     # ``void`` ones, settled by a failed resample (drawn from a state left behind)
     void: set[int] = field(default_factory=set)
-    # the verdicts of ``unchecked``'s picks, on the accept thread from the moment they
-    # land, and before them those of ``masked``'s tokens taken by their constraints
+    # the verdicts of ``unchecked``'s picks, on the accept thread from the moment they land
     early: Future | None = None
-    early_masked: Future | None = None
     landed: threading.Event | None = None
     lists: list | None = None
 
@@ -1878,7 +1845,6 @@ class _Taking:
     def abandon(self) -> None:
         """Wait for the threads working on its constraints (their errors show
         where their results are read)."""
-        futures = [f for f in (self.pending, self.prev.early_masked, self.ahead and self.ahead[1])
-                   if f is not None]
+        futures = [f for f in (self.pending, self.ahead and self.ahead[1]) if f is not None]
         if futures:
             wait(futures)
