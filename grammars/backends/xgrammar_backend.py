@@ -263,15 +263,22 @@ class XGrammarGrammar(BackendGrammar):
     def __init__(self, compiled: xgr.CompiledGrammar, backend: XGrammarBackend) -> None:
         self.compiled = compiled
         self.backend = backend
+        # a matcher at the grammar's start that never moves: new matchers are its
+        # forks (a copy of its state: 2 us here, against 4.5 us for xgrammar's
+        # constructor and its checks; a batch of 256 requests makes 256)
+        self._start: xgr.GrammarMatcher | None = None
 
     @property
     def memory_bytes(self) -> int:
         return int(self.compiled.memory_size_bytes)
 
     def matcher(self) -> XGrammarMatcher:
-        return XGrammarMatcher(xgr.GrammarMatcher(self.compiled), self.backend.blocked,
-                               self.backend.vocab.tokenizer_size, self.backend.stops,
-                               token_bytes=self.backend.vocab.token_bytes, origin=self)
+        start = self._start
+        if start is None:
+            start = self._start = xgr.GrammarMatcher(self.compiled)
+        backend = self.backend
+        return XGrammarMatcher(start.fork(), backend.blocked, backend.vocab.tokenizer_size,
+                               backend.stops, token_bytes=backend.vocab.token_bytes, origin=self)
 
 
 class XGrammarMatcher(Matcher):

@@ -85,6 +85,28 @@ def test_fork_is_independent(person, tiny_vocab):
     assert m.is_completed()
 
 
+def test_each_new_matcher_starts_at_the_grammars_start(person, tiny_vocab):
+    """Matchers of one compiled grammar are independent whatever the others
+    took, finished or rolled back: each new one starts where the first did
+    (xgrammar's are copies of one kept at the start)."""
+    first = person.matcher()
+    start = _mask(first, person)
+    for t in _ids(tiny_vocab, '{"name":"Al","age":3}'):
+        assert first.accept(t)
+    assert first.is_completed()
+    second = person.matcher()
+    assert torch.equal(_mask(second, person), start) and not second.is_completed()
+    for t in _ids(tiny_vocab, '{"name":"B'):
+        assert second.accept(t)
+    second.rollback(1)
+    third = person.matcher()
+    assert torch.equal(_mask(third, person), start)
+    assert not third.accept(_ids(tiny_vocab, '"')[0])  # (an object opens first)
+    for t in _ids(tiny_vocab, '{"name":"C","age":5}'):
+        assert third.accept(t)
+    assert third.is_completed() and first.is_completed() and not second.is_completed()
+
+
 def test_valid_prefix_leaves_state_unchanged(person, tiny_vocab):
     m = person.matcher()
     good = _ids(tiny_vocab, '{"name":"Al"}')
