@@ -259,13 +259,9 @@ class GrammarCompiler:
             return hit
         with self._lock:
             future = self._inflight.get(key)
-            submitted = future is None
-            if submitted:
-                future = self._pool.submit(self._build, constraint, vocab, name)
-                self._inflight[key] = future
-        if submitted:
-            # Outside the lock: a compile that already finished runs the callback here.
-            future.add_done_callback(lambda f, key=key: self._settle(key, f))
+            if future is None:
+                future = self._inflight[key] = self._pool.submit(self._compile_job, key,
+                                                                 constraint, vocab, name)
         deadline = self.timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=deadline)
@@ -276,16 +272,27 @@ class GrammarCompiler:
                 self.cache.put(key, Failure(message), _FAILURE_BYTES)
             raise ConstraintError(message) from None
 
-    def _settle(self, key: tuple, future: cf.Future) -> None:
-        # Cache first, then leave the in-flight table, so no caller finds neither.
-        exc = future.exception()
-        if exc is None:
-            grammar = future.result()
-            self.cache.put(key, grammar, max(grammar.memory_bytes, 1))
-        elif isinstance(exc, ConstraintError):
+    def _compile_job(self, key: tuple, constraint: Constraint, vocab: Vocabulary,
+                     name: str) -> CompiledGrammar:
+        """A worker's compile, cached (a constraint error too) before its caller
+        hears of it: the cache (first, so that no caller finds neither) and the
+        in-flight table are settled before the future is. Settled after, the
+        worker's last native call (the grammar's size, through tvm-ffi, which lets
+        go of the interpreter lock) could outlast a caller that returned and let
+        the interpreter exit: a daemon thread that then takes the lock back is
+        ended inside C++ frames, and the process aborts ("terminate called
+        without an active exception")."""
+        try:
+            grammar = self._build(constraint, vocab, name)
+        except ConstraintError as exc:
             self.cache.put(key, Failure(str(exc)), _FAILURE_BYTES)
-        with self._lock:
-            self._inflight.pop(key, None)
+            raise
+        else:
+            self.cache.put(key, grammar, max(grammar.memory_bytes, 1))
+            return grammar
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
 
     def _backend(self, name: str, vocab: Vocabulary) -> Backend:
         key = (name, vocab.fingerprint)

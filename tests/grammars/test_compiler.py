@@ -75,6 +75,36 @@ def test_deadline_raises_then_fails_fast_until_the_build_lands(tiny_vocab):
     c.close()
 
 
+def test_a_compile_returns_only_once_its_worker_is_done_with_native_calls(tiny_vocab,
+                                                                          monkeypatch):
+    """A worker caches its compile (asking the grammar's size, a native call)
+    before its caller hears of it, so that a program that compiles and exits
+    right away never leaves a worker inside a native call as the interpreter
+    shuts down (the daemon thread would be ended in C++ frames: an abort at
+    exit). A failed compile is cached first as well."""
+    from formcast.grammars.backends import xgrammar_backend
+
+    returned = threading.Event()
+    asked_after: list[bool] = []
+    size = xgrammar_backend.XGrammarGrammar.memory_bytes
+
+    def slow_size(self):
+        time.sleep(0.3)  # (a caller told before this would have returned by now)
+        asked_after.append(returned.is_set())
+        return size.fget(self)
+
+    monkeypatch.setattr(xgrammar_backend.XGrammarGrammar, "memory_bytes", property(slow_size))
+    c = GrammarCompiler()
+    compiled = c.compile(Regex("[a-c]+z"), tiny_vocab, backend="xgrammar")
+    returned.set()
+    assert asked_after == [False] and not c._inflight
+    assert [v for v, _ in c.cache._entries.values()] == [compiled]
+    with pytest.raises(ConstraintError):
+        c.compile(Regex("(unclosed"), tiny_vocab, backend="xgrammar")
+    assert not c._inflight and isinstance(list(c.cache._entries.values())[-1][0], Failure)
+    c.close()
+
+
 def test_cache_is_bounded_in_bytes(tiny_vocab):
     c = GrammarCompiler(cache_bytes=6000)
     sizes = []
