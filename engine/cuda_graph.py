@@ -184,7 +184,6 @@ class DecodeStaging:
         self.slots[:n] = self.tables[np.arange(n), block] * bs + pos % bs
         self.pad(n, padded)
 
-
     def _write_entries(self, seqs: list, grown: np.ndarray, block: np.ndarray,
                        pos: np.ndarray) -> None:
         """Write the table entries that the sequences of rows ``grown`` gained since

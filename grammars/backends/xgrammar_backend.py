@@ -108,6 +108,13 @@ def _native_verdicts(handles, tokens: list[int]) -> list[int]:
     return [int(v) for v in got[:]]
 
 
+def _handle_array(matchers: list["XGrammarMatcher"]):
+    """The native batch accept's argument for ``matchers``: their handles, as a
+    tvm-ffi array when this tvm-ffi makes one (else a list)."""
+    handles = [m._handle for m in matchers]
+    return _TO_ARRAY(*handles) if _TO_ARRAY is not None else handles
+
+
 class _PreparedAccept:
     """The accept of one token by each of a fixed list of matchers, its
     per-matcher preparation done once (the native call's array of handles, the
@@ -137,8 +144,7 @@ class _PreparedAccept:
         self.one_vocabulary = all(m._blocked is self.blocked and m._size == self.size
                                   for m in matchers)
         if self.one_vocabulary and _NATIVE_BATCH_ACCEPT is not None:
-            handles = [m._handle for m in matchers]
-            self.handles = _TO_ARRAY(*handles) if _TO_ARRAY is not None else handles
+            self.handles = _handle_array(matchers)
         for m in matchers:
             m._moved = True
 
@@ -155,10 +161,7 @@ class _PreparedAccept:
         part.matchers = [matchers[i] for i in rows]
         part.one_vocabulary, part.one_text_rule = self.one_vocabulary, self.one_text_rule
         part.blocked, part.size, part.stops = self.blocked, self.size, self.stops
-        part.handles = None
-        if self.handles is not None:
-            handles = [m._handle for m in part.matchers]
-            part.handles = _TO_ARRAY(*handles) if _TO_ARRAY is not None else handles
+        part.handles = None if self.handles is None else _handle_array(part.matchers)
         part.texts = []
         if self.texts:  # (a matcher that let go of its text never keeps one again)
             self.texts = [i for i in self.texts if matchers[i]._text is not None]
