@@ -121,6 +121,15 @@ class EngineConfig:
         its unmasked argmax (both are computed on the device); when refusals come
         back before an unmasked pick is taken, until that happens 2, 4, 8, then 16
         times in a row.
+    native_accept : bool | None
+        In asynchronous decoding of a large batch, the unmasked picks of its
+        xgrammar rows (``unmasked_greedy``) are offered to their constraints by a
+        native thread outside the interpreter
+        (``formcast/grammars/backends/native_accept.c``, built with the system's C
+        compiler on first use and cached) from the moment the step's tokens land
+        in host memory; the host reads the verdicts when it takes the step.
+        Otherwise, or where it cannot be built, an accept thread in Python checks
+        them, taking the interpreter lock around xgrammar's call. None: on CUDA.
     cuda_graphs : bool
         On CUDA, capture the decode step as CUDA graphs at batch sizes 1, 2, 4, ...
         up to ``max_num_seqs`` when the engine starts (Llama models), and replay
@@ -156,6 +165,7 @@ class EngineConfig:
     num_threads: int | None = None
     overlap_masks: bool = True
     unmasked_greedy: bool = True
+    native_accept: bool | None = None
     cuda_graphs: bool = True
     async_scheduling: bool | None = None
     freeze_gc: bool | None = None

@@ -25,7 +25,7 @@ from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.constraint import LogitsConstraint
 from formcast.engine.cuda_graph import graph_ladder
-from formcast.engine.kernels import current_stream, to_device, wait_event
+from formcast.engine.kernels import current_stream, event_poll, to_device, wait_event
 from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -148,6 +148,7 @@ class Engine:
         # (EngineConfig.unmasked_greedy)
         self.num_unmasked_picks = 0
         self.num_refused_picks = 0
+        self.num_native_accepts = 0  # steps' accepts launched on the native worker
         self._ids = itertools.count()
         self._mask_pool: ThreadPoolExecutor | None = None  # fills masks during the forward
         # (rows, their masks: a future) filled while a pipelined step's picks were
@@ -748,10 +749,19 @@ class Engine:
             logits=logits if unchecked else None, unchecked=unchecked, watched=watched,
             agree=agree_host, free=free, masked=masked, finishes=finishes, void=void)
         overlap = len(unchecked) >= _OVERLAP_ROWS
-        self._quick_switches(overlap)
-        if overlap:
-            # the accept thread offers the unmasked picks to their constraints as soon
-            # as they land, while the host goes on to the next step
+        native = self.config.native_accept
+        if overlap and (native or native is None and ready is not None):
+            # the constraints' native worker offers the unmasked picks as soon as they
+            # land, outside the interpreter, while the host goes on to the next step.
+            # (The rows sampled under their masks were taken there too, in the same
+            # trial: no gain beyond the spread, so their take stays on this thread)
+            poll = event_poll(ready) if ready is not None else None
+            if poll is not None or ready is None:
+                step.early = self._acceptor.launch(seqs, list(unchecked), host, poll)
+                self.num_native_accepts += step.early is not None
+        self._quick_switches(overlap and step.early is None)
+        if overlap and step.early is None:
+            # else the accept thread does, taking the interpreter lock around it
             step.landed = threading.Event()
             step.early = self._accept_thread().submit(self._check_landed, step)
 
@@ -1011,7 +1021,7 @@ class Engine:
         picks are offered to their constraints by :meth:`_take_end`, unless the
         accept thread has been at it since they landed (``prev.early``)."""
         lists = None
-        if prev.early is not None:
+        if prev.landed is not None:
             # the accept thread reads the tokens first (and this thread sleeps
             # meanwhile): it then holds the interpreter lock only until its native
             # accept starts, rather than waiting for it behind this thread's work
@@ -1691,17 +1701,53 @@ class _Acceptor:
             return _accept_many(self._hook, rows, None, tokens)
         if self.hook is None or min(index) < 0:  # (no hook: the rows alone)
             return Engine._accept_batch(rows, tokens)
+        try:
+            part = self._part(index, rows)
+        except Exception as exc:
+            return _accept_many(_raise(exc), rows, None, tokens)
+        return _accept_many(lambda _constraints, tokens: part(tokens), rows, None, tokens)
+
+    def _part(self, index: list[int], rows: list[Sequence]):
+        """The prepared hook for the constrained rows at ``index`` (of the
+        preparation's), ``rows`` their sequences: made from the preparation
+        when the rows change (a hook without subsets: prepared for the rows
+        themselves). Raises what the hook raises."""
         if self.part_rows != index:
             subset = getattr(self.prepared, "subset", None)
-            try:  # (a hook without subsets: prepared for the rows themselves)
+            try:
                 self.part = subset(index) if subset is not None else \
                     self.hook([s.constraint for s in rows])
                 self.part_rows = index
-            except Exception as exc:
+            except Exception:
                 self.part = self.part_rows = None
-                return _accept_many(_raise(exc), rows, None, tokens)
-        part = self.part
-        return _accept_many(lambda _constraints, tokens: part(tokens), rows, None, tokens)
+                raise
+        return self.part
+
+    def launch(self, seqs: list[Sequence], at: list[int], host: torch.Tensor, poll
+               ) -> "_NativeCheck | None":
+        """The accept of ``seqs[i]`` taking ``host[0, i]`` for ``i`` in ``at``, on
+        the constraint class's native worker as soon as ``poll`` (see
+        :func:`kernels.event_poll`; None: now) says the tokens landed in ``host``
+        (``[2, len(seqs)]``: tokens, dead-end flags). None when the rows'
+        prepared hook has no ``launch`` or declines (the caller checks them
+        itself)."""
+        if not at:
+            return None
+        if self.seqs != seqs:  # (identity compares, in C)
+            self._prepare(seqs)
+        if self.failure is not None or self.hook is None:
+            return None
+        index = at if self.index is None else [self.index[i] for i in at]
+        if min(index) < 0:
+            return None
+        rows = seqs if len(at) == len(seqs) else [seqs[i] for i in at]
+        try:
+            part = self.prepared if index == self.every else self._part(index, rows)
+            launch = getattr(part, "launch", None)
+            job = launch(host, at, poll) if launch is not None else None
+        except Exception:  # (the ordinary check reports it)
+            return None
+        return None if job is None else _NativeCheck(job, rows)
 
     def _prepare(self, seqs: list[Sequence]) -> None:
         """The hook's preparation for the constrained ones of ``seqs`` (the rest
@@ -1727,6 +1773,36 @@ class _Acceptor:
         if self.failure is not None:
             raise self.failure
         return self.prepared(tokens)
+
+
+class _NativeCheck:
+    """The verdicts of a step's unmasked picks, checked by the constraint
+    class's native worker (see :meth:`_Acceptor.launch`), as the accept
+    thread's future gives them: ``result()`` the verdicts (a failed constraint:
+    -1 for every row, ``seq.error`` set, as :func:`_accept_many`), or None when a
+    row failed to sample (no constraint moved)."""
+
+    __slots__ = ("job", "rows")
+
+    def __init__(self, job, rows: list[Sequence]) -> None:
+        self.job, self.rows = job, rows
+
+    def done(self) -> bool:
+        return self.job.done()
+
+    def wait(self) -> None:
+        """Until the worker is through with the constraints."""
+        self.job.wait()
+
+    def result(self) -> list[int] | None:
+        rows = self.rows
+        try:
+            verdicts = self.job.result()
+        except Exception as exc:
+            return _accept_many(_raise(exc), rows, None, [0] * len(rows))
+        if verdicts is None:
+            return None
+        return _accept_many(lambda _constraints, _tokens: verdicts, rows, None, verdicts)
 
 
 def _raise(exc: Exception):
@@ -1812,8 +1888,9 @@ class _InFlight:
     # rows in none of those: requests that ended since (dropped when taken), and
     # ``void`` ones, settled by a failed resample (drawn from a state left behind)
     void: set[int] = field(default_factory=set)
-    # the verdicts of ``unchecked``'s picks, on the accept thread from the moment they land
-    early: Future | None = None
+    # the verdicts of ``unchecked``'s picks, on the constraints' native worker or the
+    # accept thread from the moment they land (``landed``: the thread read them)
+    early: "Future | _NativeCheck | None" = None
     landed: threading.Event | None = None
     lists: list | None = None
 
@@ -1839,7 +1916,8 @@ class _Taking:
     defer: bool            # refused picks are sampled again by the caller
     outputs: list[Sequence] = field(default_factory=list)
     ok: set[Sequence] = field(default_factory=set)  # requests that took their token
-    pending: Future | None = None  # verdicts of ``pending_rows``' picks, on the accept thread
+    # verdicts of ``pending_rows``' picks, on the accept thread or the native worker
+    pending: "Future | _NativeCheck | None" = None
     pending_rows: list[int] = field(default_factory=list)
     ahead: tuple[list[Sequence], Future] | None = None  # the next masks, on the mask thread
     clean: bool = True  # every row sampled, none voided, no request ended since the launch
@@ -1851,5 +1929,8 @@ class _Taking:
         """Wait for the threads working on its constraints (their errors show
         where their results are read)."""
         futures = [f for f in (self.pending, self.ahead and self.ahead[1]) if f is not None]
-        if futures:
-            wait(futures)
+        for f in futures:
+            if isinstance(f, _NativeCheck):
+                f.wait()
+            else:
+                wait([f])

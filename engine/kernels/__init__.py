@@ -54,6 +54,42 @@ def wait_event(event: "torch.cuda.Event") -> None:
         event.synchronize()
 
 
+@functools.cache
+def _cuda_event_query() -> int | None:
+    """The address of the CUDA runtime's ``cudaEventQuery`` as this process
+    loaded it (with torch), or None when it is not found."""
+    import ctypes
+    import os
+
+    names = ["libcudart.so.12", "libcudart.so.13", "libcudart.so"]
+    try:  # (the copy torch loaded, wherever it lies)
+        with open("/proc/self/maps") as maps:
+            names = sorted({line.split()[-1] for line in maps if "/libcudart" in line}) + names
+    except OSError:
+        pass
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            return ctypes.cast(lib.cudaEventQuery, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+# cudaErrorNotReady: what cudaEventQuery answers for work not yet done
+CUDA_NOT_READY = 600
+
+
+def event_poll(event: "torch.cuda.Event") -> tuple[int, int, int] | None:
+    """How a native thread polls ``event`` (recorded) without the interpreter:
+    ``cudaEventQuery``'s address, the event's handle and the code it answers
+    until the event fires; None when the runtime's function is not found."""
+    query = _cuda_event_query()
+    if query is None:
+        return None
+    return query, event.cuda_event, CUDA_NOT_READY
+
+
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A list as a tensor on ``device`` without a host sync: a CUDA copy from
     pageable memory waits for the stream to drain (in steady decoding, for the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import threading
@@ -11,6 +12,7 @@ import torch
 import xgrammar as xgr
 
 from formcast.errors import ConstraintError
+from formcast.grammars.backends import native_accept
 from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSource
 from formcast.grammars.matcher import Matcher
 from formcast.grammars.vocab import Vocabulary
@@ -200,6 +202,41 @@ class _PreparedAccept:
             self._keep_texts(tokens, status)
         return status
 
+    def launch(self, host: torch.Tensor, cols: list[int], query: tuple[int, int, int] | None
+               ) -> "_NativeAccept | None":
+        """This accept, of the tokens at columns ``cols`` of ``host`` (``[2, B]``
+        int64 in host memory: the tokens, then each column's dead-end flag), on
+        the native worker as soon as they land (``query``: the address of a C
+        function, its argument and its not-ready code; it answers 0 once they
+        have; None: landed already). Matcher ``k`` takes column ``cols[k]``. None
+        when the worker cannot take it (no worker, matchers of several
+        vocabularies, an xgrammar without the native accept): the caller offers
+        the tokens itself. ``host`` must stay unchanged until the result is in."""
+        if self.handles is None or not hasattr(self.handles, "__chandle__") or \
+                len(cols) != len(self.matchers) or not cols:
+            return None
+        worker = native_accept.worker()
+        if worker is None:
+            return None
+        if host.dtype != torch.int64 or host.device.type != "cpu" or \
+                not host.is_contiguous() or host.dim() != 2 or host.size(0) != 2:
+            raise ValueError("host must be a contiguous [2, B] int64 tensor in host memory")
+        return _NativeAccept(self, worker, host, cols, query)
+
+    def _special_bits(self) -> ctypes.Array:
+        """The tokens the native worker must not offer (blocked, stop tokens), a bitmap."""
+        key = (id(self.blocked), id(self.stops), self.size)
+        kept = _SPECIAL_BITS.get(key)
+        if kept is None:
+            bits = bytearray((self.size + 7) // 8)
+            for t in self.blocked | self.stops:
+                if 0 <= t < self.size:
+                    bits[t >> 3] |= 1 << (t & 7)
+            # (the sets themselves kept too: their ids stay theirs)
+            kept = _SPECIAL_BITS[key] = (self.blocked, self.stops,
+                                         (ctypes.c_uint8 * len(bits)).from_buffer(bits))
+        return kept[2]
+
     def _keep_texts(self, tokens: list[int], verdicts: list[int]) -> None:
         """The texts of the rows that keep one grow by the tokens they took. Rows
         that kept the same text and took the same token (a batch's opening: the
@@ -221,6 +258,67 @@ class _PreparedAccept:
             if text is not None:
                 kept.append(i)
         self.texts = kept
+
+
+_SPECIAL_BITS: dict[tuple[int, int, int], tuple] = {}
+
+
+class _NativeAccept:
+    """A :class:`_PreparedAccept` of one step's tokens on the native worker
+    (:meth:`_PreparedAccept.launch`): ``result()`` is the verdicts, as the
+    prepared accept's call gives them, or None when a column's dead-end flag is
+    set (no matcher moved); ``done()`` whether the worker is through with it."""
+
+    __slots__ = ("part", "worker", "host", "cols", "job", "_keep", "_outcome")
+
+    def __init__(self, part: _PreparedAccept, worker, host: torch.Tensor, cols: list[int],
+                 query: tuple[int, int, int] | None) -> None:
+        self.part, self.worker, self.host, self.cols = part, worker, host, cols
+        n = len(cols)
+        col_array = (ctypes.c_int32 * n)(*cols)
+        verdicts = (ctypes.c_int8 * n)()
+        special = part._special_bits()
+        job = self.job = native_accept.Job(
+            fn=_NATIVE_BATCH_ACCEPT.__chandle__(), handles=part.handles.__chandle__(),
+            host=host.data_ptr(), stride=host.size(1), cols=ctypes.addressof(col_array), n=n,
+            vocab=part.size, special=ctypes.addressof(special),
+            verdicts=ctypes.addressof(verdicts))
+        if query is not None:
+            job.query, job.query_arg, job.not_ready = query
+        # (what the worker reads, alive until it is done)
+        self._keep = (col_array, verdicts, special, part.handles)
+        self._outcome = None
+        worker.submit(job)
+
+    def done(self) -> bool:
+        return self.job.state != native_accept.QUEUED
+
+    def wait(self) -> None:
+        """Until the worker is through with the matchers (no result read)."""
+        self.worker.wait(self.job)
+
+    def result(self) -> list[int] | None:
+        if self._outcome is None:
+            self._outcome = self._finish(self.worker.wait(self.job))
+        return self._outcome[0]
+
+    def _finish(self, state: int) -> tuple[list[int] | None]:
+        if state == native_accept.DEAD:
+            return (None,)
+        if state == native_accept.ERROR:
+            raise RuntimeError(library_message(RuntimeError(
+                self.job.error.decode("utf-8", "replace"))))
+        part = self.part
+        tokens = None
+        if state == native_accept.SLOW or part.texts:
+            row = self.host[0].tolist()
+            tokens = [row[c] for c in self.cols]
+        if state == native_accept.SLOW:  # (no matcher moved: the ordinary way)
+            return (part(tokens),)
+        verdicts = list(bytes(self._keep[1]))
+        if part.texts:
+            part._keep_texts(tokens, verdicts)
+        return (verdicts,)
 
 
 class XGrammarBackend(Backend):

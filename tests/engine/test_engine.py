@@ -584,6 +584,44 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     assert drained  # refused picks were in flight when the pipeline drained
 
 
+def test_the_native_accept_worker_gives_the_synchronous_outputs(smollm2_engine, monkeypatch):
+    """With ``native_accept`` (on the CPU too, when asked), a large batch's
+    unmasked picks are checked by the native worker, with a free row among
+    them and rows refused (then masked), ending and joining. Outputs equal
+    synchronous masked decoding's, and no Python accept thread is started."""
+    import formcast.engine.engine as engine_module
+    from formcast.grammars.backends import native_accept
+
+    if native_accept.worker() is None:
+        pytest.skip(f"no native accept worker here: {native_accept.unavailable_reason()}")
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    compiled = city_year_grammar(smollm2_engine)
+    texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
+             "Reply in JSON with a city and the year it was founded.", "Name three colours."]
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+
+    def run(**config):
+        engine = variant(smollm2_engine, spec="none", **config)
+        ids = [engine.add_request(chat(engine, t), greedy, constraint=compiled.matcher())
+               for t in texts]
+        ids.append(engine.add_request(chat(engine, "Count to three."), greedy))
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+            steps += 1
+            if steps == 6:  # (the pipeline drains)
+                ids.append(engine.add_request(chat(engine, "What is the capital of Peru? "
+                                                   "Answer as JSON."), greedy,
+                                              constraint=compiled.matcher()))
+        return [(done[i].token_ids, done[i].finish_reason) for i in ids], engine
+
+    masked, _ = run(async_scheduling=False, unmasked_greedy=False)
+    native, eng = run(async_scheduling=True, native_accept=True)
+    assert native == masked
+    assert eng.num_native_accepts > 10 and eng._accept_pool is None
+    assert 0 < eng.num_refused_picks < eng.num_unmasked_picks
+
+
 def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monkeypatch):
     """Once the accept thread's verdicts on a step's unmasked picks are in, the
     pipeline samples the refused rows again, sends the step's tokens to the host

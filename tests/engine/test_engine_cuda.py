@@ -193,28 +193,36 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
         "additionalProperties": False}
     results = {}
-    for unmasked, overlap in ((False, False), (True, False), (True, True)):
+    for unmasked, overlap, native in ((False, False, None), (True, False, None),
+                                      (True, True, None), (True, True, False)):
         monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
         eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
                           max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
-                          unmasked_greedy=unmasked)
+                          unmasked_greedy=unmasked, native_accept=native)
         compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
                                     vocab_size=eng.model.config.vocab_size)
         ps = prompts(tokenizer, 10)
         outs = eng.generate(ps, SamplingParams(max_tokens=48, temperature=0.0),
                             constraints=[compiled.matcher() for _ in ps])
-        results[unmasked, overlap] = [(o.token_ids, o.finish_reason) for o in outs]
+        results[unmasked, overlap, native] = [(o.token_ids, o.finish_reason) for o in outs]
         if unmasked:
             assert eng.num_refused_picks > 0
             assert eng.num_unmasked_picks > eng.num_refused_picks
-        assert (eng._accept_pool is not None) == overlap
+        # (a large batch's tokens: checked on the native worker on CUDA, polling the
+        # step's event, else on the accept thread)
+        from formcast.grammars.backends import native_accept
+
+        on_worker = overlap and native is None and native_accept.worker() is not None
+        assert (eng.num_native_accepts > 0) == on_worker
+        assert (eng._accept_pool is not None) == (overlap and not on_worker)
         # (overlap: steps launched before the last one's tokens were appended)
         assert (eng.num_launched_ahead > 0) == overlap and eng._ahead is None
         if graphs:  # (the steps launched ahead were staged, and their copies queued,
             # while the picks were checked)
             assert (eng.runner.graphs.staged_replays > 0) == overlap
             assert (eng.runner.graphs.preloaded_replays > 0) == overlap
-    assert results[True, False] == results[True, True] == results[False, False]
+    assert results[True, False, None] == results[True, True, None] == \
+        results[True, True, False] == results[False, False, None]
 
 
 def test_cuda_a_preload_no_replay_takes_loses_no_table_entry(weights, tokenizer):

@@ -1,0 +1,166 @@
+"""The native accept worker: a step's tokens offered to xgrammar matchers outside
+the interpreter, from a host buffer, once a poll says they landed."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from formcast.grammars import JsonSchema, Regex
+from formcast.grammars.backends import native_accept
+
+from .cases import PERSON
+from .conftest import EOS, PAD_SPECIAL
+
+
+def _worker_or_skip():
+    from formcast.grammars.backends import xgrammar_backend
+
+    if xgrammar_backend._NATIVE_BATCH_ACCEPT is None:
+        pytest.skip("the installed xgrammar has no native batch accept of the known form")
+    if native_accept.worker() is None:
+        pytest.skip(f"no native accept worker here: {native_accept.unavailable_reason()}")
+
+
+def _mask(m, compiled) -> torch.Tensor:
+    bitmask = compiled.allocate_bitmask(1)
+    m.fill_bitmask(bitmask, 0)
+    return bitmask[0].clone()
+
+
+def _host(tokens: list[int], cols: list[int], width: int, dead: int | None = None
+          ) -> torch.Tensor:
+    """A [2, width] buffer whose column cols[k] holds tokens[k], the rest junk."""
+    host = torch.full((2, width), 7, dtype=torch.long)
+    host[1] = 0
+    for k, c in enumerate(cols):
+        host[0, c] = tokens[k]
+    if dead is not None:
+        host[1, dead] = 1
+    return host
+
+
+def _byte(c: str) -> int:
+    return 2 + ord(c)
+
+
+def test_a_launched_accept_takes_tokens_as_accepting_row_by_row_does(compiler, tiny_vocab):
+    """Step after step, the worker's verdicts, and the states and kept texts it
+    leaves, are those of ``accept`` row by row, with the columns in any order
+    and other columns around them; a step with a stop, special or outside
+    token goes the ordinary way (same results); a set dead-end flag in any
+    column (offered or not) moves no matcher and answers None."""
+    _worker_or_skip()
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    grammars = [person, digits, digits, person, digits, person]
+    batch = [g.matcher() for g in grammars]
+    alone = [g.matcher() for g in grammars]
+    accept = type(batch[0]).batch_acceptor(batch)
+    rng = random.Random(3)
+    pool = [_byte(c) for c in '{"name:}1234x, '] + [EOS, PAD_SPECIAL, tiny_vocab.vocab_size - 1]
+    width = len(grammars) + 3
+    for step in range(40):
+        tokens = [rng.choice(pool) for _ in grammars]
+        cols = rng.sample(range(width), len(grammars))
+        dead = rng.randrange(width) if step % 9 == 4 else None
+        job = accept.launch(_host(tokens, cols, width, dead), cols, None)
+        got = job.result()
+        assert job.done() and job.result() is got
+        if dead is not None:
+            assert got is None
+            continue
+        want = []
+        for a, t in zip(alone, tokens):
+            taken = a.accept(t)
+            want.append(0 if not taken else 2 if a.is_terminated() else 1)
+        assert got == want
+        for b, a, g in zip(batch, alone, grammars):
+            assert b._text == a._text
+            assert b.is_terminated() == a.is_terminated()
+            if not a.is_terminated():
+                assert torch.equal(_mask(b, g), _mask(a, g))
+
+
+def test_a_launched_accept_waits_for_its_poll_and_reports_a_failed_one(compiler, tiny_vocab):
+    """The worker polls until the tokens have landed (the poll answers 0),
+    offering nothing before; a poll that answers an error fails the accept
+    with that code named, and no matcher moves."""
+    _worker_or_skip()
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    batch = [digits.matcher() for _ in range(4)]
+    accept = type(batch[0]).batch_acceptor(batch)
+    calls = []
+    answers = {"not yet": 600}
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    def poll(_arg):
+        calls.append(1)
+        return answers["not yet"] if len(calls) < 50 else answers.get("then", 0)
+
+    address = ctypes.cast(poll, ctypes.c_void_p).value
+    host = _host([_byte("1")] * 4, [0, 1, 2, 3], 4)
+    assert accept.launch(host, [0, 1, 2, 3], (address, 0, 600)).result() == [1] * 4
+    assert len(calls) >= 50
+    calls.clear()
+    answers["then"] = 700  # (after 49 not-ready answers, an error)
+    job = accept.launch(_host([_byte("x")] * 4, [0, 1, 2, 3], 4), [0, 1, 2, 3],
+                        (address, 0, 600))
+    with pytest.raises(RuntimeError, match="event query failed.*700"):
+        job.result()
+    # nothing moved: "x" was never offered, and the next digit is taken
+    assert [m.accept(_byte("2")) for m in batch] == [True] * 4
+
+
+def test_a_launch_declines_what_the_worker_cannot_take(compiler, tiny_vocab, monkeypatch):
+    """No worker, no columns, or columns that do not match the matchers: None
+    (the caller checks the tokens itself). A buffer of another shape or type
+    is an error that says what it must be."""
+    _worker_or_skip()
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    accept = type(digits.matcher()).batch_acceptor([digits.matcher() for _ in range(2)])
+    host = _host([_byte("1")] * 2, [0, 1], 2)
+    assert accept.launch(host, [0], None) is None
+    assert type(digits.matcher()).batch_acceptor([]).launch(host, [], None) is None
+    with pytest.raises(ValueError, match=r"\[2, B\] int64"):
+        accept.launch(host.int(), [0, 1], None)
+    monkeypatch.setattr(native_accept, "_worker", None)
+    monkeypatch.setattr(native_accept, "_reason", "not here")
+    assert accept.launch(host, [0, 1], None) is None
+
+
+class _Row:
+    """What the engine's acceptor reads of a request: its constraint, its error."""
+
+    def __init__(self, constraint) -> None:
+        self.constraint = constraint
+        self.error = None
+
+
+def test_the_engines_acceptor_launches_its_rows_part_and_reports_failures(compiler, tiny_vocab):
+    """The engine's acceptor launches the accept of some of a batch's rows (a
+    row without a constraint among them) from the step's buffer: the verdicts
+    those rows give alone; a failed accept fails every row offered (-1, its
+    error set), as the ordinary check does."""
+    _worker_or_skip()
+    from formcast.engine.engine import _Acceptor
+
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    rows = [_Row(digits.matcher()), _Row(None), _Row(digits.matcher()), _Row(digits.matcher())]
+    acceptor = _Acceptor()
+    host = _host([_byte("1"), 5, _byte("x"), _byte("2")], [0, 1, 2, 3], 4)
+    check = acceptor.launch(rows, [0, 2, 3], host, None)
+    assert check is not None and check.result() == [1, 0, 1]
+    assert acceptor.launch(rows, [0, 1], host, None) is None  # (a row without a constraint)
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    def broken(_arg):
+        return 999
+
+    check = acceptor.launch(rows, [0, 3], host, (ctypes.cast(broken, ctypes.c_void_p).value,
+                                                 0, 600))
+    assert check.result() == [-1, -1]
+    assert "999" in rows[0].error and "999" in rows[3].error and rows[2].error is None
