@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 import re
@@ -117,6 +118,9 @@ def _handle_array(matchers: list["XGrammarMatcher"]):
     return _TO_ARRAY(*handles) if _TO_ARRAY is not None else handles
 
 
+_C_INT_IS_32 = array.array("i").itemsize == 4
+
+
 class _PreparedAccept:
     """The accept of one token by each of a fixed list of matchers, its
     per-matcher preparation done once (the native call's array of handles, the
@@ -126,11 +130,12 @@ class _PreparedAccept:
     unchanged), 1 taken, 2 taken and now terminated."""
 
     __slots__ = ("matchers", "handles", "one_vocabulary", "blocked", "size", "stops", "texts",
-                 "one_text_rule")
+                 "one_text_rule", "_cols")
 
     def __init__(self, matchers: list["XGrammarMatcher"]) -> None:
         self.matchers = matchers
         self.handles = None
+        self._cols = None  # the columns of the last launch, as the worker reads them
         self.one_vocabulary = False
         # the rows whose matcher keeps its text (see XGrammarMatcher): few past
         # the first tokens of an answer
@@ -159,6 +164,7 @@ class _PreparedAccept:
         if not rows:
             return _PreparedAccept([])
         part = _PreparedAccept.__new__(_PreparedAccept)
+        part._cols = None
         matchers = self.matchers
         part.matchers = [matchers[i] for i in rows]
         part.one_vocabulary, part.one_text_rule = self.one_vocabulary, self.one_text_rule
@@ -223,6 +229,17 @@ class _PreparedAccept:
             raise ValueError("host must be a contiguous [2, B] int64 tensor in host memory")
         return _NativeAccept(self, worker, host, cols, query)
 
+    def _col_array(self, cols: list[int]) -> ctypes.Array:
+        """``cols`` as int32 for the worker: the last launch's array when they are
+        the same (a batch's steps offer the same columns while its rows stay)."""
+        kept = self._cols
+        if kept is None or kept[0] != cols:
+            kind = ctypes.c_int32 * len(cols)
+            # (through an array.array: a quarter of the time of ctypes' own conversion)
+            got = kind.from_buffer(array.array("i", cols)) if _C_INT_IS_32 else kind(*cols)
+            kept = self._cols = (list(cols), got)
+        return kept[1]
+
     def _special_bits(self) -> ctypes.Array:
         """The tokens the native worker must not offer (blocked, stop tokens), a bitmap."""
         key = (id(self.blocked), id(self.stops), self.size)
@@ -275,7 +292,7 @@ class _NativeAccept:
                  query: tuple[int, int, int] | None) -> None:
         self.part, self.worker, self.host, self.cols = part, worker, host, cols
         n = len(cols)
-        col_array = (ctypes.c_int32 * n)(*cols)
+        col_array = part._col_array(cols)
         verdicts = (ctypes.c_int8 * n)()
         special = part._special_bits()
         job = self.job = native_accept.Job(
