@@ -61,6 +61,12 @@ class LogitsConstraint(Protocol):
 # constraint is now terminated). The engine uses it for the unmasked greedy picks of
 # a pipelined step; if it raises, every constraint in the call fails its request.
 #
+# Optional: ``forces_text() -> bool`` (a method): whether the constraint fixes the
+# next bytes of text whatever token comes (a JSON key, punctuation). A greedy request
+# masked since its model's pick broke the grammar goes back to unmasked picks once its
+# masked picks are the model's own argmax; the engine does not count an agreement
+# where this is True, which shows nothing of how well the model follows the grammar.
+#
 # Optional: ``batch_acceptor(constraints) -> Callable[[list[int]], list[int]]``
 # (static or class method) prepares ``accept_tokens`` for a fixed list of its
 # instances: the engine calls the answer once a step, with that step's tokens, for

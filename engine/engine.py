@@ -1038,7 +1038,10 @@ class Engine:
         seqs = prev.seqs
         if prev.watched:
             for i, agreed in zip(prev.watched, prev.agree.tolist()):
-                seqs[i].masked_pick_seen(agreed)
+                seq = seqs[i]
+                if agreed and seq.masked and seq.agreements_due <= 1 and _forces_text(seq):
+                    continue  # (the grammar fixed the text there: an agreement shows nothing)
+                seq.masked_pick_seen(agreed)
         free, masked, checked = prev.free, prev.masked, list(prev.unchecked)
         room = self._room_of(seqs)
         taking = _Taking(prev=prev, token_list=token_list, checked=checked, defer=defer,
@@ -1625,6 +1628,30 @@ def _wait_landed(step: "_InFlight") -> None:
     while not step.landed.wait(0.05):
         if step.early.done():  # (a job that never ran: the caller reads the tokens itself)
             return
+
+
+def _forces_text(seq: Sequence) -> bool:
+    """Whether ``seq``'s constraint, in the state it picked its last token in
+    (not taken yet), fixed that token's text (its optional ``forces_text`` hook;
+    False without one, or when it fails: the agreement then counts).
+
+    A request masked since its unmasked pick broke its grammar goes back to
+    unmasked picks once its masked pick is its model's argmax. Where the grammar
+    fixes the text (a JSON key, its punctuation) the two often meet by chance: in
+    a batch's opening at 256 rows of one schema, a random-weights model's picks
+    met the grammar's on the `":` after a key and every row went back to unmasked
+    picks, to have the next one, `":` again inside the string, refused at once
+    (a step of every row lost, and one sampled again under its mask). Counted
+    only where the grammar leaves a choice, the rows stay masked through the
+    punctuation: on the CPU, 16 such rows had 1 pick refused rather than 17, in
+    41 pipelined steps rather than 42, with the same tokens."""
+    hook = getattr(seq.constraint, "forces_text", None)
+    if hook is None:
+        return False
+    try:
+        return bool(hook())
+    except Exception:
+        return False
 
 
 def _without(items: SequenceABC, drop: list[int]) -> list:

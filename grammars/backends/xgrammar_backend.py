@@ -119,6 +119,8 @@ def _handle_array(matchers: list["XGrammarMatcher"]):
 
 
 _C_INT_IS_32 = array.array("i").itemsize == 4
+# (id of a grammar, kept text) -> (the grammar, whether its state there fixes the next text)
+_FORCES_TEXT: dict[tuple[int, bytes], tuple[object, bool]] = {}
 
 
 class _PreparedAccept:
@@ -510,6 +512,24 @@ class XGrammarMatcher(Matcher):
 
     def forced_tokens(self) -> list[int]:
         return self._m.find_jump_forward_tokens()
+
+    def forces_text(self) -> bool:
+        """Whether the grammar fixes the next bytes of text, whatever the model
+        writes (the engine's optional hook: a model's unmasked argmax that equals
+        its masked pick there shows nothing of how well it follows the grammar).
+        Matchers of one grammar that took the same kept text share the answer,
+        found once (a batch's opening asks it of every row)."""
+        text = self._text
+        if text is None:
+            return bool(self._m.find_jump_forward_string())
+        key = (id(self._origin), text)
+        kept = _FORCES_TEXT.get(key)
+        if kept is None or kept[0] is not self._origin:
+            if len(_FORCES_TEXT) >= 4096:
+                _FORCES_TEXT.clear()
+            # (the origin kept too: its id stays its own)
+            kept = _FORCES_TEXT[key] = (self._origin, bool(self._m.find_jump_forward_string()))
+        return kept[1]
 
     def fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._m.fork(), self._blocked, self._size, self._stops,

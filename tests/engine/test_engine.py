@@ -622,6 +622,56 @@ def test_the_native_accept_worker_gives_the_synchronous_outputs(smollm2_engine, 
     assert 0 < eng.num_refused_picks < eng.num_unmasked_picks
 
 
+def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engine,
+                                                                  monkeypatch):
+    """Rows masked since the model's first pick broke the grammar go back to
+    unmasked picks only on agreements where the grammar left a choice. A small
+    random-weights model writes `":` where a JSON key ends and again where its
+    string value starts: counted there, every row went unmasked at once and had
+    its next pick (`":` inside the string) refused. Outputs equal synchronous
+    masked decoding's either way; with the rule, fewer picks are refused."""
+    import dataclasses
+
+    import formcast.engine.engine as engine_module
+    from formcast.engine.engine import build_model
+    from formcast.engine.models.shapes import SHAPES, random_llama_weights
+    from formcast.grammars import JsonSchema, compile
+
+    tok = smollm2_engine.tokenizer
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
+                              intermediate_size=128, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32)
+    model = build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5),
+                        device=torch.device("cpu"), dtype=torch.float32)
+    schema = {"type": "object", "required": ["records"], "properties": {"records": {
+        "type": "array", "minItems": 20, "items": {
+            "type": "object", "required": ["name", "city"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}}}}
+    compiled = compile(JsonSchema(schema), tok, vocab_size=cfg.vocab_size)
+    prompts = [tok.encode(f"Request number {i}: list the people.") for i in range(8)]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    forced = engine_module._forces_text
+    asked = []
+
+    def run(rule: bool, **config):
+        monkeypatch.setattr(engine_module, "_forces_text",
+                            (lambda seq: asked.append(seq) or forced(seq)) if rule
+                            else (lambda seq: False))
+        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=8, num_kv_blocks=128,
+                                                        spec="none", **config),
+                        device=torch.device("cpu"))
+        outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
+        return [o.token_ids for o in outs], engine.num_refused_picks
+
+    masked, _ = run(True, async_scheduling=False, unmasked_greedy=False)
+    counted, refused_counted = run(False, async_scheduling=True)
+    asked.clear()
+    ruled, refused_ruled = run(True, async_scheduling=True)
+    assert counted == masked and ruled == masked
+    assert refused_counted >= len(prompts)  # (the opening's refusal of every row)
+    assert refused_ruled < refused_counted and asked
+
+
 def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monkeypatch):
     """Once the accept thread's verdicts on a step's unmasked picks are in, the
     pipeline samples the refused rows again, sends the step's tokens to the host

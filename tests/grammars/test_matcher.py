@@ -602,3 +602,25 @@ def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, 
     assert type(prepared_for[0]).batch_acceptor([])([]) == []
 
 
+
+
+def test_forces_text_says_where_the_grammar_fixes_the_next_text(compiler, tiny_vocab):
+    """An xgrammar matcher says whether its state fixes the next text (the
+    opening brace, a required key) or leaves a choice (inside a string, after
+    a value): xgrammar's jump-forward string, found once for matchers that
+    took the same kept text and found afresh once a matcher keeps none."""
+    compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    ids = _ids(tiny_vocab, '{"name":"Al"')
+    walkers = [compiled.matcher() for _ in range(3)]
+    walkers[2]._text = None  # (keeps no text: asks xgrammar every time)
+    seen = []
+    for k, token in enumerate(ids):
+        answers = {m.forces_text() for m in walkers}
+        assert answers == {bool(walkers[0]._m.find_jump_forward_string())}, k
+        seen.append(answers.pop())
+        for m in walkers:
+            assert m.accept(token)
+    assert walkers[0]._text is not None and walkers[1]._text == walkers[0]._text
+    assert seen[0] is True  # (the opening brace and the required key)
+    assert seen[-1] is False  # (inside the name's string)
+    assert walkers[0].forces_text() is False  # (after the string: a comma or the brace)
