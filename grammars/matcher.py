@@ -251,6 +251,12 @@ class EndCheckedMatcher(Matcher):
     def forced_tokens(self) -> list[int]:
         return [t for t in self._inner.forced_tokens() if t not in self._eos]
 
+    def forces_text(self) -> bool:
+        """The inner matcher's ``forces_text`` (the engine's optional hook), False
+        without one."""
+        hook = getattr(self._inner, "forces_text", None)
+        return bool(hook()) if hook is not None else False
+
     def fork(self) -> EndCheckedMatcher:
         return EndCheckedMatcher(self._inner.fork(), self._check, self._token_bytes, self._eos,
                                  list(self._parts))

@@ -119,8 +119,6 @@ def _handle_array(matchers: list["XGrammarMatcher"]):
 
 
 _C_INT_IS_32 = array.array("i").itemsize == 4
-# (id of a grammar, kept text) -> (the grammar, whether its state there fixes the next text)
-_FORCES_TEXT: dict[tuple[int, bytes], tuple[object, bool]] = {}
 
 
 class _PreparedAccept:
@@ -387,6 +385,9 @@ class XGrammarGrammar(BackendGrammar):
         # forks (a copy of its state: 2 us here, against 4.5 us for xgrammar's
         # constructor and its checks; a batch of 256 requests makes 256)
         self._start: xgr.GrammarMatcher | None = None
+        # kept text -> whether the grammar fixes the next text there (see
+        # XGrammarMatcher.forces_text): held by the grammar, so it goes with it
+        self.forced_texts: dict[bytes, bool] = {}
 
     @property
     def memory_bytes(self) -> int:
@@ -520,16 +521,15 @@ class XGrammarMatcher(Matcher):
         Matchers of one grammar that took the same kept text share the answer,
         found once (a batch's opening asks it of every row)."""
         text = self._text
-        if text is None:
+        known = getattr(self._origin, "forced_texts", None) if text is not None else None
+        if known is None:
             return bool(self._m.find_jump_forward_string())
-        key = (id(self._origin), text)
-        kept = _FORCES_TEXT.get(key)
-        if kept is None or kept[0] is not self._origin:
-            if len(_FORCES_TEXT) >= 4096:
-                _FORCES_TEXT.clear()
-            # (the origin kept too: its id stays its own)
-            kept = _FORCES_TEXT[key] = (self._origin, bool(self._m.find_jump_forward_string()))
-        return kept[1]
+        forced = known.get(text)
+        if forced is None:
+            if len(known) >= 4096:
+                known.clear()
+            forced = known[text] = bool(self._m.find_jump_forward_string())
+        return forced
 
     def fork(self) -> XGrammarMatcher:
         return XGrammarMatcher(self._m.fork(), self._blocked, self._size, self._stops,

@@ -661,15 +661,17 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
                                                         spec="none", **config),
                         device=torch.device("cpu"))
         outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
-        return [o.token_ids for o in outs], engine.num_refused_picks
+        return [o.token_ids for o in outs], engine.num_refused_picks, engine.num_unmasked_picks
 
-    masked, _ = run(True, async_scheduling=False, unmasked_greedy=False)
-    counted, refused_counted = run(False, async_scheduling=True)
+    masked, _, _ = run(True, async_scheduling=False, unmasked_greedy=False)
+    counted, refused_counted, _ = run(False, async_scheduling=True)
     asked.clear()
-    ruled, refused_ruled = run(True, async_scheduling=True)
+    ruled, refused_ruled, unmasked_ruled = run(True, async_scheduling=True)
     assert counted == masked and ruled == masked
     assert refused_counted >= len(prompts)  # (the opening's refusal of every row)
+    # fewer refusals, the rows still going back to unmasked picks, some of them taken
     assert refused_ruled < refused_counted and asked
+    assert unmasked_ruled > refused_ruled
 
 
 def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monkeypatch):

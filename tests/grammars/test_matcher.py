@@ -624,3 +624,10 @@ def test_forces_text_says_where_the_grammar_fixes_the_next_text(compiler, tiny_v
     assert seen[0] is True  # (the opening brace and the required key)
     assert seen[-1] is False  # (inside the name's string)
     assert walkers[0].forces_text() is False  # (after the string: a comma or the brace)
+    # a matcher under an end check answers as the one it wraps
+    checked = compiler.compile(JsonSchema({"type": "array", "items": {"enum": [1, 2]},
+                                           "maxItems": 2, "uniqueItems": True}),
+                               tiny_vocab, backend="xgrammar")
+    m = checked.matcher()
+    assert checked.end_check is not None and m.forces_text() is True  # (the opening bracket)
+    assert m.accept(_ids(tiny_vocab, "[")[0]) and m.forces_text() is False  # (1 or 2)
