@@ -593,7 +593,7 @@ def test_the_native_accept_worker_gives_the_synchronous_outputs(smollm2_engine, 
     from formcast.grammars.backends import native_accept
 
     if native_accept.worker() is None:
-        pytest.skip(f"no native accept worker here: {native_accept.unavailable_reason()}")
+        pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
     compiled = city_year_grammar(smollm2_engine)
     texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",

@@ -20,9 +20,9 @@ def _worker_or_skip():
     from formcast.grammars.backends import xgrammar_backend
 
     if xgrammar_backend._NATIVE_BATCH_ACCEPT is None:
-        pytest.skip("the installed xgrammar has no native batch accept of the known form")
+        pytest.skip(reason="the installed xgrammar has no native batch accept of the known form")
     if native_accept.worker() is None:
-        pytest.skip(f"no native accept worker here: {native_accept.unavailable_reason()}")
+        pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
 
 
 def _mask(m, compiled) -> torch.Tensor:
