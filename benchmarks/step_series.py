@@ -17,13 +17,27 @@ prints
 On the H200 at batch 256 (SmolLM2-135M's shape) the opening was about half of
 the constrained run's extra time, and the steps after it were host-bound.
 
+``--parts`` says where the time of those runs goes: the host's time in each
+part of the engine's step, step by step, and on CUDA the device's idle time
+before each decode forward (events recorded around the forwards and after the
+masked picks: the gap from the last of them to a forward's start is time the
+device waited for the host to launch it). It prints the steps where the device
+waited longest, and each part's mean per step over the opening and after it.
+Its timers cost the host some microseconds a step. On the H200 at batch 256
+(JSON 131 steps, free text 129) the device waited 10.4 ms before forwards in the
+constrained run against 0.9 in the free one, 5.3 of them in one step: the one
+after most rows ended, which appended their last tokens and finished them
+(4.3 ms) before the few rows a refused pick had set a step back could go on.
+
     python benchmarks/step_series.py --tokenizer-dir DIR [--batch-sizes 64,256] [--runs 4]
     python benchmarks/step_series.py --tokenizer-dir DIR --device cpu --batch-sizes 4 --tokens 16
+    python benchmarks/step_series.py --tokenizer-dir DIR --batch-sizes 256 --parts
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import time
 
@@ -35,20 +49,108 @@ from formcast.grammars import JsonSchema, compile
 from gpu_throughput import SCHEMA, limit_host_cores, make_engine, prompts
 
 
-def series(eng, ps, sp, compiled=None) -> tuple[list[float], list[int]]:
+class StepParts:
+    """The host's seconds in each engine part of each step, and on CUDA the
+    device's idle time before each decode forward: the engine's methods wrapped
+    (on this engine instance, for the rest of its life)."""
+
+    # (pipelined steps' parts, then an ordinary step's forward and sampling)
+    PARTS = ("_take_begin", "_masks_for", "_sample_live", "_fast_lane", "_launch_inflight",
+             "_launch_ahead", "execute_decode", "_take_end", "execute", "_sample_and_append")
+    RUNNER = ("execute_decode", "execute")
+
+    def __init__(self, eng) -> None:
+        self.cuda = eng.device.type == "cuda"
+        self.step = 0
+        self.now: dict[str, float] = collections.defaultdict(float)
+        self.marks: list[tuple[str, int, object]] = []  # (kind, step, event)
+        for name in self.PARTS:
+            forward = name in self.RUNNER
+            self._wrap(eng.runner if forward else eng, name, before="start" if forward else None,
+                       after="end" if forward else None)
+        self._wrap(eng.sampler, "greedy_masked_", after="end", timed=False)
+
+    def _wrap(self, owner, name: str, before: str | None = None, after: str | None = None,
+              timed: bool = True) -> None:
+        inner = getattr(owner, name, None)
+        if inner is None:  # (a runner without a decode path of its own: its steps are ordinary)
+            return
+
+        def wrapper(*args, **kwargs):
+            if before:
+                self._mark(before)
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                if timed:
+                    self.now[name] += time.perf_counter() - start
+                if after:
+                    self._mark(after)
+
+        setattr(owner, name, wrapper)
+
+    def _mark(self, kind: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((kind, self.step, event))
+
+    def idle(self) -> dict[int, float]:
+        """Microseconds the device waited before each step's forwards (synchronized)."""
+        waited: dict[int, float] = collections.defaultdict(float)
+        last = None
+        for kind, step, event in self.marks:
+            if kind == "start":
+                if last is not None:
+                    waited[step] += max(0.0, last.elapsed_time(event) * 1e3)
+                last = None
+            else:
+                last = event
+        return waited
+
+
+def series(eng, ps, sp, compiled=None, parts: StepParts | None = None):
     """Seconds of each ``step`` of one run to completion, and the rows masked
-    after each (those a constrained row's next pick is sampled under)."""
+    after each (those a constrained row's next pick is sampled under); with
+    ``parts``, also each step's seconds by part and the device's idle time
+    before each step's forwards (microseconds, by step)."""
     for p in ps:
         eng.add_request(p, sp, constraint=None if compiled is None else compiled.matcher())
     gpu_throughput.sync()
-    times, masked = [], []
+    times, masked, by_part = [], [], []
+    if parts is not None:
+        parts.marks.clear()
     while eng.has_unfinished_requests():
+        if parts is not None:
+            parts.step, parts.now = len(times), collections.defaultdict(float)
         start = time.perf_counter()
         eng.step(finished_only=True)
         times.append(time.perf_counter() - start)
         masked.append(sum(1 for s in eng.scheduler.running if s.masked))
+        if parts is not None:
+            by_part.append(dict(parts.now))
     gpu_throughput.sync()
-    return times, masked
+    if parts is None:
+        return times, masked
+    return times, masked, by_part, parts.idle()
+
+
+def print_parts(side: str, run, opening: int) -> None:
+    """``series``' part figures of one run (see the module doc)."""
+    times, masked, by_part, idle = run
+    names = StepParts.PARTS
+    print(f"    {side} parts: device idle before forwards {sum(idle.values()) / 1e3:.2f} ms")
+    top = sorted(idle.items(), key=lambda kv: -kv[1])[:8]
+    print("    longest waits (step: us, masked rows after): " + (", ".join(
+        f"{k}: {v:.0f} ({masked[k]})" for k, v in sorted(top)) or "none timed (no CUDA)"))
+    print("    " + " " * 30 + " ".join(f"{n.strip('_')[:10]:>10}" for n in names))
+    for label, lo, hi in (("opening", 0, opening), ("after", opening, len(times))):
+        rows = by_part[lo:hi]
+        if rows:
+            wait = sum(idle.get(k, 0.0) for k in range(lo, hi)) / 1e3
+            print(f"    {label:>7} host us/step ({wait:6.2f} ms idle) " + " ".join(
+                f"{statistics.mean(r.get(n, 0.0) for r in rows) * 1e6:>10.0f}" for n in names))
 
 
 def main() -> None:
@@ -63,12 +165,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--host-cores", type=int, default=None,
                     help="run on this many host cores (a slower host)")
+    ap.add_argument("--parts", action="store_true",
+                    help="where each step's time goes: host parts, device idle (see above)")
     args = ap.parse_args()
     limit_host_cores(args.host_cores)
     gpu_throughput.DEVICE = torch.device(args.device)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     eng = make_engine(args.shape, tok, max(sizes))
+    parts = StepParts(eng) if args.parts else None
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     print(f"host time of each engine step, {args.shape}, {args.tokens} tokens a row; "
@@ -79,10 +184,10 @@ def main() -> None:
         series(eng, ps, sp, compiled)
         runs = {"free": [], "json": []}
         for _ in range(args.runs):
-            runs["free"].append(series(eng, ps, sp))
-            runs["json"].append(series(eng, ps, sp, compiled))
+            runs["free"].append(series(eng, ps, sp, parts=parts))
+            runs["json"].append(series(eng, ps, sp, compiled, parts=parts))
         best = {side: min(got, key=lambda r: sum(r[0])) for side, got in runs.items()}
-        for side, (times, masked) in best.items():
+        for side, (times, masked, *_) in best.items():
             k = args.opening
             later = statistics.median(times[k:]) * 1e6 if len(times) > k else float("nan")
             print(f"batch {bs:>4} {side}: total {sum(times) * 1e3:7.1f} ms, first {k} steps "
@@ -90,7 +195,9 @@ def main() -> None:
                   f"({len(times)} steps)")
             print("    step us/masked: " + " ".join(
                 f"{t * 1e6:.0f}/{m}" for t, m in zip(times[:args.show], masked[:args.show])))
-        (free, _), (json_, _) = best["free"], best["json"]
+            if parts is not None:
+                print_parts(side, best[side], args.opening)
+        free, json_ = best["free"][0], best["json"][0]
         k = args.opening
         print(f"batch {bs:>4} json/free tokens/s {sum(free) / sum(json_):.3f}; extra time "
               f"{(sum(json_) - sum(free)) * 1e3:.1f} ms, of which the first {k} steps "

@@ -90,7 +90,8 @@ def test_gpu_benchmark_runs_a_deepseek_v4_shape_on_the_cpu(tmp_path, smollm2_ggu
 @pytest.mark.slow
 def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf):
     # the benchmark's smoke mode: each side's totals, the first steps one by one
-    # with their masked rows, and the json/free line whose extra time adds up
+    # with their masked rows, the json/free line whose extra time adds up, and
+    # where each step's time went
     import re
     import subprocess
     import sys
@@ -103,7 +104,8 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
     run = subprocess.run(
         [sys.executable, str(root / "benchmarks" / "step_series.py"), "--tokenizer-dir",
          str(tmp_path / "tok"), "--device", "cpu", "--shape", "deepseek-v4-tiny",
-         "--batch-sizes", "2", "--tokens", "8", "--runs", "1", "--opening", "3", "--show", "4"],
+         "--batch-sizes", "2", "--tokens", "8", "--runs", "1", "--opening", "3", "--show", "4",
+         "--parts"],
         capture_output=True, text=True, timeout=600, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
@@ -116,3 +118,13 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
                              out).groups()
     assert float(ratio) == pytest.approx(totals["free"] / totals["json"], rel=0.01, abs=0.002)
     assert float(extra) == pytest.approx(totals["json"] - totals["free"], abs=0.2)
+    # --parts: each side's host parts over the opening and after it; the ordinary
+    # steps' forward and sampling took time (no device timing on the CPU)
+    assert re.findall(r"(free|json) parts: device idle before forwards 0\.00 ms", out) == \
+        ["free", "json"]
+    assert out.count("none timed (no CUDA)") == 2
+    rows = re.findall(r"(?:opening|after) host us/step \( *[0-9.]+ ms idle\) (.*)", out)
+    assert out.count("opening host us/step") == 2 and len(rows) >= 2  # (a short run: no after)
+    for row in rows:
+        cells = [int(c) for c in row.split()]
+        assert len(cells) == 10 and cells[-2] > 0 and cells[-1] > 0
