@@ -27,7 +27,9 @@ Its timers cost the host some microseconds a step. On the H200 at batch 256
 (JSON 131 steps, free text 129) the device waited 10.4 ms before forwards in the
 constrained run against 0.9 in the free one, 5.3 of them in one step: the one
 after most rows ended, which appended their last tokens and finished them
-(4.3 ms) before the few rows a refused pick had set a step back could go on.
+(4.3 ms) before the few rows a refused pick had set a step back could go on;
+on a slower host 35.0 ms against 1.7, 10.3 of them in that step and 0.7-2.6 ms
+in each of the first two steps and the steps where masked rows unmask.
 
     python benchmarks/step_series.py --tokenizer-dir DIR [--batch-sizes 64,256] [--runs 4]
     python benchmarks/step_series.py --tokenizer-dir DIR --device cpu --batch-sizes 4 --tokens 16

@@ -1462,6 +1462,11 @@ class Engine:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq)
         self._seqs.pop(seq.request_id, None)
+        # (a batch's rows ending at once each detokenize their whole output here,
+        # 4.3 ms for 252 rows on the H200's host, while rows set back a step by a
+        # refused pick wait to go on. Making the text when the output is read
+        # instead, past the step, was tried: at 256 JSON rows, one process,
+        # medians of 8 runs a side, free text 1.031x, JSON 0.996x: inside the spread)
         if seq.detok is not None:
             text = seq.text  # every token's text made while the detokenizer is here
             if reason != "stop":
