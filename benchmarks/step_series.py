@@ -182,8 +182,8 @@ def main() -> None:
           f"the fastest of {args.runs} runs a side")
     for bs in sizes:
         ps = prompts(tok, bs)
-        series(eng, ps, sp)  # warm-up, both sides
-        series(eng, ps, sp, compiled)
+        series(eng, ps, sp, parts=parts)  # warm-up, both sides
+        series(eng, ps, sp, compiled, parts=parts)
         runs = {"free": [], "json": []}
         for _ in range(args.runs):
             runs["free"].append(series(eng, ps, sp, parts=parts))
