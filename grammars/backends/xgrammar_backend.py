@@ -100,11 +100,13 @@ def _native_verdicts(handles, tokens: list[int]) -> list[int]:
     one process, medians of 6-8 runs a side, constrained throughput went from
     0.888 to 0.913 of free text's on one host and from 0.941 to 0.931 on
     another: inside the spread, and the opening's all-masked steps took as
-    long as before. The accept is not what bounds those steps.) Its answer is a tvm-ffi array, read one call per
-    element (0.4 us each here, as long as a row's accept): one containment
-    test tells the usual batch, every row taken, and a batch with refusals is
-    read through tvm-ffi's JSON writer ("[1,0,...]", in C) at half that cost,
-    both calls keeping the lock (see :func:`_quiet_global`)."""
+    long as before. The accept is not what bounds those steps.)
+
+    Its answer is a tvm-ffi array, read one call per element (0.4 us each
+    here, as long as a row's accept): one containment test tells the usual
+    batch, every row taken, and a batch with refusals is read through
+    tvm-ffi's JSON writer ("[1,0,...]", in C) at half that cost, both calls
+    keeping the lock (see :func:`_quiet_global`)."""
     got = _NATIVE_BATCH_ACCEPT(handles, tokens, False)
     n = len(tokens)
     if not (_CONTAINS(got, 0) if _CONTAINS is not None else 0 in got):
