@@ -363,19 +363,38 @@ class Engine:
                 plain_rows.append(row)
                 plain.append(item.seq)
             row += 1 + item.num_draft
+        # a batch's first step, every running request sampling: its tokens go in
+        # flight like a pipelined step's (the next step launches on them first)
+        in_flight = self._async and self._first_in_flight(plan, plain)
         # the masks of plain rows depend only on tokens already accepted: fill them
         # while the model runs
         masks = None
-        if self.config.overlap_masks and any(s.constraint is not None for s in plain):
+        if in_flight:
+            drawn = [plain[j] for j in self._sort_rows(plain, None, first=True)[1]]
+            if self.config.overlap_masks and any(s.constraint is not None for s in drawn):
+                masks = self._fill_masks_async(drawn)
+                self._masks_ahead = drawn, masks  # (for _sample_live's _masks_for)
+        elif self.config.overlap_masks and any(s.constraint is not None for s in plain):
             masks = self._fill_masks_async(plain)
         started = time.perf_counter()
         try:
             logits = self.runner.execute(plan.scheduled)
         except Exception as exc:
             if masks is not None:
+                self._masks_ahead = None
                 masks.result()  # the worker is done with the constraints before we go
             raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self.scheduler.on_step_done(plan)
+        if in_flight:
+            picked = self._sample_live(logits, plain, None, first=True)
+            if picked is not None:
+                both, unchecked, watched, agree, free, masked = picked
+                self._launch_inflight(plain, both, logits, unchecked, watched, agree, free,
+                                      masked, self._num_finishes)
+                self.step_cost.observe(plan.num_tokens, time.perf_counter() - started)
+                return outputs
+            # (a constraint failed to fill its mask: the ordinary way)
+            masks = self._masks_ahead = None
         if plain:
             rows = logits if len(plain_rows) == len(logits) else logits[plain_rows]
             # greedy constrained rows about to enter the pipeline: whether their masked
@@ -431,6 +450,25 @@ class Engine:
             return self._num_finishes != prev.finishes and \
                 [s for s in prev.seqs if s.status is not FINISHED] == running
         return all(s.num_uncomputed_tokens == 1 and s.params.logprobs is None for s in running)
+
+    def _first_in_flight(self, plan, plain: list[Sequence]) -> bool:
+        """Whether ``plan``'s sampled tokens go in flight (:meth:`_launch_inflight`)
+        rather than to the host in its step: every running request samples in
+        it (``plain``: no drafts), in the running order, none wants logprobs,
+        nothing waits, and the steps after it can pipeline. A large batch's
+        first step then costs the device no wait for the host's sampling and
+        its constraints' first accepts; a small one keeps its first token one
+        step sooner."""
+        sched = self.scheduler
+        if len(plain) < _FIRST_IN_FLIGHT_ROWS or len(plain) != len(plan.scheduled) \
+                or sched.waiting or len(plain) > self.config.max_num_batched_tokens:
+            return False
+        if [item.seq for item in plan.scheduled] != list(sched.running):
+            return False
+        mode = self._draft_mode(len(plain))
+        if mode == "all" or mode == "forced" and any(s.constraint is not None for s in plain):
+            return False
+        return all(s.params.logprobs is None for s in plain)
 
     def _pipelined_step(self) -> list[Sequence] | None:
         """Launch a decode step for every running request, take the last step's
@@ -636,12 +674,16 @@ class Engine:
         found then shrinks by at most a token a pipelined step (each takes one
         token a row); an ordinary step forgets it (:meth:`_drain`)."""
         room, steps = self._room, self.num_pipelined_steps
-        if room is None or room.seqs != seqs:  # (identity compares, in C)
-            quiet = all(s.ends_on_length_only and s.first_token_time for s in seqs)
+        # (found again while a row has yet to take its first token: a batch's
+        # first step puts them in flight)
+        if room is None or room.seqs != seqs or room.unstarted:  # (identity compares, in C)
+            unstarted = not all(s.first_token_time for s in seqs)
+            quiet = not unstarted and all(s.ends_on_length_only for s in seqs)
             least = min((s.max_total_len - len(s.token_ids) for s in seqs), default=0)
-            room = self._room = _Room(seqs=list(seqs), tokens=least, quiet=quiet, steps=steps)
+            room = self._room = _Room(seqs=list(seqs), tokens=least, quiet=quiet, steps=steps,
+                                      unstarted=unstarted)
         return _Room(seqs=room.seqs, tokens=room.tokens - (steps - room.steps),
-                     quiet=room.quiet, steps=steps)
+                     quiet=room.quiet, steps=steps, unstarted=room.unstarted)
 
     def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor, *,
                       staged: bool = False) -> None:
@@ -813,7 +855,7 @@ class Engine:
         return self._acceptor(step.seqs, token_list, list(step.unchecked))
 
     def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
-                     rows: list[int] | None):
+                     rows: list[int] | None, *, first: bool = False):
         """Sample a pipelined step's rows on the device: ``live[j]`` from
         ``logits[rows[j]]`` (``rows`` None: row ``j``), the launched step's logits.
 
@@ -825,10 +867,14 @@ class Engine:
         (index into ``live`` -> its logits row); the masked greedy rows watched for
         agreement and, on the device, whether each one's masked pick is its
         unmasked argmax; the rows without a constraint; the other constrained rows
-        (sampled under their masks). None when a constraint failed to fill its mask."""
+        (sampled under their masks). None when a constraint failed to fill its mask.
+        ``first``: the rows' first tokens (see :meth:`_sort_rows`)."""
         unmasked = self.config.unmasked_greedy
         kept = self._sorted_rows
-        if kept is not None and rows is None and kept[1] == Sequence.sampling_epoch and \
+        if first:
+            plain, drawn, unchecked, watch, free, masked, masked_only = \
+                self._sort_rows(live, rows, first=True)
+        elif kept is not None and rows is None and kept[1] == Sequence.sampling_epoch and \
                 kept[2] == unmasked and kept[0] == live:  # (identity compares, in C)
             # the rows as the last step sorted them: nothing changed their way since
             plain, drawn, unchecked, watch, free, masked, masked_only = kept[3]
@@ -900,13 +946,16 @@ class Engine:
         greedy[:, cols] = both
         return greedy, unchecked, watched, agree, free, masked
 
-    def _sort_rows(self, live: list[Sequence], rows: list[int] | None) -> tuple:
+    def _sort_rows(self, live: list[Sequence], rows: list[int] | None, *,
+                   first: bool = False) -> tuple:
         """:meth:`_sample_live`'s rows by how each is sampled: the greedy rows
         given the unmasked argmax, the rows drawn by the sampler, those of
         them given an unmasked pick (-> logits row), the drawn ones watched for
         agreement (index into drawn), the rows without a constraint, the
         constrained ones sampled under their masks, and whether the drawn rows
-        are all masked greedy rows (one kernel then picks them all)."""
+        are all masked greedy rows (one kernel then picks them all). ``first``:
+        the rows' first tokens, which every constrained row picks under its mask,
+        watched, as an ordinary step's sampling picks them."""
         unmasked = self.config.unmasked_greedy
         plain, drawn, unchecked, watch, free, masked = [], [], {}, [], [], []
         masked_only = True
@@ -919,7 +968,7 @@ class Engine:
                     plain.append(j)
                     continue
             elif greedy and unmasked:
-                if not s.masked:
+                if not s.masked and not first:
                     plain.append(j)
                     unchecked[j] = j if rows is None else rows[j]
                     continue
@@ -1622,6 +1671,8 @@ _OVERLAP_ROWS = 128
 # At 256 JSON rows on the H200 (same run, median of 12), constrained throughput
 # went from 0.675 to 0.704 of free text's with it
 _ASYNC_FILL_ROWS = 16
+# the fewest rows whose first step puts its tokens in flight (Engine._first_in_flight)
+_FIRST_IN_FLIGHT_ROWS = 8
 _ACCEPT_SWITCH_INTERVAL = 2e-4  # seconds (see Engine._quick_switches)
 
 
@@ -1865,6 +1916,7 @@ class _Room:
     tokens: int   # every row has room for at least this many more tokens
     quiet: bool   # every row ends on its length only and has its first token
     steps: int    # Engine.num_pipelined_steps when found
+    unstarted: bool = False  # a row had yet to take its first token
 
 
 class _HostSlots:

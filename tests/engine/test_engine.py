@@ -421,7 +421,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
     asynchronous, aborted = run(True)
     assert asynchronous == synchronous
     assert aborted.finish_reason == "abort" and aborted.token_ids
-    reasons = [r for _, _, r in synchronous]
+    reasons = [r for _, _, r in synchronous]; print([(t, r) for _, t, r in synchronous])
     assert "stop" in reasons and "length" in reasons
     assert json.loads(synchronous[2][1])["city"]
 
@@ -806,6 +806,87 @@ def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(
     assert first["prose"][1] is True and first["json"][1] is False
     assert tok.decode([first["json"][0]]).startswith("{")
     assert outputs[True] == outputs[False]
+
+
+def test_a_large_batchs_first_tokens_go_in_flight_as_an_ordinary_step_picks_them(
+        smollm2_engine):
+    """A batch of at least ``_FIRST_IN_FLIGHT_ROWS`` requests, every one running:
+    its first step leaves the sampled tokens in flight (no output yet; the next
+    step launches on them, then takes them) rather than taking them on the host.
+    Each constrained row's first pick is masked and watched for agreement as the
+    ordinary step's is: prose prompts under a JSON Schema go on masked, prompts
+    that ask for the JSON unmasked. Every output is the synchronous engine's:
+    greedy under the schema, seeded sampling, a stop string, ``max_tokens=1``
+    (its token in flight is its last) and EOS."""
+    import formcast.engine.engine as engine_module
+    from formcast.grammars import JsonSchema, compile
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}},
+              "required": ["city"], "additionalProperties": False}
+    compiled = compile(JsonSchema(schema), smollm2_engine.tokenizer,
+                       vocab_size=smollm2_engine.model.config.vocab_size)
+    greedy = SamplingParams(max_tokens=14, temperature=0.0)
+    prose = [chat(smollm2_engine, f"Tell a story about a {pet}.") for pet in ("dog", "cat", "fox")]
+    asks = [chat(smollm2_engine, f'Reply with only this JSON: {{"city": "{c}"}}')
+            for c in ("Paris", "Rome", "Oslo")]
+    work = [(p, greedy, True) for p in prose + asks] + [
+        (chat(smollm2_engine, "Count to ten."),
+         SamplingParams(max_tokens=30, temperature=0.0, stop=(" help",)), False),
+        (chat(smollm2_engine, "Tell a story."),
+         SamplingParams(max_tokens=20, temperature=0.8, seed=3), False),
+        (chat(smollm2_engine, "Name a fruit."), SamplingParams(max_tokens=1, temperature=0.0), False),
+        (chat(smollm2_engine, "Say hi."), SamplingParams(max_tokens=60, temperature=0.0), False),
+    ]
+    assert len(work) >= engine_module._FIRST_IN_FLIGHT_ROWS
+
+    def run(asynchronous: bool):
+        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
+        ids = [engine.add_request(p, sp, constraint=compiled.matcher() if c else None)
+               for p, sp, c in work]
+        first = engine.step()
+        if asynchronous:  # (in flight: taken by the next step, which launches first)
+            assert first == [] and engine._inflight is not None
+            first = engine.step()
+            assert engine.num_pipelined_steps == 1
+        else:
+            assert engine._inflight is None
+        assert sorted(o.request_id for o in first) == sorted(ids)
+        seqs = [engine._seqs[r] for r in ids[:6]]
+        assert all(len(s.output_ids) == 1 for s in seqs)
+        masked = [s.masked for s in seqs]
+        done = {o.request_id: o for o in first if o.finished}
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [(done[r].token_ids, done[r].text, done[r].finish_reason) for r in ids], masked
+
+    synchronous, _ = run(False)
+    pipelined, masked = run(True)
+    assert masked == [True] * 3 + [False] * 3
+    assert pipelined == synchronous
+    reasons = [r for _, _, r in synchronous]
+    assert reasons[6] == "stop" and synchronous[6][1].endswith("I'm here to")
+    assert reasons[8] == "length" and len(synchronous[8][0]) == 1
+    assert reasons[9] == "stop" and synchronous[9][0][-1] in smollm2_engine.eos_token_ids
+    assert all(t.startswith('{"city"') for _, t, _ in synchronous[3:6])
+
+
+def test_rows_whose_first_tokens_went_in_flight_are_found_quiet_once_they_took_them(
+        smollm2_engine):
+    """The pipelined steps' check of every row's room and way of ending, found
+    once per run of steps (``Engine._room_of``), is found again once the rows
+    whose first tokens went in flight took them: rows that end on their length
+    only then append their tokens plainly (``quiet``) for the rest of the run."""
+    import formcast.engine.engine as engine_module
+
+    engine = variant(smollm2_engine, async_scheduling=True, spec="none")
+    for i in range(engine_module._FIRST_IN_FLIGHT_ROWS):
+        engine.add_request(chat(smollm2_engine, f"Count to {i + 3}."),
+                           SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()  # (takes the first tokens: no row is quiet before it)
+    assert engine._room is not None and not engine._room.quiet
+    engine.step()
+    assert engine._room.quiet and engine.num_pipelined_steps == 2
 
 
 @pytest.mark.parametrize("masked", [False, True])
