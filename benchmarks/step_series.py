@@ -12,7 +12,9 @@ prints
   opening, '{"records":[{"name":"');
 - the median step after those;
 - the first steps one by one, each with its number of masked rows
-  (``step us/masked``): refusals in bulk show up there as masked rows again.
+  (``step us/masked``): refusals in bulk show up there as masked rows again;
+- the last steps one by one (``--tail``): rows a refused pick set back a step
+  end after the rest of the batch.
 
 On the H200 at batch 256 (SmolLM2-135M's shape) the opening was about half of
 the constrained run's extra time, and the steps after it were host-bound.
@@ -58,8 +60,11 @@ class StepParts:
 
     # (pipelined steps' parts, then an ordinary step's forward and sampling)
     PARTS = ("_take_begin", "_masks_for", "_sample_live", "_fast_lane", "_launch_inflight",
-             "_launch_ahead", "execute_decode", "_take_end", "execute", "_sample_and_append")
+             "_launch_ahead", "execute_decode", "_take_end", "execute", "_sample_and_append",
+             "_resample", "fill_masks", "sample_on_device")
     RUNNER = ("execute_decode", "execute")
+    # (the sampler's: fill_masks counts the mask thread's time too, in the step it ran in)
+    SAMPLER = ("fill_masks", "sample_on_device")
 
     def __init__(self, eng) -> None:
         self.cuda = eng.device.type == "cuda"
@@ -68,7 +73,8 @@ class StepParts:
         self.marks: list[tuple[str, int, object]] = []  # (kind, step, event)
         for name in self.PARTS:
             forward = name in self.RUNNER
-            self._wrap(eng.runner if forward else eng, name, before="start" if forward else None,
+            owner = eng.runner if forward else eng.sampler if name in self.SAMPLER else eng
+            self._wrap(owner, name, before="start" if forward else None,
                        after="end" if forward else None)
         self._wrap(eng.sampler, "greedy_masked_", after="end", timed=False)
 
@@ -146,6 +152,12 @@ def print_parts(side: str, run, opening: int) -> None:
     top = sorted(idle.items(), key=lambda kv: -kv[1])[:8]
     print("    longest waits (step: us, masked rows after): " + (", ".join(
         f"{k}: {v:.0f} ({masked[k]})" for k, v in sorted(top)) or "none timed (no CUDA)"))
+    for k, _ in sorted(top[:5]):  # (the step before a wait launched what the device waited for)
+        for j in (k - 1, k):
+            if 0 <= j < len(by_part):
+                print(f"      step {j} ({times[j] * 1e6:.0f} us): " + " ".join(
+                    f"{n.strip('_')}={us * 1e6:.0f}" for n, us in by_part[j].items()
+                    if us >= 20e-6))
     print("    " + " " * 30 + " ".join(f"{n.strip('_')[:10]:>10}" for n in names))
     for label, lo, hi in (("opening", 0, opening), ("after", opening, len(times))):
         rows = by_part[lo:hi]
@@ -164,6 +176,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=4, help="runs a side, alternating")
     ap.add_argument("--opening", type=int, default=25, help="steps counted as the opening")
     ap.add_argument("--show", type=int, default=28, help="first steps printed one by one")
+    ap.add_argument("--tail", type=int, default=6, help="last steps printed one by one")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--host-cores", type=int, default=None,
                     help="run on this many host cores (a slower host)")
@@ -197,13 +210,18 @@ def main() -> None:
                   f"({len(times)} steps)")
             print("    step us/masked: " + " ".join(
                 f"{t * 1e6:.0f}/{m}" for t, m in zip(times[:args.show], masked[:args.show])))
+            if args.tail:
+                print(f"    last {args.tail} steps us/masked: " + " ".join(
+                    f"{t * 1e6:.0f}/{m}" for t, m in zip(times[-args.tail:],
+                                                         masked[-args.tail:])))
             if parts is not None:
                 print_parts(side, best[side], args.opening)
         free, json_ = best["free"][0], best["json"][0]
-        k = args.opening
+        k, t = args.opening, args.tail
+        last = f", the last {t} {(sum(json_[-t:]) - sum(free[-t:])) * 1e3:.1f} ms" if t else ""
         print(f"batch {bs:>4} json/free tokens/s {sum(free) / sum(json_):.3f}; extra time "
               f"{(sum(json_) - sum(free)) * 1e3:.1f} ms, of which the first {k} steps "
-              f"{(sum(json_[:k]) - sum(free[:k])) * 1e3:.1f} ms")
+              f"{(sum(json_[:k]) - sum(free[:k])) * 1e3:.1f} ms{last}")
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
         [sys.executable, str(root / "benchmarks" / "step_series.py"), "--tokenizer-dir",
          str(tmp_path / "tok"), "--device", "cpu", "--shape", "deepseek-v4-tiny",
          "--batch-sizes", "2", "--tokens", "8", "--runs", "1", "--opening", "3", "--show", "4",
-         "--parts"],
+         "--tail", "2", "--parts"],
         capture_output=True, text=True, timeout=600, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     out = run.stdout
@@ -114,10 +114,14 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
     assert set(totals) == {"free", "json"}
     steps = re.findall(r"step us/masked: (.*)", out)
     assert len(steps) == 2 and all(re.fullmatch(r"(\d+/\d+ ?){1,4}", s.strip()) for s in steps)
-    ratio, extra = re.search(r"json/free tokens/s ([0-9.]+); extra time (-?[0-9.]+) ms",
-                             out).groups()
+    tails = re.findall(r"last 2 steps us/masked: (.*)", out)
+    assert len(tails) == 2 and all(re.fullmatch(r"\d+/\d+ \d+/\d+", t.strip()) for t in tails)
+    ratio, extra, last = re.search(r"json/free tokens/s ([0-9.]+); extra time (-?[0-9.]+) ms, "
+                                   r"of which .*, the last 2 (-?[0-9.]+) ms", out).groups()
     assert float(ratio) == pytest.approx(totals["free"] / totals["json"], rel=0.01, abs=0.002)
     assert float(extra) == pytest.approx(totals["json"] - totals["free"], abs=0.2)
+    ends = [sum(int(c.split("/")[0]) for c in t.split()) / 1e3 for t in tails]
+    assert float(last) == pytest.approx(ends[1] - ends[0], abs=0.2)
     # --parts: each side's host parts over the opening and after it; the ordinary
     # steps' forward and sampling took time (no device timing on the CPU)
     assert re.findall(r"(free|json) parts: device idle before forwards 0\.00 ms", out) == \
@@ -125,6 +129,7 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
     assert out.count("none timed (no CUDA)") == 2
     rows = re.findall(r"(?:opening|after) host us/step \( *[0-9.]+ ms idle\) (.*)", out)
     assert out.count("opening host us/step") == 2 and len(rows) >= 2  # (a short run: no after)
+    header = re.search(r"^ +(take_begin .*)$", out, re.M).group(1).split()
     for row in rows:
-        cells = [int(c) for c in row.split()]
-        assert len(cells) == 10 and cells[-2] > 0 and cells[-1] > 0
+        cells = dict(zip(header, map(int, row.split()), strict=True))
+        assert cells["execute"] > 0 and cells["sample_and"] > 0
