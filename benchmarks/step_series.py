@@ -24,7 +24,9 @@ part of the engine's step, step by step, and on CUDA the device's idle time
 before each decode forward (events recorded around the forwards and after the
 masked picks: the gap from the last of them to a forward's start is time the
 device waited for the host to launch it). It prints the steps where the device
-waited longest, and each part's mean per step over the opening and after it.
+waited longest (with the parts of each of them and of the step before), and each
+part's mean per step over the opening and after it; ``gc`` is the garbage
+collector's time, on any thread.
 Its timers cost the host some microseconds a step. On the H200 at batch 256
 (JSON 131 steps, free text 129) the device waited 10.4 ms before forwards in the
 constrained run against 0.9 in the free one, 5.3 of them in one step: the one
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import statistics
 import time
 
@@ -61,7 +64,7 @@ class StepParts:
     # (pipelined steps' parts, then an ordinary step's forward and sampling)
     PARTS = ("_take_begin", "_masks_for", "_sample_live", "_fast_lane", "_launch_inflight",
              "_launch_ahead", "execute_decode", "_take_end", "execute", "_sample_and_append",
-             "_resample", "fill_masks", "sample_on_device")
+             "_resample", "fill_masks", "sample_on_device", "_finish", "gc")
     RUNNER = ("execute_decode", "execute")
     # (the sampler's: fill_masks counts the mask thread's time too, in the step it ran in)
     SAMPLER = ("fill_masks", "sample_on_device")
@@ -77,6 +80,14 @@ class StepParts:
             self._wrap(owner, name, before="start" if forward else None,
                        after="end" if forward else None)
         self._wrap(eng.sampler, "greedy_masked_", after="end", timed=False)
+        gc.callbacks.append(self._collected)  # (the garbage collector's passes, any thread)
+        self._gc_start = 0.0
+
+    def _collected(self, phase: str, _info) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.now["gc"] += time.perf_counter() - self._gc_start
 
     def _wrap(self, owner, name: str, before: str | None = None, after: str | None = None,
               timed: bool = True) -> None:
