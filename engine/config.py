@@ -139,10 +139,11 @@ class EngineConfig:
     async_scheduling : bool | None
         In steady decoding, launch each step with the last step's samples still on
         the device and take them on the host (grammars, text, stops, next masks)
-        while it runs. None: on CUDA (Llama models). While an accept thread checks
-        a large batch's unmasked greedy picks, the interpreter's GIL switch
-        interval (process-wide) is at most 0.2 ms; the process's own comes back
-        when that ends.
+        while it runs; a batch of 8 or more requests that start together has its
+        prompts' step sampled that way too. None: on CUDA (Llama models). While an
+        accept thread checks a large batch's unmasked greedy picks, the
+        interpreter's GIL switch interval (process-wide) is at most 0.2 ms; the
+        process's own comes back when that ends.
     freeze_gc : bool | None
         Once the engine is built, collect garbage and then move every object alive
         to the garbage collector's permanent generation (``gc.freeze()``,

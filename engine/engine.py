@@ -1439,16 +1439,16 @@ class Engine:
         not the first) is appended here in two list appends: every row, every step.
         ``quiet``: that is known of every row (:attr:`_Taking.quiet`)."""
         if quiet and verdicts is None:
-            for seq, token in zip(seqs, tokens):
+            for seq, token in zip(seqs, tokens):  # (Sequence.defer_text, inline)
                 seq.token_ids.append(token)
-                seq.defer_text(token)
+                seq._undecoded.append(token)
             return
         eos, append = self.eos_token_ids, self._append_token
         for seq, token, verdict in zip(seqs, tokens, verdicts or itertools.repeat(1)):
             if verdict == 1 and seq.ends_on_length_only and token not in eos and \
                     len(seq.token_ids) + 1 < seq.max_total_len and seq.first_token_time:
                 seq.token_ids.append(token)
-                seq.defer_text(token)
+                seq._undecoded.append(token)
             elif verdict > 0:
                 append(seq, token, None, accepted=True, terminated=verdict == 2)
 

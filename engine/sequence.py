@@ -202,7 +202,9 @@ class Sequence:
         Sequence.sampling_epoch += 1
 
     def defer_text(self, token_id: int) -> None:
-        """Append ``token_id``'s text the next time :attr:`text` is read."""
+        """Append ``token_id``'s text the next time :attr:`text` is read. (The
+        engine's loop over a step's rows appends to ``_undecoded`` itself: at 256
+        rows the calls cost as much as the appends, 8 us a step on our CPU.)"""
         self._undecoded.append(token_id)
 
     @property
