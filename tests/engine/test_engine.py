@@ -627,14 +627,17 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     """Rows masked since the model's first pick broke the grammar go back to
     unmasked picks only on agreements where the grammar left a choice. A small
     random-weights model writes `":` where a JSON key ends and again where its
-    string value starts: counted there, every row went unmasked at once and had
-    its next pick (`":` inside the string) refused. Outputs equal synchronous
-    masked decoding's either way; with the rule, fewer picks are refused."""
+    string value starts: counted there, a row due one agreement went unmasked at
+    once and had its next pick (`":` inside the string) refused. With one
+    agreement due after a refusal (the schedule before it was doubled, patched
+    in here) the rule halves the refusals; the shipped schedule refuses no more
+    than that. Outputs equal synchronous masked decoding's in every case."""
     import dataclasses
 
     import formcast.engine.engine as engine_module
     from formcast.engine.engine import build_model
     from formcast.engine.models.shapes import SHAPES, random_llama_weights
+    from formcast.engine.sequence import Sequence
     from formcast.grammars import JsonSchema, compile
 
     tok = smollm2_engine.tokenizer
@@ -651,12 +654,24 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     prompts = [tok.encode(f"Request number {i}: list the people.") for i in range(8)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     forced = engine_module._forces_text
+    refused, seen = Sequence.pick_refused, Sequence.masked_pick_seen
     asked = []
 
-    def run(rule: bool, **config):
+    def refused_once(seq):  # (one agreement due after any refusal)
+        refused(seq)
+        seq.agreements_due = 1
+
+    def seen_once(seq, agreed):
+        seen(seq, agreed)
+        if not agreed:
+            seq.agreements_due = 1
+
+    def run(rule: bool, once: bool = False, **config):
         monkeypatch.setattr(engine_module, "_forces_text",
                             (lambda seq: asked.append(seq) or forced(seq)) if rule
                             else (lambda seq: False))
+        monkeypatch.setattr(Sequence, "pick_refused", refused_once if once else refused)
+        monkeypatch.setattr(Sequence, "masked_pick_seen", seen_once if once else seen)
         engine = Engine(model, tok, config=EngineConfig(max_num_seqs=8, num_kv_blocks=128,
                                                         spec="none", **config),
                         device=torch.device("cpu"))
@@ -664,14 +679,16 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
         return [o.token_ids for o in outs], engine.num_refused_picks, engine.num_unmasked_picks
 
     masked, _, _ = run(True, async_scheduling=False, unmasked_greedy=False)
-    counted, refused_counted, _ = run(False, async_scheduling=True)
+    counted, refused_counted, _ = run(False, True, async_scheduling=True)
     asked.clear()
-    ruled, refused_ruled, unmasked_ruled = run(True, async_scheduling=True)
-    assert counted == masked and ruled == masked
-    assert refused_counted >= len(prompts)  # (the opening's refusal of every row)
+    ruled, refused_ruled, unmasked_ruled = run(True, True, async_scheduling=True)
+    shipped, refused_shipped, _ = run(True, async_scheduling=True)
+    assert counted == masked and ruled == masked and shipped == masked
+    assert refused_counted >= 2 * len(prompts)  # (the opening's refusal of every row, twice)
     # fewer refusals, the rows still going back to unmasked picks, some of them taken
     assert refused_ruled < refused_counted and asked
     assert unmasked_ruled > refused_ruled
+    assert refused_shipped <= refused_ruled
 
 
 def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monkeypatch):

@@ -102,3 +102,38 @@ def test_waiting_request_with_cached_prefix_skips_computed_tokens():
     plan = run_step(sched)
     assert [(i.seq.request_id, i.num_tokens) for i in plan.scheduled] == [("a", 1), ("b", 1)]
     assert b.num_cached_prompt_tokens == 12
+
+
+def test_a_refused_pick_masks_its_request_until_more_agreements_as_refusals_repeat():
+    """Masks serve a request whose unmasked pick was refused until 2 masked picks
+    in a row are its unmasked argmax, then 4, 8 and at most 16 as refusals
+    repeat (its engine resets the streak once a pick is taken); a disagreement
+    asks for as many again, 1 for a request never refused. Each change of the
+    way it samples moves ``Sequence.sampling_epoch``."""
+    from formcast.engine.sequence import Sequence
+
+    seq = make_seq([1, 2, 3])
+    seq.masked_pick_seen(True)  # (unmasked: an agreement changes nothing)
+    assert not seq.masked and seq.agreements_due == 0
+    epoch = Sequence.sampling_epoch
+    seq.masked_pick_seen(False)
+    assert seq.masked and seq.agreements_due == 1 and Sequence.sampling_epoch == epoch + 1
+    seq.masked_pick_seen(True)
+    assert not seq.masked and Sequence.sampling_epoch == epoch + 2
+    due = []
+    for _ in range(6):
+        seq.pick_refused()
+        due.append(seq.agreements_due)
+        assert seq.masked
+    assert due == [2, 4, 8, 16, 16, 16]
+    seq.masked_pick_seen(True)
+    seq.masked_pick_seen(False)  # (a disagreement: as many again)
+    assert seq.agreements_due == 16
+    seq.refusal_streak = 0  # (a pick taken)
+    seq.pick_refused()
+    assert seq.agreements_due == 2
+    epoch = Sequence.sampling_epoch
+    seq.masked_pick_seen(True)
+    assert seq.masked and Sequence.sampling_epoch == epoch
+    seq.masked_pick_seen(True)
+    assert not seq.masked and Sequence.sampling_epoch == epoch + 1
