@@ -391,7 +391,7 @@ class Engine:
                 both, unchecked, watched, agree, free, masked = picked
                 self._launch_inflight(plain, both, logits, unchecked, watched, agree, free,
                                       masked, self._num_finishes)
-                self.step_cost.observe(plan.num_tokens, time.perf_counter() - started)
+                # (no step cost observed: the host has not waited for the device)
                 return outputs
             # (a constraint failed to fill its mask: the ordinary way)
             masks = self._masks_ahead = None
