@@ -163,12 +163,11 @@ def print_parts(side: str, run, opening: int) -> None:
     top = sorted(idle.items(), key=lambda kv: -kv[1])[:8]
     print("    longest waits (step: us, masked rows after): " + (", ".join(
         f"{k}: {v:.0f} ({masked[k]})" for k, v in sorted(top)) or "none timed (no CUDA)"))
-    for k, _ in sorted(top[:5]):  # (the step before a wait launched what the device waited for)
-        for j in (k - 1, k):
-            if 0 <= j < len(by_part):
-                print(f"      step {j} ({times[j] * 1e6:.0f} us): " + " ".join(
-                    f"{n.strip('_')}={us * 1e6:.0f}" for n, us in by_part[j].items()
-                    if us >= 20e-6))
+    # (the step before a wait launched what the device waited for)
+    around = sorted({j for k, _ in top[:5] for j in (k - 1, k) if 0 <= j < len(by_part)})
+    for j in around:
+        print(f"      step {j} ({times[j] * 1e6:.0f} us): " + " ".join(
+            f"{n.strip('_')}={us * 1e6:.0f}" for n, us in by_part[j].items() if us >= 20e-6))
     print("    " + " " * 30 + " ".join(f"{n.strip('_')[:10]:>10}" for n in names))
     for label, lo, hi in (("opening", 0, opening), ("after", opening, len(times))):
         rows = by_part[lo:hi]
