@@ -33,7 +33,13 @@ constrained run against 0.9 in the free one, 5.3 of them in one step: the one
 after most rows ended, which appended their last tokens and finished them
 (4.3 ms) before the few rows a refused pick had set a step back could go on;
 on a slower host 35.0 ms against 1.7, 10.3 of them in that step and 0.7-2.6 ms
-in each of the first two steps and the steps where masked rows unmask.
+in each of the first two steps and the steps where masked rows unmask. (That
+step's wait is the finishing of the ended rows, which a free run does after its
+last forward: what the constrained run pays more is the steps after it.) Whole
+runs' kernels took 148.1 ms constrained against 144.1 free (two more steps, the
+masked picks); with a batch's first tokens in flight and two agreements asked
+after a refusal, a fast host's constrained run took 130 steps and 6.8 ms more
+than the free one (2.5 in the first 12 steps, 1.7 in the last 5).
 
     python benchmarks/step_series.py --tokenizer-dir DIR [--batch-sizes 64,256] [--runs 4]
     python benchmarks/step_series.py --tokenizer-dir DIR --device cpu --batch-sizes 4 --tokens 16
