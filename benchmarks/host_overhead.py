@@ -80,8 +80,8 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
         at = state["at"] = (state["at"] * 1103515245 + 12345) % (POOL - len(seqs))
         return pool[at:at + len(seqs)]
 
-    def greedy_samples(runner, n):
-        return greedy[:, state["at"]:state["at"] + n]
+    def greedy_samples(runner, n):  # (as the runner's: only after a stubbed decode step)
+        return greedy[:, state["at"]:state["at"] + n] if runner._replayed else None
 
     def stage_decode_ahead(runner, seqs):
         staging.stage_seqs(seqs, len(seqs), ahead=1)

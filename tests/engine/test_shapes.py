@@ -88,6 +88,32 @@ def test_gpu_benchmark_runs_a_deepseek_v4_shape_on_the_cpu(tmp_path, smollm2_ggu
 
 
 @pytest.mark.slow
+def test_host_overhead_times_a_stubbed_pipeline_on_the_cpu(tmp_path, smollm2_gguf):
+    # the host's share of a pipelined step, forward stubbed: a line per batch size
+    # with both sides' microseconds, their ratio and the picks taken and refused (a
+    # batch of 8, whose first tokens go in flight, and the "mixed" picks' refusals)
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from formcast.engine.tokenizer import cached_gguf_tokenizer
+
+    cached_gguf_tokenizer(smollm2_gguf).save_pretrained(str(tmp_path / "tok"))
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "host_overhead.py"), "--tokenizer-dir",
+         str(tmp_path / "tok"), "--batch-sizes", "8", "--tokens", "40", "--reps", "1",
+         "--picks", "mixed"],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    free, json_, ratio, picks, refused = map(float, re.search(
+        r"^ +8 +(\d+) +(\d+) +([0-9.]+) +(\d+) +(\d+)$", run.stdout, re.M).groups())
+    assert free > 0 and json_ > 0 and ratio == pytest.approx(json_ / free, rel=0.02)
+    assert picks > 0 and 0 < refused < picks
+
+
+@pytest.mark.slow
 def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf):
     # the benchmark's smoke mode: each side's totals, the first steps one by one
     # with their masked rows, the json/free line whose extra time adds up, and
