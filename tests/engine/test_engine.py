@@ -887,6 +887,36 @@ def test_a_large_batchs_first_tokens_go_in_flight_as_an_ordinary_step_picks_them
     assert all(t.startswith('{"city"') for _, t, _ in synchronous[3:6])
 
 
+def test_requests_aborted_or_arriving_while_a_batchs_first_tokens_are_in_flight(
+        smollm2_engine):
+    """A request aborted while its batch's first tokens are in flight ends with no
+    token (its output went out with the abort), one arriving then waits for the
+    pipeline to drain; every other request gets its synchronous output."""
+    import formcast.engine.engine as engine_module
+
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    prompts = [chat(smollm2_engine, f"Name {k} animals.") for k in range(2, 12)]
+    assert len(prompts) >= engine_module._FIRST_IN_FLIGHT_ROWS
+
+    def run(asynchronous: bool):
+        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
+        ids = [engine.add_request(p, greedy) for p in prompts]
+        done = {o.request_id: o for o in engine.step() if o.finished}
+        assert (engine._inflight is not None) == asynchronous
+        gone = engine.abort_request(ids[3])
+        late = engine.add_request(chat(smollm2_engine, "Name a colour."), greedy)
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o) for o in engine.step() if o.finished)
+        return {r: (o.token_ids, o.finish_reason) for r, o in done.items()}, ids, late, gone
+
+    synchronous, ids, late, gone = run(False)
+    pipelined, ids_p, late_p, gone_p = run(True)
+    assert gone and gone_p and pipelined[ids_p[3]] == ((), "abort")
+    keep = [i for i in range(len(prompts)) if i != 3]
+    assert [pipelined[ids_p[i]] for i in keep] == [synchronous[ids[i]] for i in keep]
+    assert pipelined[late_p] == synchronous[late] and len(synchronous[late][0]) > 0
+
+
 def test_rows_whose_first_tokens_went_in_flight_are_found_quiet_once_they_took_them(
         smollm2_engine):
     """The pipelined steps' check of every row's room and way of ending, found
