@@ -61,26 +61,33 @@ def test_random_weights_with_mtp_add_the_mtp_layer():
     assert model.mtp is not None
 
 
-@pytest.mark.slow
-def test_gpu_benchmark_runs_a_deepseek_v4_shape_on_the_cpu(tmp_path, smollm2_gguf):
-    # the benchmark's own smoke mode: both sides built from the same random weights
-    import json
+def run_benchmark(script: str, gguf, tmp_path, *args: str) -> str:
+    """The stdout of ``benchmarks/<script>`` run with our tokenizer's files (saved
+    from ``gguf`` under ``tmp_path``) and ``args``; its failure fails the test."""
     import subprocess
     import sys
     from pathlib import Path
 
     from formcast.engine.tokenizer import cached_gguf_tokenizer
 
-    pytest.importorskip("transformers")
-    cached_gguf_tokenizer(smollm2_gguf).save_pretrained(str(tmp_path / "tok"))
+    cached_gguf_tokenizer(gguf).save_pretrained(str(tmp_path / "tok"))
     root = Path(__file__).resolve().parents[2]
     run = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "gpu_throughput.py"), "--tokenizer-dir",
-         str(tmp_path / "tok"), "--device", "cpu", "--shape", "deepseek-v4-tiny",
-         "--batch-sizes", "2", "--constrained-batch-sizes", "2", "--tokens", "8"],
-        capture_output=True, text=True, timeout=600, cwd=root)
+        [sys.executable, str(root / "benchmarks" / script), "--tokenizer-dir",
+         str(tmp_path / "tok"), *args], capture_output=True, text=True, timeout=600, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout
+    return run.stdout
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_a_deepseek_v4_shape_on_the_cpu(tmp_path, smollm2_gguf):
+    # the benchmark's own smoke mode: both sides built from the same random weights
+    import json
+
+    pytest.importorskip("transformers")
+    out = run_benchmark("gpu_throughput.py", smollm2_gguf, tmp_path, "--device", "cpu",
+                        "--shape", "deepseek-v4-tiny", "--batch-sizes", "2",
+                        "--constrained-batch-sizes", "2", "--tokens", "8")
     assert "shape=deepseek-v4-tiny" in out and "has no DeepSeek-V4" not in out
     ratio_rows = [line.split() for line in out.splitlines() if line.strip().startswith("2 ")]
     assert len(ratio_rows) == 2 and ratio_rows[0][-1].endswith("x")   # [1] and [2] rows
@@ -93,22 +100,11 @@ def test_host_overhead_times_a_stubbed_pipeline_on_the_cpu(tmp_path, smollm2_ggu
     # with both sides' microseconds, their ratio and the picks taken and refused (a
     # batch of 8, whose first tokens go in flight, and the "mixed" picks' refusals)
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from formcast.engine.tokenizer import cached_gguf_tokenizer
-
-    cached_gguf_tokenizer(smollm2_gguf).save_pretrained(str(tmp_path / "tok"))
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "host_overhead.py"), "--tokenizer-dir",
-         str(tmp_path / "tok"), "--batch-sizes", "8", "--tokens", "40", "--reps", "1",
-         "--picks", "mixed"],
-        capture_output=True, text=True, timeout=600, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
+    out = run_benchmark("host_overhead.py", smollm2_gguf, tmp_path, "--batch-sizes", "8",
+                        "--tokens", "40", "--reps", "1", "--picks", "mixed")
     free, json_, ratio, picks, refused = map(float, re.search(
-        r"^ +8 +(\d+) +(\d+) +([0-9.]+) +(\d+) +(\d+)$", run.stdout, re.M).groups())
+        r"^ +8 +(\d+) +(\d+) +([0-9.]+) +(\d+) +(\d+)$", out, re.M).groups())
     assert free > 0 and json_ > 0 and ratio == pytest.approx(json_ / free, rel=0.02)
     assert picks > 0 and 0 < refused < picks
 
@@ -119,22 +115,10 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
     # with their masked rows, the json/free line whose extra time adds up, and
     # where each step's time went
     import re
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    from formcast.engine.tokenizer import cached_gguf_tokenizer
-
-    cached_gguf_tokenizer(smollm2_gguf).save_pretrained(str(tmp_path / "tok"))
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "step_series.py"), "--tokenizer-dir",
-         str(tmp_path / "tok"), "--device", "cpu", "--shape", "deepseek-v4-tiny",
-         "--batch-sizes", "2", "--tokens", "8", "--runs", "1", "--opening", "3", "--show", "4",
-         "--tail", "2", "--parts"],
-        capture_output=True, text=True, timeout=600, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = run.stdout
+    out = run_benchmark("step_series.py", smollm2_gguf, tmp_path, "--device", "cpu", "--shape",
+                        "deepseek-v4-tiny", "--batch-sizes", "2", "--tokens", "8", "--runs", "1",
+                        "--opening", "3", "--show", "4", "--tail", "2", "--parts")
     totals = {side: float(ms) for side, ms in
               re.findall(r"batch +2 (free|json): total +([0-9.]+) ms", out)}
     assert set(totals) == {"free", "json"}
