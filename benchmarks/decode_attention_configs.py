@@ -4,15 +4,21 @@ For a batch where the kernel runs one program per (row, kv head) and no split
 (at least 128 programs), times the engine's own call
 (``paged_decode_attention_triton``, the configuration it picks) and then the
 kernel itself at every (keys per tile, warps, stages) of a small grid, each
-inside a CUDA graph of 50 calls (best of five replays), each checked against
-the torch path of the same attention. Prints microseconds per call, the
-engine's first, then the fastest configurations and their speed-up over it.
+checked against the torch path of the same attention. Each is timed as a
+decode step calls it: a CUDA graph calls it once per layer, each layer with
+its own caches (``--layers``), so the keys come from memory rather than from
+L2, as they do in a step (best of five replays). Rows' contexts spread from
+half to 1.5x the length given. Prints microseconds per call, the engine's
+first, then the fastest configurations and their speed-up over it.
 
-    python benchmarks/decode_attention_configs.py [--rows 256,64] [--context 80,140]
+    python benchmarks/decode_attention_configs.py [--rows 256,128,64] [--context 80,150]
 
-On the H200 (SmolLM2-135M's 9 heads over 3, head dim 64, bfloat16) tiles of 32
-keys, two warps and two stages took 6.8 us at 256 rows of 80 tokens against
-8.0 for tiles of 64, two warps and three stages (the engine's choice before).
+On the H200 (SmolLM2-135M's 9 heads over 3, head dim 64, bfloat16, 30 layers),
+a tile of 128 keys over four warps and three stages at 128 rows took 7.0 us
+against 9.7 for tiles of 32 keys, two warps and two stages at ~80 tokens, and
+10.3 against 14.3 at ~150; at 256 rows tiles of 64 keys, two warps and three
+stages took 15.3 us against 17.7 at ~150 tokens (see :func:`decode_config`,
+which picks by the number of programs).
 """
 
 from __future__ import annotations
@@ -27,20 +33,22 @@ from formcast.engine.kernels.paged_attention import paged_decode_attention
 from formcast.engine.kernels.paged_attention_triton import (
     decode_splits, launch_decode, paged_decode_attention_triton)
 
-GRID = list(itertools.product((16, 32, 64), (1, 2, 4), (1, 2, 3)))  # keys a tile, warps, stages
+GRID = list(itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 3)))  # keys a tile, warps, stages
 
 
 def graph_us(fn, calls: int = 50) -> float:
-    """Microseconds per call of ``fn`` replayed in a CUDA graph (best of five)."""
+    """Microseconds per call of ``fn`` replayed in a CUDA graph (best of five):
+    ``calls`` calls of one function, or one call of each of a list of them."""
+    fns = fn if isinstance(fn, list) else [fn] * calls
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fn()
-        fn()
+        for f in fns[:2]:
+            f()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
+        for f in fns:
+            f()
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -50,14 +58,16 @@ def graph_us(fn, calls: int = 50) -> float:
         graph.replay()
         end.record()
         torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) / calls * 1e3)
+        best = min(best, start.elapsed_time(end) / len(fns) * 1e3)
     return best
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="256,64")
-    ap.add_argument("--context", default="80,140", help="tokens of context a row")
+    ap.add_argument("--rows", default="256,128,64")
+    ap.add_argument("--context", default="80,150",
+                    help="tokens of context a row (spread from half to 1.5x)")
+    ap.add_argument("--layers", type=int, default=30, help="caches the graph reads in turn")
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--head-dim", type=int, default=64)
@@ -72,38 +82,41 @@ def main() -> None:
         args.table_blocks
     scale = d ** -0.5
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bfloat16, "
-          f"{h} heads over {hkv}, head dim {d}\n")
+          f"{h} heads over {hkv}, head dim {d}, {args.layers} layers' caches\n")
     torch.manual_seed(0)
     for rows, context in itertools.product(map(int, args.rows.split(",")),
                                            map(int, args.context.split(","))):
+        width = max(width, (context * 3 // 2 + bs - 1) // bs)
         blocks = rows * width + 1
-        k_cache = torch.randn(blocks, bs, hkv, d, device=dev, dtype=dt)
-        v_cache = torch.randn(blocks, bs, hkv, d, device=dev, dtype=dt)
+        caches = [(torch.randn(blocks, bs, hkv, d, device=dev, dtype=dt),
+                   torch.randn(blocks, bs, hkv, d, device=dev, dtype=dt))
+                  for _ in range(args.layers)]
+        k_cache, v_cache = caches[-1]  # (the one a graph's replay ends on)
         tables = torch.randperm(blocks - 1, device=dev)[:rows * width].view(rows, width)
         if decode_splits(rows, k_cache, tables) != 1:
             print(f"{rows} rows: the kernel splits contexts there (under 128 programs): skipped")
             continue
-        lens = torch.full((rows,), context, device=dev, dtype=torch.long)
+        lens = torch.randint(context // 2, context * 3 // 2 + 1, (rows,), device=dev)
         q = torch.randn(rows, h, d, device=dev, dtype=dt)
         ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, backend="torch")
-        engine = graph_us(lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables,
-                                                                lens, scale))
+        engine = graph_us([
+            lambda k=k, v=v: paged_decode_attention_triton(q, k, v, tables, lens, scale)
+            for k, v in caches])
         timed = []
         for block_n, warps, stages in GRID:
             out = torch.empty(rows, h, d, device=dev, dtype=dt)
 
-            def call():
-                launch_decode(q, k_cache, v_cache, tables, lens, out, out, scale, 1,
-                              (block_n, warps, stages))
+            def call(k, v, config=(block_n, warps, stages)):
+                launch_decode(q, k, v, tables, lens, out, out, scale, 1, config)
 
-            us = graph_us(call)
+            us = graph_us([lambda k=k, v=v: call(k, v) for k, v in caches])
             err = (out.float() - ref.float()).abs().max().item()
             if err > 0.05:
                 print(f"  tiles {block_n}, {warps} warps, {stages} stages: off by {err:.3f}")
                 continue
             timed.append((us, block_n, warps, stages))
         timed.sort()
-        print(f"{rows} rows of {context} tokens: the engine's call {engine:.2f} us; fastest:")
+        print(f"{rows} rows of ~{context} tokens: the engine's call {engine:.2f} us; fastest:")
         for us, block_n, warps, stages in timed[:args.top]:
             print(f"    {us:6.2f} us  ({engine / us:4.2f}x)  tiles of {block_n} keys, "
                   f"{warps} warps, {stages} stages")

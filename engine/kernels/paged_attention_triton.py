@@ -129,19 +129,32 @@ def decode_splits(rows: int, k_cache: torch.Tensor, block_tables: torch.Tensor) 
                       SPLIT_BLOCK_N)
 
 
-def decode_config(splits: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """Keys a tile, warps and stages of the decode kernel.
+FEW_PROGRAMS = 512  # below this many (row, kv head) programs: one tile covers most contexts
 
-    Measured on the H200 (9 heads over 3, head dim 64; 27 configurations in a
-    CUDA graph of 50 calls, each checked against the torch path:
-    benchmarks/decode_attention_configs.py): with a program per row and head in
-    bf16, tiles of 32 keys, two warps and two stages took 6.8 us at 256 rows of
-    80 tokens (tiles of 64, two warps, three stages: 8.0), 9.9 at 140 tokens
-    (10.3) and 5.5 at 64 rows of 80 (5.8); float32 keeps the latter. Split
+
+def decode_config(splits: int, dtype: torch.dtype, programs: int = FEW_PROGRAMS
+                  ) -> tuple[int, int, int]:
+    """Keys a tile, warps and stages of the decode kernel for ``programs``
+    (row, kv head) programs.
+
+    Measured on the H200 (benchmarks/decode_attention_configs.py: 9 heads over
+    3, head dim 64, bf16; each configuration in a CUDA graph calling it over
+    30 layers' caches, so that keys come from memory as in a step rather than
+    from L2; contexts spread from half to 1.5x the length named; each checked
+    against the torch path). Up to 128 rows a tile of 128 keys over four warps
+    and three stages takes most contexts in one pass: at 128 rows 7.0 us
+    against 9.7 for tiles of 32 keys, two warps and two stages (the choice
+    before) at ~80 tokens, 10.3 against 14.3 at ~150; at 64 rows 5.4 against
+    6.9 and 8.1 against 11.4. At 256 rows tiles of 64 keys, two warps and
+    three stages: 15.3 against 17.7 us at ~150 tokens, and at ~80 as fast as
+    the fastest (10.3 against 10.7 in one run; 32-key tiles 0.2 us faster in
+    another). Float32 keeps tiles of 64, two warps, three stages. Split
     contexts: tiles of 64, four warps and two stages."""
     if splits > 1:
         return SPLIT_BLOCK_N, 4, 2
-    return (64, 2, 3) if dtype == torch.float32 else (32, 2, 2)
+    if dtype == torch.float32 or programs >= FEW_PROGRAMS:
+        return 64, 2, 3
+    return 128, 4, 3
 
 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -177,7 +190,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, part, lse, scale, splits,
-                  decode_config(splits, q.dtype))
+                  decode_config(splits, q.dtype, b * k_cache.shape[2]))
     if splits == 1:
         return part
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
