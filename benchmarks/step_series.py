@@ -26,7 +26,9 @@ masked picks: the gap from the last of them to a forward's start is time the
 device waited for the host to launch it). It prints the steps where the device
 waited longest (with the parts of each of them and of the step before), and each
 part's mean per step over the opening and after it; ``gc`` is the garbage
-collector's time, on any thread.
+collector's time, on any thread, and ``verdicts`` the main thread's wait for the
+native worker's verdicts on a step's unmasked picks (inside ``fast_lane`` and
+``take_end``; none on the CPU, whose picks the accept thread checks).
 Its timers cost the host some microseconds a step. On the H200 at batch 256
 (JSON 131 steps, free text 129) the device waited 10.4 ms before forwards in the
 constrained run against 0.9 in the free one, 5.3 of them in one step: the one
@@ -56,6 +58,7 @@ import time
 
 import torch
 
+import formcast.engine.engine as engine_module
 import gpu_throughput
 from formcast.engine import SamplingParams, Tokenizer
 from formcast.grammars import JsonSchema, compile
@@ -70,7 +73,7 @@ class StepParts:
     # (pipelined steps' parts, then an ordinary step's forward and sampling)
     PARTS = ("_take_begin", "_masks_for", "_sample_live", "_fast_lane", "_launch_inflight",
              "_launch_ahead", "execute_decode", "_take_end", "execute", "_sample_and_append",
-             "_resample", "fill_masks", "sample_on_device", "_finish", "gc")
+             "_resample", "fill_masks", "sample_on_device", "_finish", "gc", "verdicts")
     RUNNER = ("execute_decode", "execute")
     # (the sampler's: fill_masks counts the mask thread's time too, in the step it ran in)
     SAMPLER = ("fill_masks", "sample_on_device")
@@ -86,6 +89,9 @@ class StepParts:
             self._wrap(owner, name, before="start" if forward else None,
                        after="end" if forward else None)
         self._wrap(eng.sampler, "greedy_masked_", after="end", timed=False)
+        # (the class's: a step's check is made anew each step. Every engine of the
+        # process then counts it, to this instance's figures, while it lives)
+        self._wrap(engine_module._NativeCheck, "result", key="verdicts")
         gc.callbacks.append(self._collected)  # (the garbage collector's passes, any thread)
         self._gc_start = 0.0
 
@@ -96,8 +102,9 @@ class StepParts:
             self.now["gc"] += time.perf_counter() - self._gc_start
 
     def _wrap(self, owner, name: str, before: str | None = None, after: str | None = None,
-              timed: bool = True) -> None:
+              timed: bool = True, key: str | None = None) -> None:
         inner = getattr(owner, name, None)
+        key = key or name
         if inner is None:  # (a runner without a decode path of its own: its steps are ordinary)
             return
 
@@ -109,7 +116,7 @@ class StepParts:
                 return inner(*args, **kwargs)
             finally:
                 if timed:
-                    self.now[name] += time.perf_counter() - start
+                    self.now[key] += time.perf_counter() - start
                 if after:
                     self._mark(after)
 
