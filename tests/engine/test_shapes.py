@@ -137,9 +137,12 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
     assert re.findall(r"(free|json) parts: device idle before forwards 0\.00 ms", out) == \
         ["free", "json"]
     assert out.count("none timed (no CUDA)") == 2
-    rows = re.findall(r"(?:opening|after) host us/step \( *[0-9.]+ ms idle\) (.*)", out)
-    assert out.count("opening host us/step") == 2 and len(rows) >= 2  # (a short run: no after)
+    rows = re.findall(r"(opening|after) host us/step \( *[0-9.]+ ms idle\) (.*)", out)
+    assert [label for label, _ in rows].count("opening") == 2
     header = re.search(r"^ +(take_begin .*)$", out, re.M).group(1).split()
-    for row in rows:
+    for label, row in rows:
         cells = dict(zip(header, map(int, row.split()), strict=True))
-        assert cells["execute"] > 0 and cells["sample_and"] > 0
+        assert cells["execute"] > 0
+        # (the opening's prefill samples the ordinary way; later steps may all verify
+        # drafts instead, as the measured step times schedule them)
+        assert cells["sample_and"] > 0 or label == "after"
