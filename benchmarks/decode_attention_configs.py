@@ -36,10 +36,9 @@ from formcast.engine.kernels.paged_attention_triton import (
 GRID = list(itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 3)))  # keys a tile, warps, stages
 
 
-def graph_us(fn, calls: int = 50) -> float:
-    """Microseconds per call of ``fn`` replayed in a CUDA graph (best of five):
-    ``calls`` calls of one function, or one call of each of a list of them."""
-    fns = fn if isinstance(fn, list) else [fn] * calls
+def graph_us(fns: list) -> float:
+    """Microseconds per call of ``fns``, each called once in a CUDA graph (best of
+    five replays)."""
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for f in fns[:2]:

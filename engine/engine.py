@@ -370,7 +370,8 @@ class Engine:
         # while the model runs
         masks = None
         if in_flight:
-            drawn = [plain[j] for j in self._sort_rows(plain, None, first=True)[1]]
+            first = self._sort_rows(plain, None, first=True)
+            drawn = [plain[j] for j in first[1]]
             if self.config.overlap_masks and any(s.constraint is not None for s in drawn):
                 masks = self._fill_masks_async(drawn)
                 self._masks_ahead = drawn, masks  # (for _sample_live's _masks_for)
@@ -386,7 +387,7 @@ class Engine:
             raise EngineError(f"model forward failed: {type(exc).__name__}: {exc}") from exc
         self.scheduler.on_step_done(plan)
         if in_flight:
-            picked = self._sample_live(logits, plain, None, first=True)
+            picked = self._sample_live(logits, plain, None, first=first)
             if picked is not None:
                 both, unchecked, watched, agree, free, masked = picked
                 self._launch_inflight(plain, both, logits, unchecked, watched, agree, free,
@@ -435,8 +436,7 @@ class Engine:
         running = sched.running
         if sched.waiting or not running or len(running) > self.config.max_num_batched_tokens:
             return False
-        mode = self._draft_mode(len(running))
-        if mode == "all" or mode == "forced" and any(s.constraint is not None for s in running):
+        if self._drafts(running):
             return False  # drafts are made from tokens the host has
         if prev is not None:
             # (the rows in flight, unchanged since: their state is the pipeline's own.
@@ -463,12 +463,16 @@ class Engine:
         if len(plain) < _FIRST_IN_FLIGHT_ROWS or len(plain) != len(plan.scheduled) \
                 or sched.waiting or len(plain) > self.config.max_num_batched_tokens:
             return False
-        if [item.seq for item in plan.scheduled] != list(sched.running):
-            return False
-        mode = self._draft_mode(len(plain))
-        if mode == "all" or mode == "forced" and any(s.constraint is not None for s in plain):
+        if [item.seq for item in plan.scheduled] != list(sched.running) or self._drafts(plain):
             return False
         return all(s.params.logprobs is None for s in plain)
+
+    def _drafts(self, running: list[Sequence]) -> bool:
+        """Whether a step of ``running`` would draft for any of them (see
+        :meth:`_draft_mode`)."""
+        mode = self._draft_mode(len(running))
+        return mode == "all" or mode == "forced" and any(s.constraint is not None
+                                                         for s in running)
 
     def _pipelined_step(self) -> list[Sequence] | None:
         """Launch a decode step for every running request, take the last step's
@@ -855,7 +859,7 @@ class Engine:
         return self._acceptor(step.seqs, token_list, list(step.unchecked))
 
     def _sample_live(self, logits: torch.Tensor, live: list[Sequence],
-                     rows: list[int] | None, *, first: bool = False):
+                     rows: list[int] | None, *, first: tuple | None = None):
         """Sample a pipelined step's rows on the device: ``live[j]`` from
         ``logits[rows[j]]`` (``rows`` None: row ``j``), the launched step's logits.
 
@@ -868,12 +872,11 @@ class Engine:
         agreement and, on the device, whether each one's masked pick is its
         unmasked argmax; the rows without a constraint; the other constrained rows
         (sampled under their masks). None when a constraint failed to fill its mask.
-        ``first``: the rows' first tokens (see :meth:`_sort_rows`)."""
+        ``first``: the rows' first tokens, as :meth:`_sort_rows` sorted them for that."""
         unmasked = self.config.unmasked_greedy
         kept = self._sorted_rows
-        if first:
-            plain, drawn, unchecked, watch, free, masked, masked_only = \
-                self._sort_rows(live, rows, first=True)
+        if first is not None:
+            plain, drawn, unchecked, watch, free, masked, masked_only = first
         elif kept is not None and rows is None and kept[1] == Sequence.sampling_epoch and \
                 kept[2] == unmasked and kept[0] == live:  # (identity compares, in C)
             # the rows as the last step sorted them: nothing changed their way since

@@ -132,8 +132,7 @@ def decode_splits(rows: int, k_cache: torch.Tensor, block_tables: torch.Tensor) 
 FEW_PROGRAMS = 512  # below this many (row, kv head) programs: one tile covers most contexts
 
 
-def decode_config(splits: int, dtype: torch.dtype, programs: int = FEW_PROGRAMS
-                  ) -> tuple[int, int, int]:
+def decode_config(splits: int, dtype: torch.dtype, programs: int) -> tuple[int, int, int]:
     """Keys a tile, warps and stages of the decode kernel for ``programs``
     (row, kv head) programs.
 
