@@ -249,6 +249,9 @@ class DecodeGraphs:
         self.greedy_reads = 0  # of them, steps whose tokens the graph sampled
         self.staged_replays = 0  # of them, steps staged ahead (see stage_ahead)
         self.preloaded_replays = 0  # of those, steps whose copies were queued ahead (preload)
+        # the sizes whose graphs a step with draft positions (several rows of a
+        # sequence) may replay: not those whose forward relied on one row a sequence
+        self.draft_sizes: set[int] = set()
         self._copied = torch.cuda.Event()  # the host buffer is free again once it fires
         self._staged: tuple | None = None  # (rows, size) staged ahead (see stage_ahead)
         self._preloaded = False  # the staged step's copies are queued (see preload)
@@ -261,7 +264,7 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=dev[2 * m:2 * m + b], decode_rows=self._rows[:b],
             decode_block_tables=dev[at:-1].view(m, self.max_blocks)[:b],
-            decode_lens=dev[3 * m:3 * m + b], prefills=())
+            decode_lens=dev[3 * m:3 * m + b], prefills=(), one_token_rows=True)
         return dev[:b], dev[m:m + b], meta
 
     def _patch(self) -> None:
@@ -281,6 +284,10 @@ class DecodeGraphs:
             tokens, positions, meta = self._inputs(b)
             self._patch()
             self._forward(tokens, positions, meta)  # compiles the kernels for this size
+            # (a forward that stores a row's key and value as other rows attend gives
+            # draft rows stale keys: steps with drafts run eagerly at such sizes)
+            if not meta.relied_on_one_token_rows:
+                self.draft_sizes.add(b)
             torch.cuda.synchronize()
             self._graphs[b], self._logits[b], self._greedy[b] = [], [], []
             for c in range(COPIES):

@@ -42,6 +42,7 @@ class StepLayout:
     decode_lens: list[int] = field(default_factory=list)
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
     # (first row, tokens, context length once written, block table) per prefill chunk
+    drafts: bool = False  # a sequence decodes several rows (its draft positions)
 
     def add_decode(self, token: int | None, position: int, table: list[int],
                    is_prompt: bool, block_size: int) -> None:
@@ -119,8 +120,9 @@ class ModelRunner:
         self._replayed = False
         if self.graphs is not None:
             self.graphs.invalidate()  # ordinary steps may cut and regrow block tables
-        if self.graphs is not None and layout.only_decodes \
-                and self.graphs.size_for(len(layout.tokens)) is not None:
+        size = self.graphs.size_for(len(layout.tokens)) if self.graphs is not None else None
+        if size is not None and layout.only_decodes \
+                and (not layout.drafts or size in self.graphs.draft_sizes):
             logits = self.graphs.run(layout.tokens, layout.positions, layout.slots,
                                      layout.decode_tables, layout.decode_lens)
             return logits.clone() if all_logits else logits
@@ -224,6 +226,7 @@ class ModelRunner:
                 # verification scores every position exactly as plain decoding of
                 # those tokens would (decode rows are batch-invariant, and so are
                 # the linears), so greedy output cannot change with speculation
+                out.drafts = out.drafts or n > 1
                 for j in range(n):
                     out.decode_rows.append(row0 + j)
                     out.decode_tables.append(table[:(start + j + bs) // bs])
@@ -255,7 +258,7 @@ class ModelRunner:
             decode_rows=to_device(layout.decode_rows, torch.long, dev),
             decode_block_tables=to_device(padded, torch.long, dev).view(len(padded), max_blocks),
             decode_lens=to_device(layout.decode_lens, torch.long, dev),
-            prefills=spans, prefill_packed=packed,
+            prefills=spans, prefill_packed=packed, one_token_rows=not layout.drafts,
         )
         return (to_device(layout.tokens, torch.long, dev),
                 to_device(layout.positions, torch.long, dev), meta,

@@ -65,6 +65,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return torch.matmul(probs, vv).view(b, h, d)
 
 
+def rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                          positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                          block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                          *, backend: str = "auto") -> torch.Tensor:
+    """Decode rows' attention from their fused projection's output, its new
+    token's rotation and cache store included: ``qkv`` ``[B, (H + 2 Hkv) * D]``
+    (query heads, key heads, value heads) at ``positions`` [B] (the float32
+    ``cos``/``sin`` tables [P, D] of :mod:`formcast.engine.kernels.rope`); the
+    rotated keys and the values go to ``slots`` [B] of the caches, then each
+    row attends to its first ``context_lens[b]`` tokens (the new one counted).
+    Returns ``[B, H, D]`` in ``qkv``'s dtype and leaves ``qkv`` as it is. The
+    torch path (the reference) rotates a copy, stores, then runs
+    :func:`paged_decode_attention`; on CUDA one Triton kernel does all three."""
+    from formcast.engine.kernels.rope import apply_rope_, store_kv_
+
+    b, d = qkv.shape[0], k_cache.shape[3]
+    h, hkv = num_heads, num_kv_heads
+    if h % hkv:
+        raise ValueError(f"paged attention: {h} query heads do not group over {hkv} kv heads")
+    if qkv.shape[1] != (h + 2 * hkv) * d:
+        raise ValueError(f"rope decode attention: {qkv.shape[1]} columns for {h} + 2 x {hkv} "
+                         f"heads of {d}")
+    if b == 0:
+        return qkv.new_empty(0, h, d)
+    if use_triton(qkv, backend):
+        from formcast.engine.kernels.paged_attention_triton import rope_decode_attention_triton
+
+        return rope_decode_attention_triton(qkv, h, hkv, positions, cos, sin, k_cache, v_cache,
+                                            slots, block_tables, context_lens, scale)
+    qk = qkv[:, :(h + hkv) * d].reshape(b, h + hkv, d).clone()
+    apply_rope_(qk, positions, cos, sin, backend="torch")
+    store_kv_(k_cache, v_cache, qk[:, h:], qkv[:, (h + hkv) * d:].reshape(b, hkv, d), slots)
+    return paged_decode_attention(qk[:, :h], k_cache, v_cache, block_tables, context_lens, scale,
+                                  backend="torch")
+
+
 def pack_prefills(starts: list[int], lengths: list[int], context_lens: list[int],
                   block_tables: list, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -202,6 +202,135 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 
 @triton.jit
+def _rope_decode_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, tables_ptr,
+                        lens_ptr, out_ptr, lse_ptr, scale, group, num_q, head_dim,
+                        stride_t, stride_h, table_stride, stride_kb, stride_kt, stride_kh,
+                        stride_vb, stride_vt, stride_vh, stride_tb,
+                        BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    """A decode row's attention with its new token's rotation and cache store:
+    the query heads of kv head ``kvh`` and that head's new key rotate at the
+    row's position (rounded to the activations' dtype, as the rotation kernel
+    rounds; each element's partner in the other half read alongside it), split
+    0 writes the key and value to the row's cache slot and, after the cached
+    context (its first ``length - 1`` tokens, walked as :func:`_decode_kernel`
+    walks a context), adds the new token to the online softmax (its scores
+    found before the loop, its value read again after it: the loop keeps
+    fewer registers live)."""
+    row = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + row).to(tl.int32)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    live_g = g < group
+    live_d = d < head_dim
+    half = head_dim // 2
+    partner = tl.where(d < half, d + half, d - half)
+    sign = tl.where(d < half, -1.0, 1.0)            # rotate-half: [x1 c - x2 s, x2 c + x1 s]
+    cs = tl.load(cos_ptr + pos * table_stride + d, mask=live_d, other=0.0)
+    sn = tl.load(sin_ptr + pos * table_stride + d, mask=live_d, other=0.0) * sign
+    dtype = qkv_ptr.dtype.element_ty
+    base = qkv_ptr + row * stride_t
+    heads = kvh * group + g
+    qmask = live_g[:, None] & live_d[None, :]
+    at_q = base + heads[:, None] * stride_h
+    x = tl.load(at_q + d[None, :], mask=qmask, other=0.0).to(tl.float32)
+    y = tl.load(at_q + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
+    q = tl.fma(x, cs[None, :], y * sn[None, :]).to(dtype)  # (as _rope_kernel rounds)
+    at_k = base + (num_q + kvh) * stride_h
+    at_v = base + (num_q + tl.num_programs(1) + kvh) * stride_h
+    kx = tl.load(at_k + d, mask=live_d, other=0.0).to(tl.float32)
+    ky = tl.load(at_k + partner, mask=live_d, other=0.0).to(tl.float32)
+    k_new = tl.fma(kx, cs, ky * sn).to(k_ptr.dtype.element_ty)
+    # the new token's scores now (the loop then holds a number a query head)
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+    if split == 0:
+        v_new = tl.load(at_v + d, mask=live_d, other=0.0)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        tl.store(k_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
+                 + kvh * stride_kh + d, k_new, mask=live_d)
+        tl.store(v_ptr + (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vt
+                 + kvh * stride_vh + d, v_new.to(v_ptr.dtype.element_ty), mask=live_d)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    cached = length - 1
+    split_len = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
+    begin = split * split_len
+    end = tl.minimum(begin + split_len, cached)
+    for start in range(begin, end, BLOCK_N):
+        offs = start + tl.arange(0, BLOCK_N)
+        live = offs < end
+        acc, m, total = _attend_tile(q, acc, m, total, k_ptr, v_ptr, tables_ptr + row * stride_tb,
+                                     offs, live, live[None, :], kvh, d, live_d, scale,
+                                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                                     stride_vh, BLOCK_SIZE, IEEE)
+    if split == 0:  # the new token (its value read again: not held through the loop)
+        v_new = tl.load(at_v + d, mask=live_d, other=0.0)
+        m_new = tl.maximum(m, s_new)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s_new - m_new)
+        total = total * alpha + p
+        pr = p.to(v_new.dtype).to(tl.float32)  # (rounded as the tiles' probabilities are)
+        acc = acc * alpha[:, None] + pr[:, None] * v_new.to(tl.float32)[None, :]
+        m = m_new
+    out = acc / tl.maximum(total, 1e-30)[:, None]
+    at = (row * tl.num_programs(1) * group + heads) * SPLITS + split          # [G]
+    tl.store(out_ptr + at[:, None] * head_dim + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=qmask)
+    if SPLITS > 1:
+        tl.store(lse_ptr + at, m + tl.log(total), mask=live_g)
+
+
+def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                                 positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 slots: torch.Tensor, block_tables: torch.Tensor,
+                                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode rows' attention from their fused projection's output ``qkv``
+    ``[B, (H + 2 Hkv) * D]`` (queries, keys, values; rows contiguous), each at
+    ``positions`` with the new token's key and value written to ``slots`` of
+    the caches on the way: what :func:`formcast.engine.kernels.rope.
+    apply_rope_and_store_kv_` then :func:`paged_decode_attention_triton` do,
+    in one launch (two with a split context). ``context_lens`` count the new
+    token. Returns ``[B, H, D]``; ``qkv`` is left as it is."""
+    b = qkv.shape[0]
+    d = k_cache.shape[3]
+    h, hkv = num_heads, num_kv_heads
+    if qkv.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged attention: the head dimension must be contiguous")
+    if d % 2:
+        raise ValueError(f"rope: an odd head dimension ({d}) has no halves to rotate")
+    if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
+        raise ValueError(f"rope decode attention: caches of {k_cache.dtype} for activations "
+                         f"of {qkv.dtype}")
+    splits = decode_splits(b, k_cache, block_tables)
+    if splits == 1:
+        part = lse = torch.empty(b, h, d, dtype=qkv.dtype, device=qkv.device)
+    else:
+        part = torch.empty(b, h, splits, d, dtype=torch.float32, device=qkv.device)
+        lse = torch.empty(b, h, splits, dtype=torch.float32, device=qkv.device)
+    block_n, warps, stages = decode_config(splits, qkv.dtype, b * hkv)
+    cos = cos.to(device=qkv.device, dtype=torch.float32)
+    sin = sin.to(device=qkv.device, dtype=torch.float32)
+    _rope_decode_kernel[(b, hkv, splits)](
+        qkv, positions, slots, cos, sin, k_cache, v_cache, block_tables, context_lens, part,
+        lse, scale, h // hkv, h, d, qkv.stride(0), d, cos.stride(0), k_cache.stride(0),
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), block_tables.stride(0),
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
+        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
+        IEEE=qkv.dtype == torch.float32, num_warps=warps, num_stages=stages)
+    if splits == 1:
+        return part
+    out = torch.empty(b, h, d, dtype=qkv.dtype, device=qkv.device)
+    _merge_kernel[(b * h,)](part, lse, out, d, SPLITS=splits, BLOCK_D=triton.next_power_of_2(d))
+    return out
+
+
+@triton.jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, ctx_ptr, tables_ptr,
                     scale, group, head_dim, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb,

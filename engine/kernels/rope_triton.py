@@ -27,8 +27,10 @@ def _rope_kernel(x_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, kc_ptr, vc_p
     x1 = tl.load(base, mask=live, other=0.0).to(tl.float32)
     x2 = tl.load(base + half, mask=live, other=0.0).to(tl.float32)
     dtype = x_ptr.dtype.element_ty
-    r1 = (x1 * c - x2 * s).to(dtype)
-    r2 = (x2 * c + x1 * s).to(dtype)
+    # (fused multiply-adds written out: the fused decode attention kernel rotates
+    # the same way, so both write the same bits to the cache)
+    r1 = tl.fma(x1, c, -(x2 * s)).to(dtype)
+    r2 = tl.fma(x2, c, x1 * s).to(dtype)
     tl.store(base, r1, mask=live)
     tl.store(base + half, r2, mask=live)
     if STORE:

@@ -41,6 +41,18 @@ class AttentionMetadata:
     # the prefills as two device tensors, made once a step for every layer: (starts,
     # lengths, context lengths) [3, P] long and the block tables [P, NB] long, padded
     prefill_packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # every decode row is its sequence's one new token (no draft positions): a kernel
+    # may then store a row's key and value while the other rows attend
+    one_token_rows: bool = False
+
+    def rely_on_one_token_rows(self) -> None:
+        """A layer took a path that holds only with :attr:`one_token_rows` (a CUDA
+        graph captured over this metadata must not then replay draft rows)."""
+        object.__setattr__(self, "_relied", True)
+
+    @property
+    def relied_on_one_token_rows(self) -> bool:
+        return self.__dict__.get("_relied", False)
 
     def prefill_args(self) -> tuple[list[int], list[int], list[int], list[torch.Tensor]]:
         """The prefills' starts, lengths, context lengths and block tables as lists,

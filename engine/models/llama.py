@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 from formcast.engine.config import LlamaConfig
+from formcast.engine.kernels import triton_available
 from formcast.engine.kernels.activation import silu_and_mul
+from formcast.engine.kernels.paged_attention import rope_decode_attention
 from formcast.engine.layers.attention import AttentionMetadata, paged_attention
 from formcast.engine.layers.linear import Linear
 from formcast.engine.layers.norm import RMSNorm
@@ -31,10 +33,32 @@ class LlamaAttention(nn.Module):
                                   bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
+    # a CUDA step of decode rows only (one a sequence: no draft positions) rotates
+    # its new tokens, stores their keys and values and attends in one kernel
+    # (rope_decode_attention), a launch a layer fewer; a verification step's draft
+    # rows go the separate way (eagerly: graphs captured over the fused kernel do
+    # not replay them). Half precision only: float32 speculation promises the
+    # tokens of plain decoding, bit for bit, which one way for both keeps. Heads of
+    # up to 64 and batches of one program a row and kv head (no split contexts):
+    # compiled for the H200 it holds 142-176 registers where the separate kernel
+    # holds 144 at head dim 64, and spills at 128 (kilobytes with split contexts)
+    fused_decode = True
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        qk, v = self.qkv_proj.forward(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj.forward(x)
+        if qkv.is_cuda and self.fused_decode and qkv.dtype != torch.float32 and \
+                self.head_dim <= 64 and t * self.num_kv_heads >= 128 and \
+                meta.one_token_rows and not meta.prefills and meta.num_decodes == t and \
+                triton_available():
+            meta.rely_on_one_token_rows()
+            o = rope_decode_attention(qkv, self.num_heads, self.num_kv_heads, positions,
+                                      *rotary.tables(positions.device), kv_cache[0],
+                                      kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
+                                      meta.decode_lens, self.scale)
+            return self.o_proj.forward(o.reshape(t, self.q_size))
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # q and k rotate together (one set of ops for both): [T, H + Hkv, D]; on CUDA
         # the keys and values go to the cache in the same kernel

@@ -111,6 +111,62 @@ def test_cuda_graphs_give_the_eager_outputs(weights, tokenizer, dtype):
                                               else 0.05)
 
 
+def test_cuda_fused_rope_decode_attention_tracks_the_separate_kernels(weights, tokenizer,
+                                                                     monkeypatch):
+    """bfloat16 decode steps (graphed and eager) rotate, store and attend in one
+    kernel; the tokens' log-probabilities are those of the separate rotation and
+    attention kernels within bfloat16's rounding (up to a near-tie taken the
+    other way), over contexts of two tiles, and the steps after read the keys
+    and values that kernel stored. Graphs captured
+    over it replay no draft rows (their keys would be stale); float32 engines
+    keep the separate kernels."""
+    from formcast.engine.models import llama
+
+    calls = []
+    fused_call = llama.rope_decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused_call(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "rope_decode_attention", counted)
+    lp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    # (48 rows: a program a row and kv head, no split contexts, as the fused path
+    # asks; contexts of 120-200 tokens: two tiles of keys)
+    batches = [[tokenizer.encode(f"Request {i}: " + "tell me about the weather. " * (20 + i % 7))
+                for i in range(48)]]
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(llama.LlamaAttention, "fused_decode", fused)
+        for graphs in (True, False):
+            calls.clear()
+            eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=2048,
+                              max_num_seqs=64, cuda_graphs=graphs)
+            got[fused, graphs] = [eng.generate(ps, lp) for ps in batches]
+            assert bool(calls) == fused
+            if graphs:  # (the 64-row graph fused; the smaller ones have too few rows)
+                assert (64 in eng.runner.graphs.draft_sizes) == (not fused)
+                assert 1 in eng.runner.graphs.draft_sizes
+    compared = total = 0
+    for graphs in (True, False):
+        for outs_a, outs_b in zip(got[True, graphs], got[False, graphs]):
+            for a, b in zip(outs_a, outs_b):
+                total += len(a.logprobs)
+                for x, y in zip(a.logprobs, b.logprobs):
+                    if x.token_id != y.token_id:
+                        break  # (a near-tie taken the other way: the rest differ by design)
+                    assert x.logprob == pytest.approx(y.logprob, abs=0.05)
+                    compared += 1
+    assert compared >= total // 2
+    assert [[o.token_ids for o in outs] for outs in got[True, True]] == \
+        [[o.token_ids for o in outs] for outs in got[True, False]]
+    calls.clear()
+    eng32 = make_engine(weights, tokenizer, "cuda", torch.float32, num_kv_blocks=2048,
+                        max_num_seqs=64)
+    eng32.generate(batches[0], lp)
+    assert not calls and eng32.runner.graphs.draft_sizes == set(eng32.runner.graphs.sizes)
+
+
 def test_cuda_prompt_graphs_give_the_eager_outputs(weights, tokenizer):
     """Steps of prompt chunks replayed from graphs (tokens, chunks and the longest
     chunk padded to powers of two; captured the first time a bucket runs) give

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from formcast.engine.kernels.moe import grouped_expert_mlp
-from formcast.engine.kernels.paged_attention import paged_decode_attention, paged_prefill_attention_
+from formcast.engine.kernels.paged_attention import (paged_decode_attention,
+                                                     paged_prefill_attention_,
+                                                     rope_decode_attention)
 from formcast.engine.kernels.sampling import sample, sampling_thresholds
 from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
 from formcast.engine.kernels.activation import silu_and_mul
@@ -155,6 +157,71 @@ def _compare_paged(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) 
             assert (one.float() - ref[:1].float()).abs().max().item() <= tol
 
 
+def _compare_rope_decode(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
+    """The Triton decode attention that rotates its rows' new tokens and stores
+    their keys and values itself, against the torch path (rotation, store,
+    attention): the outputs, the cache slots it writes (as the rotation kernel
+    writes them, and none other), the projection output left as it was; rows
+    whose context is only the new token, contexts across blocks and long enough
+    to split, GQA groups of 1, 3 and 4, a head dimension that is no power of two."""
+    gen = torch.Generator().manual_seed(6)
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.03)):
+        if dtype not in dtypes:
+            continue
+        cases = [(9, 3, 64, 16, [1, 16, 17, 300, 95]), (8, 2, 64, 16, [700]),
+                 (4, 4, 32, 32, [5, 64, 65]), (6, 2, 80, 16, [3, 40, 90]),
+                 (9, 3, 64, 16, [1 + 7 * i for i in range(48)])]
+        if dtype == torch.bfloat16:
+            cases.append((9, 3, 64, 16, [1 + 2 * i for i in range(180)]))
+        for h, hkv, d, bs, lens in cases:
+            nb_total = sum(-(-n // bs) for n in lens) + 3
+            k_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
+            v_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
+            free = torch.randperm(nb_total, generator=gen).tolist()
+            width = max(-(-n // bs) for n in lens) + 2
+            tables = torch.zeros(len(lens), width, dtype=torch.long)
+            for i, n in enumerate(lens):
+                need = -(-n // bs)
+                tables[i, :need] = torch.tensor(free[:need])
+                del free[:need]
+            positions = torch.tensor(lens) - 1
+            slots = torch.stack([tables[i, p // bs] * bs + p % bs
+                                 for i, p in enumerate(positions.tolist())])
+            qkv = torch.randn(len(lens), (h + 2 * hkv) * d, generator=gen).to(dtype)
+            cos, sin = RotaryEmbedding(d, 4096, 10000.0).tables(torch.device("cpu"))
+            dev = [t.to(backend_device) for t in (qkv, positions, cos, sin, slots, tables,
+                                                  torch.tensor(lens))]
+            got_q, pos_d, cos_d, sin_d, slots_d, tables_d, lens_d = dev
+            kv = {}
+            for backend in ("torch", "triton"):
+                kc, vc = k_cache.to(backend_device), v_cache.to(backend_device)
+                out = rope_decode_attention(got_q, h, hkv, pos_d, cos_d, sin_d, kc, vc, slots_d,
+                                            tables_d, lens_d, d ** -0.5, backend=backend)
+                kv[backend] = (out, kc, vc)
+            assert torch.equal(got_q.cpu(), qkv)  # (the projection's output is not rotated)
+            (ref, _, _), (out, kt, vt) = kv["torch"], kv["triton"]
+            assert out.dtype == dtype and out.shape == (len(lens), h, d)
+            err = (out.float() - ref.float()).abs().max().item()
+            assert err <= tol, f"{dtype} h={h} hkv={hkv} lens={lens}: max error {err}"
+            # the cache as the rotation kernel leaves it (it rounds once, as this one
+            # does; the torch path rounds after each operation), to the last bit but
+            # one (the compiler may fuse a product into an addition either way)
+            kc, vc = k_cache.to(backend_device), v_cache.to(backend_device)
+            b_ = len(lens)
+            apply_rope_and_store_kv_(got_q[:, :(h + hkv) * d].reshape(b_, h + hkv, d).clone(),
+                                     got_q[:, (h + hkv) * d:].reshape(b_, hkv, d), pos_d,
+                                     cos_d, sin_d, kc, vc, slots_d, backend="triton")
+            ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
+            for a, b in ((kt, kc), (vt, vc)):
+                a, b = a.float(), b.float()
+                assert ((a - b).abs() <= b.abs() * ulp).all()
+            written = torch.zeros(nb_total * bs, dtype=torch.bool)
+            written[slots] = True
+            for a, b in ((kt, k_cache), (vt, v_cache)):  # (and no other slot)
+                a, b = a.cpu().view(-1, hkv, d), b.view(-1, hkv, d)
+                assert torch.equal(a[~written], b[~written])
+
+
 def _compare_prefill(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """Triton paged prefill attention vs the torch reference: several chunks in one
     step (a first chunk, continuations with earlier tokens cached, one token, a
@@ -291,6 +358,7 @@ def _compare_moe(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) ->
 def test_triton_kernels_match_the_reference_on_cuda():
     _compare("cuda")
     _compare_paged("cuda")
+    _compare_rope_decode("cuda")
     _compare_prefill("cuda")
     _compare_sampling("cuda")
     _compare_greedy("cuda")
@@ -307,9 +375,10 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
         import torch
         sys.path.insert(0, {here!r})
         from test_kernels import (_compare, _compare_paged, _compare_prefill, _compare_sampling,
-                                  _compare_greedy, _compare_moe)
+                                  _compare_greedy, _compare_moe, _compare_rope_decode)
         _compare("cpu")
         _compare_paged("cpu", dtypes=(torch.float32,))
+        _compare_rope_decode("cpu", dtypes=(torch.float32,))
         _compare_prefill("cpu", dtypes=(torch.float32,))
         _compare_sampling("cpu", backends=("triton",))
         _compare_greedy("cpu")
