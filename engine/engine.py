@@ -910,8 +910,18 @@ class Engine:
             else:
                 lists += [logit_rows, watch, watched, drawn]
         index = iter(())
+        pinned = False
         if any(lists):
-            flat = to_device([v for part in lists for v in part], torch.long, dev)
+            values = [v for part in lists for v in part]
+            flat = None
+            if masked_only and not gather and len(drawn) <= _PINNED_ROWS and \
+                    (not watch or len(watch) == len(drawn)) and dev.type == "cuda":
+                # a few masked rows (the usual step after a refusal): the kernel reads
+                # the lists and the masks in pinned host memory, no copy launched
+                flat = self.sampler.pinned_ints(masks, values)
+                pinned = flat is not None
+            if flat is None:
+                flat = to_device(values, torch.long, dev)
             index = iter(flat.split([len(part) for part in lists]))  # (one call: views)
         greedy = None
         if plain or watch:  # (before the sampler masks the logits in place)
@@ -928,7 +938,8 @@ class Engine:
                 out = torch.empty(2, len(live), dtype=torch.long, device=dev)
             else:
                 out = greedy if gather else greedy.clone()
-            agree = self.sampler.greedy_masked_(out, logits, at, cols, masks, mask_rows)
+            agree = self.sampler.greedy_masked_(out, logits, at, cols, masks, mask_rows,
+                                                pinned=pinned)
             if len(watch) < len(drawn):
                 agree = agree[subset] if watch else None
             return out, unchecked, watched, agree, free, masked
@@ -1674,6 +1685,7 @@ _OVERLAP_ROWS = 128
 # At 256 JSON rows on the H200 (same run, median of 12), constrained throughput
 # went from 0.675 to 0.704 of free text's with it
 _ASYNC_FILL_ROWS = 16
+_PINNED_ROWS = 16  # masked rows a step's kernel reads in pinned memory, at most
 # the fewest rows whose first step puts its tokens in flight (Engine._first_in_flight)
 _FIRST_IN_FLIGHT_ROWS = 8
 _ACCEPT_SWITCH_INTERVAL = 2e-4  # seconds (see Engine._quick_switches)

@@ -22,6 +22,9 @@ from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.sequence import Sequence, TokenLogprob
 
 
+_RING_SPARE_ROWS = 2  # rows of a pinned mask buffer past its masks (see pinned_ints)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SampleResult:
     token_ids: list[int]                       # one per row; -1 where the row failed
@@ -76,6 +79,8 @@ class Sampler:
         self._ring: list[torch.Tensor | None] = [None, None]
         self._ring_used = [torch.cuda.Event(), torch.cuda.Event()] if self._pin else []
         self._ring_next = 0
+        # each ring buffer whole as int64, a tensor and its numpy view (see pinned_ints)
+        self._ring_ints: list[tuple[torch.Tensor, object] | None] = [None, None]
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
         if self._bitmask.shape[0] < n:
@@ -143,20 +148,23 @@ class Sampler:
 
     def greedy_masked_(self, out: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
                        cols: torch.Tensor, filled: FilledMasks,
-                       mask_rows: torch.Tensor | None = None) -> torch.Tensor:
+                       mask_rows: torch.Tensor | None = None, *, pinned: bool = False
+                       ) -> torch.Tensor:
         """Greedy picks under the masks ``filled`` holds (all of its rows
         constrained: ``filled.rows[j]``'s mask is pick ``j``'s), from
         ``logits[rows]`` as they are, into ``out[:, cols]`` (tokens, dead-end
         flags) in one kernel. ``mask_rows``: ``filled.mask_rows`` on the device
-        already (read only when ``filled.shared`` is set). Returns, on the
-        device, whether each pick equals the token ``out`` held there before."""
+        already (read only when ``filled.shared`` is set). ``pinned``: ``rows``,
+        ``cols`` and ``mask_rows`` lie in pinned host memory (:meth:`pinned_ints`),
+        and the kernel reads them and the masks there. Returns, on the device,
+        whether each pick equals the token ``out`` held there before."""
         agree = torch.empty(len(filled.rows), dtype=torch.bool, device=logits.device)
         if filled.shared is None:
             mask_rows = None
         elif mask_rows is None:
             mask_rows = filled.mask_rows(logits.device)
         masked_argmax_(out, logits, filled.bitmask, rows, cols, agree,
-                       vocab_size=self.valid_vocab_size, mask_rows=mask_rows)
+                       vocab_size=self.valid_vocab_size, mask_rows=mask_rows, pinned=pinned)
         if filled.ring_slot is not None:  # on the stream that copies the mask
             self._ring_used[filled.ring_slot].record(current_stream(logits.device))
         return agree
@@ -325,17 +333,39 @@ class Sampler:
         return FilledMasks(rows=rows, bitmask=bitmask, errors=errors, ring_slot=slot)
 
     def _ring_rows(self, n: int) -> tuple[int, torch.Tensor]:
-        """The next pinned mask buffer (``n`` rows), once the device has read it."""
+        """The next pinned mask buffer (``n`` rows), once the device has read it.
+        Past its mask rows a buffer keeps room for :meth:`pinned_ints`."""
         slot = self._ring_next
         self._ring_next ^= 1
         wait_event(self._ring_used[slot])  # its last copy to the device is done
         buf = self._ring[slot]
-        if buf is None or buf.shape[0] < n:
+        if buf is None or buf.shape[0] < n + _RING_SPARE_ROWS:
             with torch.inference_mode(False):  # a normal tensor: filled in either mode
-                buf = torch.empty(max(n, 64), self.bitmask_width, dtype=torch.int32,
-                                  pin_memory=True)
+                buf = torch.empty(max(n, 64) + _RING_SPARE_ROWS, self.bitmask_width,
+                                  dtype=torch.int32, pin_memory=True)
+                ints = buf.view(torch.int64).view(-1) if self.bitmask_width % 2 == 0 else None
             self._ring[slot] = buf
+            self._ring_ints[slot] = None if ints is None else (ints, ints.numpy())
         return slot, buf[:n]
+
+    def pinned_ints(self, filled: FilledMasks, values: list[int]) -> torch.Tensor | None:
+        """``values`` as a long tensor in pinned host memory, right after
+        ``filled``'s masks in their ring buffer, for a kernel that reads both in
+        place (through unified addressing) rather than after copies to the
+        device; None when the masks are not in the ring or the room after them
+        is too small. The buffer is not filled again before the device is done
+        with it (the event :meth:`greedy_masked_` records)."""
+        slot = filled.ring_slot
+        kept = self._ring_ints[slot] if slot is not None else None
+        if kept is None or filled.bitmask.data_ptr() != self._ring[slot].data_ptr():
+            return None
+        ints, view = kept
+        start = filled.bitmask.shape[0] * self.bitmask_width // 2
+        end = start + len(values)
+        if end > len(view):
+            return None
+        view[start:end] = values
+        return ints[start:end]
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
                 ) -> torch.Tensor:

@@ -93,10 +93,13 @@ def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitm
 
 def masked_argmax_triton_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
                           rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor,
-                          vocab_size: int, mask_rows: torch.Tensor | None = None) -> None:
-    """See :func:`formcast.engine.kernels.bitmask.masked_argmax_` (CUDA tensors)."""
+                          vocab_size: int, mask_rows: torch.Tensor | None = None, *,
+                          pinned: bool = False) -> None:
+    """See :func:`formcast.engine.kernels.bitmask.masked_argmax_` (CUDA tensors;
+    with ``pinned``, the masks and index tensors may be in pinned host memory)."""
     n = rows.shape[0]
-    bitmask = bitmask.to(logits.device, non_blocking=True)
+    if not pinned:
+        bitmask = bitmask.to(logits.device, non_blocking=True)
     if logits.stride(1) != 1 or bitmask.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("logits, bitmask and out rows must be contiguous")
     shared = mask_rows is not None

@@ -251,15 +251,18 @@ def test_distinct_fill_hook_shares_mask_rows_and_falls_back_when_it_breaks():
     for seq, allowed in zip(seqs, [{7}, {3}, {7}, {3, 9}, {3}]):
         seq.constraint = Shared(allowed)
     one_by_one = Sampler(64, 64).fill_masks(seqs)
-    filled = Sampler(64, 64, batch_fill=True).fill_masks(seqs)
+    # (the masks are read by the sampler that filled them, as in the engine: on a
+    # machine with CUDA they lie in its pinned buffers, which it tracks)
+    sampler = Sampler(64, 64, batch_fill=True)
+    filled = sampler.fill_masks(seqs)
     assert filled.shared == [2, 0, 2, 1, 0] and filled.bitmask.shape[0] == 3
     assert torch.equal(filled.bitmask[filled.shared], one_by_one.bitmask)
     logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
     want = [7, 3, 7, 3 if logits[3, 3] >= logits[3, 9] else 9, 3]
-    assert Sampler(64, 64)(logits.clone(), seqs, masks=filled).token_ids == want
+    assert sampler(logits.clone(), seqs, masks=filled).token_ids == want
     out = torch.zeros(2, 5, dtype=torch.long)
     rows = torch.arange(5)
-    Sampler(64, 64).greedy_masked_(out, logits, rows, rows, filled)
+    sampler.greedy_masked_(out, logits, rows, rows, sampler.fill_masks(seqs))
     assert out[0].tolist() == want and out[1].tolist() == [0] * 5
     for bad in ([0, 1], [0, 0, 0, 0, 5], RuntimeError("boom")):
         broken[:] = [bad]
@@ -302,3 +305,57 @@ def test_masked_argmax_is_the_max_of_the_masked_logits():
     masked_argmax_(again, logits, bitmask[[0, 0, 2]], rows, cols, agree, vocab_size=290,
                    backend="torch")
     assert torch.equal(shared, again) and shared[1, cols].tolist() == [0, 0, 1]
+
+
+def test_masked_picks_read_in_pinned_memory_equal_the_copied_ones():
+    """A few masked rows' picks on CUDA read their index lists and masks where
+    the host wrote them (pinned memory, after the masks in the sampler's ring
+    buffer) instead of from copies: the picks, dead-end flags and agreements are
+    those of the copied path, shared mask rows included. Without a ring buffer
+    (the CPU's sampler) there is no such list."""
+    class Shared(AllowOnly):
+        @staticmethod
+        def fill_distinct_bitmasks(constraints, bitmask):
+            states = sorted({frozenset(c.allowed) for c in constraints}, key=sorted)
+            for k, state in enumerate(states):
+                bitmask[k] = 0
+                AllowOnly(set(state)).fill_bitmask(bitmask, k)
+            return [states.index(frozenset(c.allowed)) for c in constraints]
+
+    vocab = 4096
+    seqs = [make_seq([1], rid=f"r{i}", temperature=0.0) for i in range(3)]
+    for seq, ok in zip(seqs, [{7}, {3, 4000}, {9}]):
+        seq.constraint = AllowOnly(ok)
+    assert Sampler(vocab, vocab).pinned_ints(Sampler(vocab, vocab).fill_masks(seqs),
+                                             [1, 2]) is None
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; none is available here")
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, vocab, generator=gen).to(dev)
+    for kind, allowed in ((AllowOnly, [{7}, {3, 4000}, set()]), (Shared, [{7}, {3}, {7}])):
+        for seq, ok in zip(seqs, allowed):
+            seq.constraint = kind(ok)
+        sampler = Sampler(vocab, vocab, batch_fill=True)
+        got = []
+        for pinned in (True, False):
+            filled = sampler.fill_masks(seqs)
+            rows, cols, shared = [4, 0, 5], [2, 0, 1], filled.shared or []
+            values = rows + cols + shared
+            ints = sampler.pinned_ints(filled, values) if pinned else \
+                torch.tensor(values, device=dev)
+            assert ints is not None and ints.is_pinned() == pinned and ints.tolist() == values
+            at, where, mask_rows = ints.split([3, 3, len(shared)])
+            out = torch.stack((torch.arange(3, device=dev), torch.zeros(3, dtype=torch.long,
+                                                                          device=dev)))
+            agree = sampler.greedy_masked_(out, logits, at, where, filled,
+                                           mask_rows if shared else None, pinned=pinned)
+            torch.cuda.synchronize()
+            got.append((out.tolist(), agree.tolist()))
+        assert got[0] == got[1]
+        picks = got[0][0][0]
+        for row, col, ok in zip(rows, cols, allowed):
+            if ok:
+                assert picks[col] == max(ok, key=lambda t: logits[row, t].item())
+        if kind is AllowOnly:
+            assert got[0][0][1] == [0, 1, 0]  # (the empty mask: a dead end, at its column)
