@@ -117,6 +117,24 @@ def _compare(backend_device: str) -> None:
             assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + 1e-6)
 
 
+def _paged_cache(gen: torch.Generator, lens: list[int], hkv: int, d: int, bs: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random key and value caches of blocks of ``bs`` tokens (three spare blocks)
+    and block tables giving each context of ``lens`` its own blocks, shuffled,
+    each table padded two entries past the longest context."""
+    nb_total = sum(-(-n // bs) for n in lens) + 3
+    k_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
+    v_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
+    free = torch.randperm(nb_total, generator=gen).tolist()
+    width = max(-(-n // bs) for n in lens) + 2  # padding past every context
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    for i, n in enumerate(lens):
+        need = -(-n // bs)
+        tables[i, :need] = torch.tensor(free[:need])
+        del free[:need]
+    return k_cache, v_cache, tables
+
+
 def _compare_paged(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """Triton paged decode attention vs the torch reference: GQA groups of 1, 3
     and 4, contexts inside one block, across blocks and long enough to split, a
@@ -134,16 +152,7 @@ def _compare_paged(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) 
         if dtype == torch.bfloat16:  # (float32 keeps one tile size)
             cases.append((9, 3, 64, 16, [1 + 2 * i for i in range(180)]))
         for h, hkv, d, bs, lens in cases:
-            nb_total = sum(-(-n // bs) for n in lens) + 3
-            k_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
-            v_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
-            free = torch.randperm(nb_total, generator=gen).tolist()
-            width = max(-(-n // bs) for n in lens) + 2  # padding past every context
-            tables = torch.zeros(len(lens), width, dtype=torch.long)
-            for i, n in enumerate(lens):
-                need = -(-n // bs)
-                tables[i, :need] = torch.tensor(free[:need])
-                del free[:need]
+            k_cache, v_cache, tables = _paged_cache(gen, lens, hkv, d, bs, dtype)
             q = torch.randn(len(lens), h, d, generator=gen).to(dtype)
             args = [t.to(backend_device) for t in (q, k_cache, v_cache, tables,
                                                    torch.tensor(lens))]
@@ -174,16 +183,7 @@ def _compare_rope_decode(backend_device: str, dtypes=(torch.float32, torch.bfloa
         if dtype == torch.bfloat16:
             cases.append((9, 3, 64, 16, [1 + 2 * i for i in range(180)]))
         for h, hkv, d, bs, lens in cases:
-            nb_total = sum(-(-n // bs) for n in lens) + 3
-            k_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
-            v_cache = torch.randn(nb_total, bs, hkv, d, generator=gen).to(dtype)
-            free = torch.randperm(nb_total, generator=gen).tolist()
-            width = max(-(-n // bs) for n in lens) + 2
-            tables = torch.zeros(len(lens), width, dtype=torch.long)
-            for i, n in enumerate(lens):
-                need = -(-n // bs)
-                tables[i, :need] = torch.tensor(free[:need])
-                del free[:need]
+            k_cache, v_cache, tables = _paged_cache(gen, lens, hkv, d, bs, dtype)
             positions = torch.tensor(lens) - 1
             slots = torch.stack([tables[i, p // bs] * bs + p % bs
                                  for i, p in enumerate(positions.tolist())])
@@ -215,7 +215,7 @@ def _compare_rope_decode(backend_device: str, dtypes=(torch.float32, torch.bfloa
             for a, b in ((kt, kc), (vt, vc)):
                 a, b = a.float(), b.float()
                 assert ((a - b).abs() <= b.abs() * ulp).all()
-            written = torch.zeros(nb_total * bs, dtype=torch.bool)
+            written = torch.zeros(k_cache.shape[0] * bs, dtype=torch.bool)
             written[slots] = True
             for a, b in ((kt, k_cache), (vt, v_cache)):  # (and no other slot)
                 a, b = a.cpu().view(-1, hkv, d), b.view(-1, hkv, d)
