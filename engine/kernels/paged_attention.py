@@ -22,6 +22,10 @@ import torch.nn.functional as F
 
 from formcast.engine.kernels import to_device, use_triton
 
+# the Triton decode kernels split each (row, kv head)'s context below this many
+# such programs (kernels.paged_attention_triton.num_splits)
+SPLIT_BELOW = 128
+
 
 def decode_masked_out(context_lens: torch.Tensor, width: int) -> torch.Tensor:
     """``[B, 1, 1, width]`` bool, True at key positions past each row's context."""

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from formcast.engine.kernels.paged_attention import SPLIT_BELOW
+
 
 @triton.jit
 def _attend_tile(q, acc, mx, total, k_ptr, v_ptr, table_ptr, offs, live, seen, kvh, d, live_d,
@@ -111,10 +113,10 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, head_dim, SPLITS: tl.constexpr,
 def num_splits(rows: int, kv_heads: int, max_len: int, block_n: int) -> int:
     """Splits of the context per (row, kv head): enough programs to fill the GPU's
     multiprocessors at small batches, none past the longest context (fixed per
-    call, so a captured graph keeps its grid)."""
+    call, so a captured graph keeps its grid); none from ``SPLIT_BELOW`` programs."""
     programs = rows * kv_heads
     splits = 1
-    while programs * splits < 128 and splits * block_n < max_len and splits < 32:
+    while programs * splits < SPLIT_BELOW and splits * block_n < max_len and splits < 32:
         splits *= 2
     return splits
 

@@ -13,7 +13,7 @@ from torch import nn
 from formcast.engine.config import LlamaConfig
 from formcast.engine.kernels import triton_available
 from formcast.engine.kernels.activation import silu_and_mul
-from formcast.engine.kernels.paged_attention import rope_decode_attention
+from formcast.engine.kernels.paged_attention import SPLIT_BELOW, rope_decode_attention
 from formcast.engine.layers.attention import AttentionMetadata, paged_attention
 from formcast.engine.layers.linear import Linear
 from formcast.engine.layers.norm import RMSNorm
@@ -49,7 +49,7 @@ class LlamaAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj.forward(x)
         if qkv.is_cuda and self.fused_decode and qkv.dtype != torch.float32 and \
-                self.head_dim <= 64 and t * self.num_kv_heads >= 128 and \
+                self.head_dim <= 64 and t * self.num_kv_heads >= SPLIT_BELOW and \
                 meta.one_token_rows and not meta.prefills and meta.num_decodes == t and \
                 triton_available():
             meta.rely_on_one_token_rows()

@@ -1107,3 +1107,53 @@ def test_a_take_waits_for_the_accept_threads_reading_only_while_its_job_can_run(
     assert never.early.cancel()
     _wait_landed(never)  # (returns: the job will not run)
     assert not never.landed.is_set()
+
+
+def test_steps_with_draft_rows_do_not_promise_one_row_a_sequence(smollm2_engine, monkeypatch):
+    """A forward's attention metadata says every decode row is its sequence's one
+    new token (``one_token_rows``: a kernel may then store a row's key and value
+    while the other rows attend, and a CUDA graph captured over such a kernel is
+    not replayed for draft rows) exactly when no sequence has draft positions in
+    the step: a speculative run checked step by step, drafts and plain steps both
+    seen."""
+    import dataclasses
+
+    from formcast.engine.engine import build_model
+    from formcast.engine.model_runner import ModelRunner
+    from formcast.engine.models.shapes import SHAPES, random_llama_weights
+
+    tok = smollm2_engine.tokenizer
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
+                              intermediate_size=128, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32)
+    model = build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5),
+                        device=torch.device("cpu"), dtype=torch.float32)
+    seen, batches = [], []
+    layout_of, prepare = ModelRunner._layout, ModelRunner._prepare
+
+    def laid_out(self, batch):  # (whether a sequence has draft positions, from the batch)
+        batches.append((any(item.num_draft for item in batch),
+                        any(item.seq.num_computed_tokens < item.seq.num_prompt_tokens
+                            for item in batch)))
+        return layout_of(self, batch)
+
+    def prepared(self, layout):
+        got = prepare(self, layout)
+        seen.append((got[2].one_token_rows, *batches[-1]))
+        return got
+
+    monkeypatch.setattr(ModelRunner, "_layout", laid_out)
+    monkeypatch.setattr(ModelRunner, "_prepare", prepared)
+    # (prompts that repeat themselves: prompt lookup finds drafts in them; then
+    # the same without speculation)
+    text = "one two three four five six seven eight nine ten " * 3
+    for spec in ("prompt_lookup", "none"):
+        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=4, num_kv_blocks=128,
+                                                        spec=spec),
+                        device=torch.device("cpu"))
+        engine.generate([tok.encode(text + str(i)) for i in range(3)],
+                        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    drafts = [one for one, drafting, _ in seen if drafting]
+    plain = [one for one, drafting, prompt in seen if not drafting and not prompt]
+    assert drafts and not any(drafts)
+    assert plain and all(plain)

@@ -257,6 +257,8 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
                           unmasked_greedy=unmasked, native_accept=native)
         compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
                                     vocab_size=eng.model.config.vocab_size)
+        pinned, pinned_ints = [], eng.sampler.pinned_ints
+        eng.sampler.pinned_ints = lambda *args: pinned.append(pinned_ints(*args)) or pinned[-1]
         ps = prompts(tokenizer, 10)
         outs = eng.generate(ps, SamplingParams(max_tokens=48, temperature=0.0),
                             constraints=[compiled.matcher() for _ in ps])
@@ -264,6 +266,9 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         if unmasked:
             assert eng.num_refused_picks > 0
             assert eng.num_unmasked_picks > eng.num_refused_picks
+            # (the rows masked since a refusal, a few: their picks read their lists
+            # and masks in pinned memory)
+            assert any(got is not None for got in pinned)
         # (a large batch's tokens: checked on the native worker on CUDA, polling the
         # step's event, else on the accept thread)
         from formcast.grammars.backends import native_accept
