@@ -343,10 +343,9 @@ class Sampler:
             with torch.inference_mode(False):  # a normal tensor: filled in either mode
                 buf = torch.empty(max(n, 64) + _RING_SPARE_ROWS, self.bitmask_width,
                                   dtype=torch.int32, pin_memory=True)
-                flat = buf.view(-1)  # (as int64: an even width or not, the first even count)
-                ints = flat[:flat.numel() // 2 * 2].view(torch.int64)
+                ints = buf.view(torch.int64).view(-1) if self.bitmask_width % 2 == 0 else None
             self._ring[slot] = buf
-            self._ring_ints[slot] = (ints, ints.numpy())
+            self._ring_ints[slot] = None if ints is None else (ints, ints.numpy())
         return slot, buf[:n]
 
     def pinned_ints(self, filled: FilledMasks, values: list[int]) -> torch.Tensor | None:
@@ -361,7 +360,7 @@ class Sampler:
         if kept is None or filled.bitmask.data_ptr() != self._ring[slot].data_ptr():
             return None
         ints, view = kept
-        start = (filled.bitmask.shape[0] * self.bitmask_width + 1) // 2  # (past the masks)
+        start = filled.bitmask.shape[0] * self.bitmask_width // 2
         end = start + len(values)
         if end > len(view):
             return None

@@ -307,14 +307,12 @@ def test_masked_argmax_is_the_max_of_the_masked_logits():
     assert torch.equal(shared, again) and shared[1, cols].tolist() == [0, 0, 1]
 
 
-@pytest.mark.parametrize("vocab", [4096, 4128])
-def test_masked_picks_read_in_pinned_memory_equal_the_copied_ones(vocab):
+def test_masked_picks_read_in_pinned_memory_equal_the_copied_ones():
     """A few masked rows' picks on CUDA read their index lists and masks where
     the host wrote them (pinned memory, after the masks in the sampler's ring
     buffer) instead of from copies: the picks, dead-end flags and agreements are
-    those of the copied path, shared mask rows included, masks of an even and an
-    odd number of words (129: the lists start half a word past the masks).
-    Without a ring buffer (the CPU's sampler) there is no such list."""
+    those of the copied path, shared mask rows included. Without a ring buffer
+    (the CPU's sampler) there is no such list."""
     class Shared(AllowOnly):
         @staticmethod
         def fill_distinct_bitmasks(constraints, bitmask):
@@ -324,6 +322,7 @@ def test_masked_picks_read_in_pinned_memory_equal_the_copied_ones(vocab):
                 AllowOnly(set(state)).fill_bitmask(bitmask, k)
             return [states.index(frozenset(c.allowed)) for c in constraints]
 
+    vocab = 4096
     seqs = [make_seq([1], rid=f"r{i}", temperature=0.0) for i in range(3)]
     for seq, ok in zip(seqs, [{7}, {3, 4000}, {9}]):
         seq.constraint = AllowOnly(ok)
