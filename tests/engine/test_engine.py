@@ -632,25 +632,17 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     agreement due after a refusal (the schedule before it was doubled, patched
     in here) the rule halves the refusals; the shipped schedule refuses no more
     than that. Outputs equal synchronous masked decoding's in every case."""
-    import dataclasses
-
     import formcast.engine.engine as engine_module
-    from formcast.engine.engine import build_model
-    from formcast.engine.models.shapes import SHAPES, random_llama_weights
     from formcast.engine.sequence import Sequence
     from formcast.grammars import JsonSchema, compile
 
     tok = smollm2_engine.tokenizer
-    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
-                              intermediate_size=128, num_attention_heads=2,
-                              num_key_value_heads=1, head_dim=32)
-    model = build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5),
-                        device=torch.device("cpu"), dtype=torch.float32)
+    model = _tiny_smollm2_shaped()
     schema = {"type": "object", "required": ["records"], "properties": {"records": {
         "type": "array", "minItems": 20, "items": {
             "type": "object", "required": ["name", "city"], "additionalProperties": False,
             "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}}}}
-    compiled = compile(JsonSchema(schema), tok, vocab_size=cfg.vocab_size)
+    compiled = compile(JsonSchema(schema), tok, vocab_size=model.config.vocab_size)
     prompts = [tok.encode(f"Request number {i}: list the people.") for i in range(8)]
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     forced = engine_module._forces_text
@@ -1116,18 +1108,10 @@ def test_steps_with_draft_rows_do_not_promise_one_row_a_sequence(smollm2_engine,
     not replayed for draft rows) exactly when no sequence has draft positions in
     the step: a speculative run checked step by step, drafts and plain steps both
     seen."""
-    import dataclasses
-
-    from formcast.engine.engine import build_model
     from formcast.engine.model_runner import ModelRunner
-    from formcast.engine.models.shapes import SHAPES, random_llama_weights
 
     tok = smollm2_engine.tokenizer
-    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
-                              intermediate_size=128, num_attention_heads=2,
-                              num_key_value_heads=1, head_dim=32)
-    model = build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5),
-                        device=torch.device("cpu"), dtype=torch.float32)
+    model = _tiny_smollm2_shaped()
     seen, batches = [], []
     layout_of, prepare = ModelRunner._layout, ModelRunner._prepare
 
@@ -1157,3 +1141,17 @@ def test_steps_with_draft_rows_do_not_promise_one_row_a_sequence(smollm2_engine,
     plain = [one for one, drafting, prompt in seen if not drafting and not prompt]
     assert drafts and not any(drafts)
     assert plain and all(plain)
+
+
+def _tiny_smollm2_shaped():
+    """A two-layer random-weights Llama of SmolLM2's vocabulary (CPU, float32)."""
+    import dataclasses
+
+    from formcast.engine.engine import build_model
+    from formcast.engine.models.shapes import SHAPES, random_llama_weights
+
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
+                              intermediate_size=128, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32)
+    return build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5),
+                       device=torch.device("cpu"), dtype=torch.float32)
