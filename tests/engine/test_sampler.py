@@ -307,12 +307,27 @@ def test_masked_argmax_is_the_max_of_the_masked_logits():
     assert torch.equal(shared, again) and shared[1, cols].tolist() == [0, 0, 1]
 
 
+def _allow_only_rows():
+    seqs = [make_seq([1], rid=f"r{i}", temperature=0.0) for i in range(3)]
+    for seq, ok in zip(seqs, [{7}, {3, 4000}, {9}]):
+        seq.constraint = AllowOnly(ok)
+    return seqs
+
+
+def test_no_pinned_index_lists_without_a_ring_buffer():
+    """The CPU's sampler keeps its masks in no pinned ring buffer: it writes no
+    index lists after them (the masked pick copies its lists)."""
+    sampler = Sampler(4096, 4096)
+    assert sampler.pinned_ints(sampler.fill_masks(_allow_only_rows()), [1, 2]) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="needs a CUDA device; none is available here")
 def test_masked_picks_read_in_pinned_memory_equal_the_copied_ones():
     """A few masked rows' picks on CUDA read their index lists and masks where
     the host wrote them (pinned memory, after the masks in the sampler's ring
     buffer) instead of from copies: the picks, dead-end flags and agreements are
-    those of the copied path, shared mask rows included. Without a ring buffer
-    (the CPU's sampler) there is no such list."""
+    those of the copied path, shared mask rows included."""
     class Shared(AllowOnly):
         @staticmethod
         def fill_distinct_bitmasks(constraints, bitmask):
@@ -323,13 +338,7 @@ def test_masked_picks_read_in_pinned_memory_equal_the_copied_ones():
             return [states.index(frozenset(c.allowed)) for c in constraints]
 
     vocab = 4096
-    seqs = [make_seq([1], rid=f"r{i}", temperature=0.0) for i in range(3)]
-    for seq, ok in zip(seqs, [{7}, {3, 4000}, {9}]):
-        seq.constraint = AllowOnly(ok)
-    assert Sampler(vocab, vocab).pinned_ints(Sampler(vocab, vocab).fill_masks(seqs),
-                                             [1, 2]) is None
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device; none is available here")
+    seqs = _allow_only_rows()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(6, vocab, generator=gen).to(dev)
