@@ -9,6 +9,7 @@ import re
 import threading
 import time
 
+import numpy
 import torch
 import xgrammar as xgr
 
@@ -139,7 +140,7 @@ class _PreparedAccept:
     unchanged), 1 taken, 2 taken and now terminated."""
 
     __slots__ = ("matchers", "handles", "one_vocabulary", "blocked", "size", "stops", "texts",
-                 "one_text_rule", "_cols")
+                 "one_text_rule", "masks", "_cols")
 
     def __init__(self, matchers: list["XGrammarMatcher"]) -> None:
         self.matchers = matchers
@@ -150,9 +151,12 @@ class _PreparedAccept:
         # the first tokens of an answer
         self.texts = [i for i, m in enumerate(matchers) if m._text is not None]
         self.one_text_rule = False
+        self.masks = None  # the known masks of the one grammar of every matcher, if so
         if not matchers:
             return
         first = matchers[0]
+        if first._origin is not None and all(m._origin is first._origin for m in matchers):
+            self.masks = first._origin.text_masks
         # (a kept text grows by a token's bytes the same way for every row)
         self.one_text_rule = all(m._token_bytes is first._token_bytes and
                                  m._stops is first._stops for m in matchers)
@@ -178,6 +182,7 @@ class _PreparedAccept:
         part.matchers = [matchers[i] for i in rows]
         part.one_vocabulary, part.one_text_rule = self.one_vocabulary, self.one_text_rule
         part.blocked, part.size, part.stops = self.blocked, self.size, self.stops
+        part.masks = self.masks
         part.handles = None if self.handles is None else _handle_array(part.matchers)
         part.texts = []
         if self.texts:  # (a matcher that let go of its text never keeps one again)
@@ -193,8 +198,17 @@ class _PreparedAccept:
             return []
         # the usual batch: matchers of one vocabulary, no token xgrammar must not
         # see, no stop token (so none can terminate): one pass, the checks in C
-        if (self.one_vocabulary and min(tokens) >= 0 and max(tokens) < self.size
-                and self.blocked.isdisjoint(tokens) and self.stops.isdisjoint(tokens)):
+        usual = (self.one_vocabulary and min(tokens) >= 0 and max(tokens) < self.size
+                 and self.blocked.isdisjoint(tokens) and self.stops.isdisjoint(tokens))
+        if usual and self.texts and self.masks is not None and self.handles is not None \
+                and TEXT_MASKS:
+            verdicts = self._on_known_masks(tokens)
+            if verdicts is not None:
+                return verdicts
+        _settle_rows(matchers)
+        if _UNSETTLED.broken and any(m._broken is not None for m in matchers):
+            return self._without_broken(tokens)
+        if usual:
             verdicts = _native_verdicts(self.handles, tokens) if self.handles is not None \
                 else _batch_accept(matchers, tokens)
             if self.texts:
@@ -216,6 +230,93 @@ class _PreparedAccept:
         if self.texts:
             self._keep_texts(tokens, status)
         return status
+
+    def _on_known_masks(self, tokens: list[int]) -> list[int] | None:
+        """The usual batch, the rows whose text has a known mask (see
+        :class:`_TextMasks`) judged by that mask's bit: the tokens they take go
+        to xgrammar on the native worker (matchers that read their state wait
+        for it), the other rows' are offered here. None (nothing done) when no
+        row's text has a known mask, or no worker runs.
+
+        Rows in step (a batch's opening: 256 rows, a dozen texts) are worked
+        out once per text and token: on a 2-core host 256 rows took ~0.1 ms
+        here against 0.3-0.6 ms of xgrammar's accept."""
+        unsettled = _UNSETTLED
+        if unsettled.queue:
+            unsettled.settle(done_only=True)  # (breaks a matcher xgrammar disagreed with)
+        masks, matchers = self.masks, self.matchers
+        worker = native_accept.worker() if masks.rows is not None and self.one_text_rule \
+            else None
+        if worker is None:
+            return None
+        get = masks.slots.get
+        slots = numpy.fromiter([get(m._text, -1) for m in matchers], numpy.int64,
+                               len(matchers))
+        known = slots >= 0
+        if not known.any():
+            return None
+        n = len(matchers)
+        host = array.array("q", tokens)  # (the worker's, with no dead-end flags: see _Pending)
+        host.frombytes(bytes(8 * n))
+        toks = numpy.frombuffer(host, dtype=numpy.int64, count=n)
+        every = bool(known.all())
+        if not every:
+            slots, offered = slots[known], toks[known]
+        else:
+            offered = toks
+        bits = (masks.rows[slots, offered >> 5].astype(numpy.int64) >> (offered & 31)) & 1
+        if every:
+            verdicts = bits.tolist()
+            known_rows = None
+        else:  # the other rows offered here, once the worker is through with them
+            known_rows = numpy.flatnonzero(known)
+            verdicts = [0] * n
+            for i, bit in zip(known_rows.tolist(), bits.tolist()):
+                verdicts[i] = bit
+            rest = numpy.flatnonzero(~known).tolist()
+            part = self.subset(rest)
+            for i, verdict in zip(rest, part([tokens[i] for i in rest])):
+                verdicts[i] = verdict
+        took = bits.astype(bool)
+        if not took.any():
+            return verdicts
+        # each (text, token) taken grows its text once
+        rows_taken = numpy.flatnonzero(took) if every else known_rows[took]
+        whole = len(rows_taken) == n
+        size = self.size
+        pairs = (slots * size + offered if whole else slots[took] * size + offered[took]).tolist()
+        first: dict[int, int] = {}
+        back = [first.setdefault(pair, len(first)) for pair in pairs]
+        grown, token_bytes, texts = [], matchers[0]._token_bytes, masks.texts
+        for pair in first:
+            text = texts[pair // size] + token_bytes[pair % size]
+            grown.append(text if len(text) <= TEXT_KEY_LIMIT else None)
+        if whole:
+            taken = matchers
+        else:
+            taken = [matchers[i] for i in rows_taken.tolist()]
+            host = array.array("q", toks[rows_taken].tobytes())
+            host.frombytes(bytes(8 * len(taken)))
+        seq = unsettled.submit(worker, self.handles if whole else _handle_array(taken), taken,
+                               host)
+        for m, at in zip(taken, back):
+            m._text = grown[at]
+            m._pending = seq
+        if None in grown:  # (a matcher that lets go of its text never keeps one again)
+            self.texts = [i for i in self.texts if matchers[i]._text is not None]
+        return verdicts
+
+    def _without_broken(self, tokens: list[int]) -> list[int]:
+        """The verdicts when some matchers are broken (see :class:`_Pending`): -1
+        for those (their constraint failed), the others offered their tokens."""
+        matchers = self.matchers
+        verdicts = [-1] * len(matchers)
+        ok = [i for i, m in enumerate(matchers) if m._broken is None]
+        if ok:
+            part = self.subset(ok)
+            for i, verdict in zip(ok, part([tokens[i] for i in ok])):
+                verdicts[i] = verdict
+        return verdicts
 
     def launch(self, host: torch.Tensor, cols: list[int], query: tuple[int, int, int] | None
                ) -> "_NativeAccept | None":
@@ -263,16 +364,18 @@ class _PreparedAccept:
                                          (ctypes.c_uint8 * len(bits)).from_buffer(bits))
         return kept[2]
 
-    def _keep_texts(self, tokens: list[int], verdicts: list[int]) -> None:
-        """The texts of the rows that keep one grow by the tokens they took. Rows
-        that kept the same text and took the same token (a batch's opening: the
-        rows in step) share the grown text, made once."""
+    def _keep_texts(self, tokens: list[int], verdicts: list[int],
+                    only: bytearray | None = None) -> None:
+        """The texts of the rows that keep one grow by the tokens they took (of
+        the rows flagged in ``only``, when given). Rows that kept the same text
+        and took the same token (a batch's opening: the rows in step) share the
+        grown text, made once."""
         matchers, kept = self.matchers, []
         grown: dict[tuple[bytes, int], bytes | None] | None = {} if self.one_text_rule else None
         for i in self.texts:
             m = matchers[i]
             text = m._text
-            if text is not None and verdicts[i] > 0:
+            if text is not None and verdicts[i] > 0 and (only is None or only[i]):
                 key = (text, tokens[i])
                 if grown is not None and key in grown:
                     text = m._text = grown[key]
@@ -347,6 +450,169 @@ class _NativeAccept:
         return (verdicts,)
 
 
+class _TextMasks:
+    """The masks of the states one grammar's matchers reach on short texts, by
+    the text (a grammar's state after some bytes depends on those bytes alone,
+    not on the tokens that brought them: see :func:`batch_fill`).
+
+    What it buys is a batch's opening. Every row of a batch of one schema is
+    masked while the grammar forces its first text ('{"records":[{"name":"'),
+    and each step's masks depend on the picks of the step before: on the
+    H200's host the accept of 256 masked picks (0.25-0.6 ms, the matchers'
+    states cold in the caches) and the fill of their few states lay on that
+    path, the device idle meanwhile. With the masks of those texts known, a
+    masked pick's verdict is a bit of its text's mask, the next mask a copy of
+    a known row, and xgrammar takes the tokens on the native worker, off the
+    path (see :class:`_PreparedAccept`). Rows are added as matchers fill masks
+    for texts not known yet, up to ``ROWS`` (the openings of a grammar's
+    answers come first: the rows that follow are mostly one answer's own
+    string; the schema of ``gpu_throughput.py`` forces 22 bytes)."""
+
+    ROWS = 128
+
+    __slots__ = ("slots", "texts", "rows", "words", "_lock")
+
+    def __init__(self, words: int) -> None:
+        self.slots: dict[bytes, int] = {}  # text -> its row in ``rows``
+        self.texts: list[bytes] = []       # row -> its text
+        self.rows = None                   # numpy int32 [ROWS, words], made on first use
+        self.words = words                 # (masks of another width are not kept)
+        self._lock = threading.Lock()
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.ROWS * self.words * 4
+
+    def row(self, text: bytes | None, words: int) -> int | None:
+        """The row of ``text``'s mask, for masks ``words`` wide; None when not known."""
+        return self.slots.get(text) if words == self.words else None
+
+    def add(self, text: bytes | None, mask) -> None:
+        """Keep ``mask`` (a numpy int32 row) as ``text``'s, while there is room."""
+        if text is None or text in self.slots:
+            return
+        with self._lock:
+            at = len(self.slots)
+            if len(mask) != self.words or at >= self.ROWS or text in self.slots:
+                return
+            if self.rows is None:
+                self.rows = numpy.empty((self.ROWS, self.words), dtype=numpy.int32)
+            self.rows[at] = mask
+            self.texts.append(text)
+            self.slots[text] = at  # (after the row is written: readers take no lock)
+
+
+class _Pending:
+    """Tokens that matchers took on their texts' known masks (see
+    :class:`_TextMasks`), being offered to xgrammar on the native worker. The
+    matchers are in step with their texts once it is settled (:func:`_settle`);
+    a token xgrammar refuses there (its mask allowed it: never seen) breaks its
+    matcher, which raises from then on, so its request fails with the reason
+    rather than going on from a state that is not its text's."""
+
+    __slots__ = ("seq", "job", "worker", "matchers", "tokens", "_keep")
+
+    def __init__(self, seq: int, worker, handles, matchers: list["XGrammarMatcher"],
+                 tokens: array.array) -> None:
+        n = len(matchers)
+        self.seq, self.worker, self.matchers, self.tokens = seq, worker, matchers, tokens
+        host = tokens  # (the worker reads [2, n]: the tokens, then the dead-end flags)
+        cols = _identity_cols(n)
+        verdicts = bytearray(n)
+        job = self.job = native_accept.Job()
+        job.fn, job.handles = _NATIVE_BATCH_ACCEPT.__chandle__(), handles.__chandle__()
+        job.host, job.stride, job.n = host.buffer_info()[0], n, n
+        job.cols, job.vocab = ctypes.addressof(cols), 1 << 62
+        keep = (ctypes.c_int8 * n).from_buffer(verdicts)
+        job.verdicts = ctypes.addressof(keep)
+        self._keep = (host, cols, verdicts, keep, handles)  # (what the worker reads)
+        worker.submit(job)
+
+    def finish(self) -> None:
+        """Wait for the worker, then break the matchers whose token it refused."""
+        state = self.worker.wait(self.job)
+        if state == native_accept.DONE:
+            verdicts = bytes(self._keep[2])
+            if verdicts.count(1) == len(verdicts):
+                return
+            for m, t, v in zip(self.matchers, self.tokens, verdicts):
+                if not v:
+                    m._broken = (f"xgrammar refused token {t} after its mask for the text "
+                                 "before allowed it")
+                    _UNSETTLED.broken += 1
+            return
+        reason = self.job.error.decode("utf-8", "replace") if state == native_accept.ERROR \
+            else f"the native worker answered state {state}"
+        why = library_message(RuntimeError(reason))
+        for m in self.matchers:
+            m._broken = f"taking a token on the native worker failed: {why}"
+        _UNSETTLED.broken += len(self.matchers)
+
+
+_COLS: dict[int, ctypes.Array] = {}
+
+
+def _identity_cols(n: int) -> ctypes.Array:
+    """``0..n-1`` as int32 for the worker (kept: a batch offers the same count)."""
+    cols = _COLS.get(n)
+    if cols is None:
+        cols = _COLS[n] = (ctypes.c_int32 * n)(*range(n))
+    return cols
+
+
+class _Unsettled:
+    """The :class:`_Pending` batches not checked yet, oldest first (the worker
+    takes them in order), and the number of the last one submitted."""
+
+    def __init__(self) -> None:
+        self.queue: list[_Pending] = []
+        self.last = 0      # the number of the last batch submitted
+        self.settled = 0   # every batch up to this number is settled
+        self.broken = 0    # matchers broken so far (see _Pending)
+        self.lock = threading.Lock()
+
+    def submit(self, worker, handles, matchers: list["XGrammarMatcher"], tokens: array.array
+               ) -> int:
+        """Queue ``matchers`` taking ``tokens`` (int64, then as many zeros: the
+        worker's dead-end flags; taken over) on the worker: the batch's number,
+        which the caller sets as each matcher's ``_pending``."""
+        with self.lock:
+            self.last += 1
+            seq = self.last
+            self.queue.append(_Pending(seq, worker, handles, matchers, tokens))
+        return seq
+
+    def settle(self, through: int | None = None, *, done_only: bool = False) -> None:
+        """Check the batches up to number ``through`` (None: all), waiting for the
+        worker; ``done_only``: only those the worker is through with, no wait."""
+        with self.lock:
+            queue = self.queue
+            while queue and (through is None or queue[0].seq <= through):
+                first = queue[0]
+                if done_only and first.job.state == native_accept.QUEUED:
+                    break
+                first.finish()
+                queue.pop(0)
+                self.settled = first.seq
+
+
+_UNSETTLED = _Unsettled()
+
+# whether matchers take tokens on their texts' known masks (see _TextMasks): off
+# for comparisons
+TEXT_MASKS = os.environ.get("FORMCAST_TEXT_MASKS", "1") != "0"
+
+
+def _settle_rows(matchers: list["XGrammarMatcher"]) -> None:
+    """Wait until xgrammar took the tokens that any of ``matchers`` took on
+    known masks (their states then read as their texts')."""
+    unsettled = _UNSETTLED
+    if unsettled.last != unsettled.settled:
+        through = max(m._pending for m in matchers)
+        if through > unsettled.settled:
+            unsettled.settle(through)
+
+
 class XGrammarBackend(Backend):
     name = "xgrammar"
     kinds = frozenset({"regex", "json_schema", "ebnf", "lark"})
@@ -397,10 +663,12 @@ class XGrammarGrammar(BackendGrammar):
         # kept text -> whether the grammar fixes the next text there (see
         # XGrammarMatcher.forces_text): held by the grammar, so it goes with it
         self.forced_texts: dict[bytes, bool] = {}
+        # kept text -> the mask of the state it leads to (see _TextMasks)
+        self.text_masks = _TextMasks((backend.tokenizer_info.vocab_size + 31) // 32)
 
     @property
     def memory_bytes(self) -> int:
-        return int(self.compiled.memory_size_bytes)
+        return int(self.compiled.memory_size_bytes) + self.text_masks.memory_bytes
 
     def matcher(self) -> XGrammarMatcher:
         start = self._start
@@ -424,7 +692,16 @@ class XGrammarMatcher(Matcher):
     the same state, so a batch fill fills one of them and copies its mask to
     the others (see :func:`batch_fill`), or the engine reads its row for them
     (:func:`fill_distinct`).
+
+    A matcher whose kept text has a known mask (:class:`_TextMasks`) may take
+    a token on that mask alone, xgrammar taking it later on the native worker
+    (``_pending``: the number of that batch, see :class:`_Unsettled`): every
+    method that reads xgrammar's state waits for it first (:meth:`_sync`).
     """
+
+    # (slots: a batch's opening reads every row's text each step, its objects cold)
+    __slots__ = ("_m", "_blocked", "_size", "_stops", "_moved", "_token_bytes", "_origin",
+                 "_text", "_accept", "_handle", "_pending", "_broken", "_recipe")
 
     def __init__(self, matcher: xgr.GrammarMatcher, blocked: frozenset[int], size: int,
                  stops: frozenset[int], *, token_bytes: tuple[bytes, ...] | None = None,
@@ -439,11 +716,29 @@ class XGrammarMatcher(Matcher):
         self._text = text if token_bytes is not None and origin is not None else None
         self._accept = matcher.accept_token
         self._handle = getattr(matcher, "_handle", None)  # (for the native batch accept)
-        self.fill_bitmask = matcher.fill_next_token_bitmask   # type: ignore[method-assign]
-        self.is_completed = matcher.is_completed              # type: ignore[method-assign]
+        self._pending = 0     # the last batch of tokens it takes on the worker (_Unsettled)
+        self._broken = None   # why its state is not its text's (see _Pending)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:  # replaced per instance
+    def _sync(self) -> None:
+        """Wait until xgrammar took the tokens this matcher took on known masks;
+        raises when one broke it (see :class:`_Pending`)."""
+        if self._pending > _UNSETTLED.settled:
+            _UNSETTLED.settle(self._pending)
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        text = self._text if TEXT_MASKS else None
+        if text is not None:
+            masks = self._origin.text_masks
+            at = masks.row(text, bitmask.shape[1])
+            if at is not None and self._broken is None:
+                bitmask[row] = torch.from_numpy(masks.rows[at])
+                return
+        self._sync()
         self._m.fill_next_token_bitmask(bitmask, row)
+        if text is not None and bitmask.device.type == "cpu":
+            self._origin.text_masks.add(text, bitmask[row].numpy())
 
     @staticmethod
     def fill_bitmasks(matchers: list["XGrammarMatcher"], bitmask: torch.Tensor,
@@ -483,6 +778,7 @@ class XGrammarMatcher(Matcher):
         if not self._may_offer(token_id):
             return False
         self._moved = True
+        self._sync()
         taken = self._accept(token_id)
         if taken and self._text is not None:
             self._took(token_id)
@@ -490,6 +786,7 @@ class XGrammarMatcher(Matcher):
 
     def accept_text(self, text: str) -> bool:
         self._moved = True
+        self._sync()
         taken = self._m.accept_string(text)
         if self._text is not None:
             self._grow_text(text.encode("utf-8") if taken else None)
@@ -508,6 +805,7 @@ class XGrammarMatcher(Matcher):
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         if num_tokens:
+            self._sync()
             self._text = None  # (the text before is not kept)
             try:
                 self._m.rollback(num_tokens)
@@ -515,12 +813,15 @@ class XGrammarMatcher(Matcher):
                 raise ValueError(library_message(exc)) from None
 
     def is_terminated(self) -> bool:
+        self._sync()
         return self._m.is_terminated()
 
     def is_completed(self) -> bool:
+        self._sync()
         return self._m.is_completed()
 
     def forced_tokens(self) -> list[int]:
+        self._sync()
         return self._m.find_jump_forward_tokens()
 
     def forces_text(self) -> bool:
@@ -532,22 +833,26 @@ class XGrammarMatcher(Matcher):
         text = self._text
         known = getattr(self._origin, "forced_texts", None) if text is not None else None
         if known is None:
+            self._sync()
             return bool(self._m.find_jump_forward_string())
         forced = known.get(text)
         if forced is None:
+            self._sync()
             if len(known) >= 4096:
                 known.clear()
             forced = known[text] = bool(self._m.find_jump_forward_string())
         return forced
 
     def fork(self) -> XGrammarMatcher:
+        self._sync()
         return XGrammarMatcher(self._m.fork(), self._blocked, self._size, self._stops,
                                token_bytes=self._token_bytes, origin=self._origin,
                                text=self._text)
 
     @property
     def xgrammar_matcher(self) -> xgr.GrammarMatcher:
-        """The wrapped xgrammar matcher (for batch filling)."""
+        """The wrapped xgrammar matcher (for batch filling), in step with its text."""
+        self._sync()
         return self._m
 
 
@@ -618,13 +923,13 @@ def batch_fill(matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: lis
     (:func:`fill_distinct`)."""
     fill, index = (matchers, None) if len(rows) <= 1 else _distinct_states(matchers)
     if index is None:
-        _fill_plan().fill([m._m for m in matchers], bitmask, rows)
+        _fill_states(matchers, bitmask, rows)
         return
     fill_rows = [-1] * len(fill)
     for row, at in zip(rows, index):
         if fill_rows[at] < 0:
             fill_rows[at] = row
-    _fill_plan().fill([m._m for m in fill], bitmask, fill_rows)
+    _fill_states(fill, bitmask, fill_rows)
     # each filled row broadcast to its copies, through numpy: no gathered
     # temporary (on the H200's host a gather of 250 rows, 1.5 MB, took as long
     # as the fills it saved), and a fifth of torch's time for the copy
@@ -644,8 +949,42 @@ def fill_distinct(matchers: list[XGrammarMatcher], bitmask: torch.Tensor) -> lis
     the others (on a 2-core host 44-67 us a step against 208-266), and the
     device reads 1.5 MB less a step."""
     fill, index = _distinct_states(matchers) if len(matchers) > 1 else (matchers, None)
-    _fill_plan().fill([m._m for m in fill], bitmask, list(range(len(fill))))
+    _fill_states(fill, bitmask, list(range(len(fill))))
     return index
+
+
+def _fill_states(matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: list[int]
+                 ) -> None:
+    """Fill ``bitmask[rows[k]]`` with ``matchers[k]``'s mask: a copy of its text's
+    known mask when there is one (see :class:`_TextMasks`), else xgrammar's
+    fill, once the worker took the matchers' tokens; the masks xgrammar filled
+    for kept texts become known. Raises when a matcher is broken (see
+    :class:`_Pending`)."""
+    words = bitmask.numpy() if bitmask.device.type == "cpu" else None
+    if words is not None and TEXT_MASKS:
+        width, left, left_rows = bitmask.shape[1], [], []
+        for m, row in zip(matchers, rows):
+            text = m._text
+            at = None if text is None or m._broken is not None else \
+                m._origin.text_masks.row(text, width)
+            if at is None:
+                left.append(m)
+                left_rows.append(row)
+            else:
+                words[row] = m._origin.text_masks.rows[at]
+        if not left:
+            return
+        matchers, rows = left, left_rows
+    _settle_rows(matchers)
+    if _UNSETTLED.broken:
+        for m in matchers:
+            if m._broken is not None:
+                raise RuntimeError(m._broken)
+    _fill_plan().fill([m._m for m in matchers], bitmask, rows)
+    if words is not None and TEXT_MASKS:
+        for m, row in zip(matchers, rows):
+            if m._text is not None:
+                m._origin.text_masks.add(m._text, words[row])
 
 
 def _distinct_states(matchers: list[XGrammarMatcher]
@@ -654,8 +993,17 @@ def _distinct_states(matchers: list[XGrammarMatcher]
     text), and each matcher's place among them; None when every matcher is its
     own (the matchers to fill are then ``matchers``)."""
     first: dict = {}
+    texts = [m._text for m in matchers]
+    origin = matchers[0]._origin
+    if None not in texts and all(m._origin is origin for m in matchers):
+        # (the usual batch, one grammar's matchers that all keep their texts:
+        # grouped by text alone, in C-level loops)
+        index = [first.setdefault(text, len(first)) for text in texts]
+        if len(first) == len(matchers):
+            return matchers, None
+        return [matchers[texts.index(text)] for text in first], index
     keep: list[XGrammarMatcher] = []
-    index: list[int] = []
+    index = []
     for m in matchers:
         text = m._text
         if text is not None:

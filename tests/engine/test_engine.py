@@ -683,6 +683,55 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     assert refused_shipped <= refused_ruled
 
 
+def test_masked_picks_taken_on_known_text_masks_give_the_same_outputs(smollm2_engine,
+                                                                     monkeypatch):
+    """A batch's opening, every row masked while the schema forces its first text:
+    once the masks of those texts are known (the first batch learns them), the
+    rows' picks are judged by those masks' bits and their next masks are copies,
+    xgrammar taking the tokens on the native worker. Outputs equal those of
+    xgrammar judging every pick, and synchronous masked decoding's, with the
+    masks filled row by row or through the batch hooks."""
+    from formcast.grammars import JsonSchema, compile
+    from formcast.grammars.backends import native_accept, xgrammar_backend
+
+    if native_accept.worker() is None:
+        pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
+    tok = smollm2_engine.tokenizer
+    model = _tiny_smollm2_shaped()
+    schema = {"type": "object", "required": ["records"], "properties": {"records": {
+        "type": "array", "minItems": 20, "items": {
+            "type": "object", "required": ["name", "city"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}}}}
+    compiled = compile(JsonSchema(schema), tok, vocab_size=model.config.vocab_size)
+    prompts = [tok.encode(f"Request number {i}: list the people.") for i in range(12)]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    known = []
+    real = xgrammar_backend._PreparedAccept._on_known_masks
+
+    def spy(self, tokens):
+        got = real(self, tokens)
+        known.append(got is not None)
+        return got
+    monkeypatch.setattr(xgrammar_backend._PreparedAccept, "_on_known_masks", spy)
+
+    def run(text_masks: bool, batch_fill: bool = False, **config):
+        monkeypatch.setattr(xgrammar_backend, "TEXT_MASKS", text_masks)
+        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=12, num_kv_blocks=128,
+                                                        spec="none", **config),
+                        device=torch.device("cpu"))
+        engine.sampler.batch_fill = batch_fill
+        known.clear()
+        outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
+        return [o.token_ids for o in outs]
+
+    masked = run(False, async_scheduling=False, unmasked_greedy=False)
+    assert run(False, async_scheduling=True) == masked and not any(known)
+    for batch_fill in (False, True):
+        assert run(True, batch_fill, async_scheduling=True) == masked
+        assert sum(known) > len(known) // 2  # (most steps: the opening forces text)
+    assert compiled.grammar.text_masks.slots
+
+
 def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monkeypatch):
     """Once the accept thread's verdicts on a step's unmasked picks are in, the
     pipeline samples the refused rows again, sends the step's tokens to the host

@@ -106,11 +106,12 @@ def test_a_compile_returns_only_once_its_worker_is_done_with_native_calls(tiny_v
 
 
 def test_cache_is_bounded_in_bytes(tiny_vocab):
-    c = GrammarCompiler(cache_bytes=6000)
+    # (a grammar counts the masks it may keep for short texts: 5 KB of this vocabulary's)
+    c = GrammarCompiler(cache_bytes=16000)
     sizes = []
     for i in range(8):
         sizes.append(c.compile(Regex(f"[a-z]{{{i + 1}}}x"), tiny_vocab).memory_bytes)
-        assert c.cache.nbytes <= 6000
+        assert c.cache.nbytes <= 16000
     assert 0 < len(c.cache) < 8 and all(s > 0 for s in sizes)
     c.close()
 

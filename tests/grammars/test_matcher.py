@@ -333,6 +333,7 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab, m
             real_plan().fill(handles, bitmask, rows)
 
     monkeypatch.setattr(xb, "_fill_plan", Spy)
+    monkeypatch.setattr(xb, "TEXT_MASKS", False)  # (the kept texts' known masks: below)
     rows = [12, 0, 3, 5, 1, 7, 2, 9, 11, 4, 8]
     got = person.allocate_bitmask(13)
     got.fill_(-1)
@@ -354,6 +355,13 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab, m
     assert torch.equal(got[6], torch.full_like(got[6], -1))  # (rows past the states)
     assert kinds.fill_distinct_bitmasks([back, longer, pair], got) is None  # (none shared)
     assert torch.equal(got[2], expected[10]) and torch.equal(got[0], expected[4])
+    # the masks filled above for kept texts are known: xgrammar fills `back` alone
+    monkeypatch.setattr(xb, "TEXT_MASKS", True)
+    filled.clear()
+    got.fill_(-1)
+    assert kinds.fill_distinct_bitmasks(matchers, got) == index and filled == [[2]]
+    for j, at in enumerate(index):
+        assert torch.equal(got[at], expected[j]), j
     # a long text is not kept
     long = digits.matcher()
     assert long.accept_text("1" * xb.TEXT_KEY_LIMIT) and long._text is not None

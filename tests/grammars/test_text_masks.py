@@ -1,0 +1,155 @@
+"""Masks known by text: a batch of xgrammar matchers whose kept texts have known
+masks takes its tokens on those masks' bits, xgrammar catching up on the native
+worker; whatever reads a matcher's state waits for it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from formcast.grammars import GrammarCompiler, JsonSchema
+from formcast.grammars.backends import native_accept, xgrammar_backend as xb
+
+from .cases import PERSON
+from .conftest import EOS, PAD_SPECIAL
+
+
+def byte(c: str) -> int:  # (a single byte's token in the synthetic vocabulary)
+    return 2 + ord(c)
+
+
+@pytest.fixture()
+def person(tiny_vocab):
+    """PERSON on xgrammar, from a compiler of its own: the masks it learns (and
+    the one a test corrupts) stay with it."""
+    if xb._NATIVE_BATCH_ACCEPT is None or native_accept.worker() is None:
+        pytest.skip(reason="needs xgrammar's native batch accept and the native worker: "
+                    f"{native_accept.unavailable_reason()}")
+    compiler = GrammarCompiler(timeout_s=60.0)
+    yield compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    xb._UNSETTLED.settle()
+    compiler.close()
+
+
+def _at(person, text: str):
+    m = person.matcher()
+    for c in text:
+        assert m.accept(byte(c))
+    return m
+
+
+def _mask(m, person) -> torch.Tensor:
+    bitmask = person.allocate_bitmask(1)
+    m.fill_bitmask(bitmask, 0)
+    return bitmask[0].clone()
+
+
+def _spy(monkeypatch) -> list[bool]:
+    """Whether each batch accept went by known masks."""
+    seen = []
+    real = xb._PreparedAccept._on_known_masks
+
+    def spy(self, tokens):
+        got = real(self, tokens)
+        seen.append(got is not None)
+        return got
+    monkeypatch.setattr(xb._PreparedAccept, "_on_known_masks", spy)
+    return seen
+
+
+@pytest.mark.parametrize("text", ["", "{", '{"na', '{"name":"', '{"name":"Al'])
+def test_known_masks_judge_every_token_as_xgrammar_does(person, tiny_vocab, monkeypatch, text):
+    """Every token of the vocabulary offered in a state whose text has a known
+    mask: the verdicts are xgrammar's own, and once the worker is through each
+    matcher is in the state xgrammar's own accept leaves (its mask, its
+    completion, its next accept)."""
+    seen = _spy(monkeypatch)
+    special = {EOS, PAD_SPECIAL} | set(range(289, 320))
+    tokens = [t for t in range(320) if t not in special]
+    ref = _at(person, text)
+    _mask(ref, person)  # (its text's mask now known)
+    assert person.grammar.text_masks.row(text.encode(), person.allocate_bitmask(1).shape[1]) is not None
+    matchers = [_at(person, text) for _ in tokens]
+    kind = type(ref)
+    got = kind.accept_tokens(matchers, tokens)
+    assert seen == [True]
+    expected = []
+    for t in tokens:
+        fork = ref.fork()
+        expected.append(int(fork.accept(t)))
+    assert got == expected and 0 < sum(got) < len(tokens)
+    monkeypatch.setattr(xb, "TEXT_MASKS", False)  # (xgrammar's own fills: the states)
+    for m, t, verdict in zip(matchers, tokens, got):
+        fork = ref.fork()
+        if verdict:
+            assert fork.accept(t)
+            assert m._pending > 0 and m._text == fork._text
+        assert torch.equal(_mask(m, person), _mask(fork, person)), t
+        assert m.is_completed() == fork.is_completed()
+
+
+def test_a_row_without_a_known_mask_is_offered_by_xgrammar_beside_the_known(person, monkeypatch):
+    """A batch of rows with and without known masks: the known rows are judged by
+    their masks, the others by xgrammar (after the worker took their earlier
+    tokens), every verdict as xgrammar's."""
+    seen = _spy(monkeypatch)
+    known = _at(person, "{")
+    _mask(known, person)
+    rows = [_at(person, "{"), _at(person, '{"n'), _at(person, "{"), _at(person, '{"n')]
+    kind = type(known)
+    assert kind.accept_tokens(rows, [byte('"'), byte("a"), byte("x"), byte("b")]) == [1, 1, 0, 0]
+    assert seen == [False, True]  # (the unknown rows: their part, by xgrammar, inside)
+    assert [m._text for m in rows] == [b'{"', b'{"na', b"{", b'{"n']
+    assert kind.accept_tokens(rows, [byte("n"), byte("m"), byte('"'), byte("m")]) == [1, 1, 1, 0]
+    assert [m._text for m in rows] == [b'{"n', b'{"nam', b'{"', b'{"n']
+
+
+def test_rollback_and_fork_wait_for_the_worker(person, monkeypatch):
+    """Tokens taken on known masks, then a rollback and a fork: the states are
+    those of the same tokens taken one by one."""
+    text = '{"name":"'
+    rows = [person.matcher() for _ in range(3)]
+    ref = person.matcher()
+    kind = type(ref)
+    seen = _spy(monkeypatch)
+    for c in text:  # the first pass learns the masks, the second takes the known way
+        _mask(ref, person)
+        assert ref.accept(byte(c))
+    for c in text:
+        assert kind.accept_tokens(rows, [byte(c)] * 3) == [1, 1, 1]
+    assert seen[-1] and rows[0]._pending > 0
+    rows[0].rollback(2)
+    ref.rollback(2)
+    assert rows[0]._text is None
+    assert torch.equal(_mask(rows[0], person), _mask(ref, person))
+    fork = rows[1].fork()
+    assert fork._text == text.encode()
+    assert torch.equal(_mask(fork, person), _mask(rows[2], person))
+    assert rows[2].accept_text("Bo") and rows[2]._text == b'{"name":"Bo'
+
+
+def test_a_known_mask_that_xgrammar_disagrees_with_breaks_only_its_matcher(person, monkeypatch):
+    """A known mask that allows a token xgrammar refuses (corrupted here; never
+    seen in use): the matcher that took it on the mask is broken once the worker
+    is through, and says so wherever it is used, its request failing with the
+    reason; the other rows of the batch go on."""
+    seen = _spy(monkeypatch)
+    ref = _at(person, "{")
+    _mask(ref, person)
+    masks = person.grammar.text_masks
+    at = masks.row(b"{", person.allocate_bitmask(1).shape[1])
+    bad = byte("x")
+    masks.rows[at, bad >> 5] |= 1 << (bad & 31)
+    rows = [_at(person, "{") for _ in range(3)]
+    kind = type(ref)
+    assert kind.accept_tokens(rows, [bad, byte('"'), byte('"')]) == [1, 1, 1]
+    assert seen == [True]
+    xb._UNSETTLED.settle()
+    assert "refused token" in rows[0]._broken and rows[1]._broken is None
+    for use in (lambda m: _mask(m, person), lambda m: m.is_completed(), lambda m: m.rollback(1),
+                lambda m: m.fork()):
+        with pytest.raises(RuntimeError, match="refused token"):
+            use(rows[0])
+    # the batch's next accept: -1 (the constraint failed) for the broken row alone
+    assert kind.accept_tokens(rows, [byte("a"), byte("n"), byte("n")]) == [-1, 1, 1]
+    assert rows[1]._text == rows[2]._text == b'{"n'
