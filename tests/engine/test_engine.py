@@ -634,16 +634,9 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     than that. Outputs equal synchronous masked decoding's in every case."""
     import formcast.engine.engine as engine_module
     from formcast.engine.sequence import Sequence
-    from formcast.grammars import JsonSchema, compile
 
     tok = smollm2_engine.tokenizer
-    model = _tiny_smollm2_shaped()
-    schema = {"type": "object", "required": ["records"], "properties": {"records": {
-        "type": "array", "minItems": 20, "items": {
-            "type": "object", "required": ["name", "city"], "additionalProperties": False,
-            "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}}}}
-    compiled = compile(JsonSchema(schema), tok, vocab_size=model.config.vocab_size)
-    prompts = [tok.encode(f"Request number {i}: list the people.") for i in range(8)]
+    model, compiled, prompts = _records_batch(tok, 8)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     forced = engine_module._forces_text
     refused, seen = Sequence.pick_refused, Sequence.masked_pick_seen
@@ -691,28 +684,17 @@ def test_masked_picks_taken_on_known_text_masks_give_the_same_outputs(smollm2_en
     xgrammar taking the tokens on the native worker. Outputs equal those of
     xgrammar judging every pick, and synchronous masked decoding's, with the
     masks filled row by row or through the batch hooks."""
-    from formcast.grammars import JsonSchema, compile
     from formcast.grammars.backends import native_accept, xgrammar_backend
+
+    from tests.grammars.spies import known_mask_calls
 
     if native_accept.worker() is None:
         pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
     tok = smollm2_engine.tokenizer
-    model = _tiny_smollm2_shaped()
-    schema = {"type": "object", "required": ["records"], "properties": {"records": {
-        "type": "array", "minItems": 20, "items": {
-            "type": "object", "required": ["name", "city"], "additionalProperties": False,
-            "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}}}}
-    compiled = compile(JsonSchema(schema), tok, vocab_size=model.config.vocab_size)
-    prompts = [tok.encode(f"Request number {i}: list the people.") for i in range(12)]
+    model, compiled, prompts = _records_batch(tok, 12)
     greedy = SamplingParams(max_tokens=20, temperature=0.0)
-    known = []
-    real = xgrammar_backend._PreparedAccept._on_known_masks
-
-    def spy(self, tokens):
-        got = real(self, tokens)
-        known.append(got is not None)
-        return got
-    monkeypatch.setattr(xgrammar_backend._PreparedAccept, "_on_known_masks", spy)
+    known = known_mask_calls(monkeypatch)
+    monkeypatch.setattr(xgrammar_backend, "KNOWN_MIN_ROWS", 8)  # (12 rows: the opening's)
 
     def run(text_masks: bool, batch_fill: bool = False, **config):
         monkeypatch.setattr(xgrammar_backend, "TEXT_MASKS", text_masks)
@@ -1190,6 +1172,22 @@ def test_steps_with_draft_rows_do_not_promise_one_row_a_sequence(smollm2_engine,
     plain = [one for one, drafting, prompt in seen if not drafting and not prompt]
     assert drafts and not any(drafts)
     assert plain and all(plain)
+
+
+def _records_batch(tok, n: int):
+    """The tiny SmolLM2-shaped model, a schema of records whose opening the
+    grammar forces ('{"records":[{"name":"') and that cannot close within a short
+    run, compiled for it, and ``n`` prompts."""
+    from formcast.grammars import JsonSchema, compile
+
+    model = _tiny_smollm2_shaped()
+    schema = {"type": "object", "required": ["records"], "properties": {"records": {
+        "type": "array", "minItems": 20, "items": {
+            "type": "object", "required": ["name", "city"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}}}}
+    compiled = compile(JsonSchema(schema), tok, vocab_size=model.config.vocab_size)
+    return model, compiled, [tok.encode(f"Request number {i}: list the people.")
+                             for i in range(n)]
 
 
 def _tiny_smollm2_shaped():

@@ -12,6 +12,7 @@ from formcast.grammars.backends import native_accept, xgrammar_backend as xb
 
 from .cases import PERSON
 from .conftest import EOS, PAD_SPECIAL
+from .spies import known_mask_calls
 
 
 def byte(c: str) -> int:  # (a single byte's token in the synthetic vocabulary)
@@ -19,12 +20,14 @@ def byte(c: str) -> int:  # (a single byte's token in the synthetic vocabulary)
 
 
 @pytest.fixture()
-def person(tiny_vocab):
+def person(tiny_vocab, monkeypatch):
     """PERSON on xgrammar, from a compiler of its own: the masks it learns (and
-    the one a test corrupts) stay with it."""
+    the one a test corrupts) stay with it. Batches of any size take the known
+    masks' way here (the engine's take it from KNOWN_MIN_ROWS rows)."""
     if xb._NATIVE_BATCH_ACCEPT is None or native_accept.worker() is None:
         pytest.skip(reason="needs xgrammar's native batch accept and the native worker: "
                     f"{native_accept.unavailable_reason()}")
+    monkeypatch.setattr(xb, "KNOWN_MIN_ROWS", 1)
     compiler = GrammarCompiler(timeout_s=60.0)
     yield compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     xb._UNSETTLED.settle()
@@ -44,26 +47,13 @@ def _mask(m, person) -> torch.Tensor:
     return bitmask[0].clone()
 
 
-def _spy(monkeypatch) -> list[bool]:
-    """Whether each batch accept went by known masks."""
-    seen = []
-    real = xb._PreparedAccept._on_known_masks
-
-    def spy(self, tokens):
-        got = real(self, tokens)
-        seen.append(got is not None)
-        return got
-    monkeypatch.setattr(xb._PreparedAccept, "_on_known_masks", spy)
-    return seen
-
-
 @pytest.mark.parametrize("text", ["", "{", '{"na', '{"name":"', '{"name":"Al'])
 def test_known_masks_judge_every_token_as_xgrammar_does(person, tiny_vocab, monkeypatch, text):
     """Every token of the vocabulary offered in a state whose text has a known
     mask: the verdicts are xgrammar's own, and once the worker is through each
     matcher is in the state xgrammar's own accept leaves (its mask, its
     completion, its next accept)."""
-    seen = _spy(monkeypatch)
+    seen = known_mask_calls(monkeypatch)
     special = {EOS, PAD_SPECIAL} | set(range(289, 320))
     tokens = [t for t in range(320) if t not in special]
     ref = _at(person, text)
@@ -92,7 +82,7 @@ def test_a_row_without_a_known_mask_is_offered_by_xgrammar_beside_the_known(pers
     """A batch of rows with and without known masks: the known rows are judged by
     their masks, the others by xgrammar (after the worker took their earlier
     tokens), every verdict as xgrammar's."""
-    seen = _spy(monkeypatch)
+    seen = known_mask_calls(monkeypatch)
     known = _at(person, "{")
     _mask(known, person)
     rows = [_at(person, "{"), _at(person, '{"n'), _at(person, "{"), _at(person, '{"n')]
@@ -111,7 +101,7 @@ def test_rollback_and_fork_wait_for_the_worker(person, monkeypatch):
     rows = [person.matcher() for _ in range(3)]
     ref = person.matcher()
     kind = type(ref)
-    seen = _spy(monkeypatch)
+    seen = known_mask_calls(monkeypatch)
     for c in text:  # the first pass learns the masks, the second takes the known way
         _mask(ref, person)
         assert ref.accept(byte(c))
@@ -133,7 +123,7 @@ def test_a_known_mask_that_xgrammar_disagrees_with_breaks_only_its_matcher(perso
     seen in use): the matcher that took it on the mask is broken once the worker
     is through, and says so wherever it is used, its request failing with the
     reason; the other rows of the batch go on."""
-    seen = _spy(monkeypatch)
+    seen = known_mask_calls(monkeypatch)
     ref = _at(person, "{")
     _mask(ref, person)
     masks = person.grammar.text_masks
@@ -153,3 +143,17 @@ def test_a_known_mask_that_xgrammar_disagrees_with_breaks_only_its_matcher(perso
     # the batch's next accept: -1 (the constraint failed) for the broken row alone
     assert kind.accept_tokens(rows, [byte("a"), byte("n"), byte("n")]) == [-1, 1, 1]
     assert rows[1]._text == rows[2]._text == b'{"n'
+
+
+def test_a_batch_of_fewer_rows_than_the_threshold_is_offered_by_xgrammar(person, monkeypatch):
+    """Fewer rows than ``KNOWN_MIN_ROWS`` (a few masked rows among a large batch's
+    unmasked ones) are offered to xgrammar here, known masks or not."""
+    seen = known_mask_calls(monkeypatch)
+    monkeypatch.setattr(xb, "KNOWN_MIN_ROWS", 3)
+    known = _at(person, "{")
+    _mask(known, person)
+    kind = type(known)
+    assert kind.accept_tokens([_at(person, "{") for _ in range(2)], [byte('"')] * 2) == [1, 1]
+    assert seen == []
+    assert kind.accept_tokens([_at(person, "{") for _ in range(3)], [byte('"')] * 3) == [1, 1, 1]
+    assert seen == [True]
