@@ -273,10 +273,7 @@ class _PreparedAccept:
             verdicts = [0] * n
             for i, bit in zip(known_rows.tolist(), bits.tolist()):
                 verdicts[i] = bit
-            rest = numpy.flatnonzero(~known).tolist()
-            part = self.subset(rest)
-            for i, verdict in zip(rest, part([tokens[i] for i in rest])):
-                verdicts[i] = verdict
+            self._offer_rows(numpy.flatnonzero(~known).tolist(), tokens, verdicts)
         took = bits.astype(bool)
         if not took.any():
             return verdicts
@@ -313,10 +310,15 @@ class _PreparedAccept:
         verdicts = [-1] * len(matchers)
         ok = [i for i, m in enumerate(matchers) if m._broken is None]
         if ok:
-            part = self.subset(ok)
-            for i, verdict in zip(ok, part([tokens[i] for i in ok])):
-                verdicts[i] = verdict
+            self._offer_rows(ok, tokens, verdicts)
         return verdicts
+
+    def _offer_rows(self, rows: list[int], tokens: list[int], verdicts: list[int]) -> None:
+        """Offer the matchers at ``rows`` their tokens through this accept's part
+        for them (:meth:`subset`), their verdicts written into ``verdicts``."""
+        part = self.subset(rows)
+        for i, verdict in zip(rows, part([tokens[i] for i in rows])):
+            verdicts[i] = verdict
 
     def launch(self, host: torch.Tensor, cols: list[int], query: tuple[int, int, int] | None
                ) -> "_NativeAccept | None":
@@ -731,18 +733,25 @@ class XGrammarMatcher(Matcher):
         if self._broken is not None:
             raise RuntimeError(self._broken)
 
+    def _known_mask(self, width: int):
+        """Its kept text's known mask (a numpy int32 row ``width`` words wide, see
+        :class:`_TextMasks`), or None."""
+        text = self._text
+        if text is None or self._broken is not None or not TEXT_MASKS:
+            return None
+        masks = self._origin.text_masks
+        at = masks.row(text, width)
+        return None if at is None else masks.rows[at]
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        text = self._text if TEXT_MASKS else None
-        if text is not None:
-            masks = self._origin.text_masks
-            at = masks.row(text, bitmask.shape[1])
-            if at is not None and self._broken is None:
-                bitmask[row] = torch.from_numpy(masks.rows[at])
-                return
+        known = self._known_mask(bitmask.shape[1])
+        if known is not None:
+            bitmask[row] = torch.from_numpy(known)
+            return
         self._sync()
         self._m.fill_next_token_bitmask(bitmask, row)
-        if text is not None and bitmask.device.type == "cpu":
-            self._origin.text_masks.add(text, bitmask[row].numpy())
+        if self._text is not None and TEXT_MASKS and bitmask.device.type == "cpu":
+            self._origin.text_masks.add(self._text, bitmask[row].numpy())
 
     @staticmethod
     def fill_bitmasks(matchers: list["XGrammarMatcher"], bitmask: torch.Tensor,
@@ -968,14 +977,12 @@ def _fill_states(matchers: list[XGrammarMatcher], bitmask: torch.Tensor, rows: l
     if words is not None and TEXT_MASKS:
         width, left, left_rows = bitmask.shape[1], [], []
         for m, row in zip(matchers, rows):
-            text = m._text
-            at = None if text is None or m._broken is not None else \
-                m._origin.text_masks.row(text, width)
-            if at is None:
+            known = m._known_mask(width)
+            if known is None:
                 left.append(m)
                 left_rows.append(row)
             else:
-                words[row] = m._origin.text_masks.rows[at]
+                words[row] = known
         if not left:
             return
         matchers, rows = left, left_rows
