@@ -644,10 +644,15 @@ class Engine:
         # works, for the usual verdicts: every pick taken, every row one token on
         staged = self.block_manager.grow_decode(launch, ahead=1) and \
             self.runner.stage_decode_ahead(launch)
+        slot = None
         if staged:
             # its inputs queued too (the picks it takes as they stand, every pick
-            # taken): the launch after the verdicts is then the replay alone
-            self.runner.preload_decode(picked[0][0])
+            # taken): the launch after the verdicts is then the replay alone, which
+            # reads nothing of the rows. So this step's picks start on their way to
+            # the host now too: when every verdict is 1 nothing changes them, and
+            # the replay goes before the rest
+            if self.runner.preload_decode(picked[0][0]):
+                slot = self._copy_to_host(picked[0], picked[3], len(picked[2]))
         try:
             verdicts = taking.pending.result()
         except BaseException:
@@ -664,8 +669,15 @@ class Engine:
         if refused and taking.ahead is not None:
             wait([taking.ahead[1]])  # (the mask thread is done before masks are filled here)
         filled: list[Sequence] = []
+        if slot is not None and not refused:
+            # the step after first: what the device waits for (its inputs and this
+            # step's copy to the host are queued already)
+            self._launch_ahead(launch, picked[0][0], staged=True)
+            self._launch_sampled(prev, launch, logits, picked, set(), refused,
+                                 self._num_finishes, filled=filled, slot=slot)
+            return filled, []
         settled = self._launch_sampled(prev, launch, logits, picked, set(), refused,
-                                       self._num_finishes, filled=filled)
+                                       self._num_finishes, filled=filled, slot=slot)
         if not settled:
             self._launch_ahead(launch, self._inflight.tokens, staged=staged and not refused)
         return filled, settled
@@ -717,7 +729,8 @@ class Engine:
 
     def _launch_sampled(self, prev: "_InFlight", launch: list[Sequence], logits: torch.Tensor,
                         picked: tuple, ok: set[Sequence], refused: list[int], finishes: int,
-                        filled: list[Sequence] | None = None) -> list[Sequence]:
+                        filled: list[Sequence] | None = None, slot: tuple | None = None
+                        ) -> list[Sequence]:
         """The rest of a pipelined step whose every row (``launch``, the rows of
         ``prev`` in order) was sampled from ``logits`` (``picked``, as
         :meth:`_sample_live` gave it) while the last picks were checked: rows
@@ -726,8 +739,10 @@ class Engine:
         count before the check) stay in flight, rows the next take drops.
         ``filled``: a list that takes the rows whose count filled a block, for
         the caller to hash (their tokens are not appended yet), rather than
-        hashing them here. Returns the outputs beyond the take's (requests a
-        failed resample settled)."""
+        hashing them here. ``slot``: the host slot ``picked``'s tokens and flags
+        were copied into (:meth:`_copy_to_host`), copied again when a resample
+        changes them. Returns the outputs beyond the take's (requests a failed
+        resample settled)."""
         both, unchecked, watched, agree, free, masked = picked
         if finishes == self._num_finishes:  # (every other row took its token)
             live = _without(launch, sorted(refused)) if refused else launch
@@ -752,8 +767,10 @@ class Engine:
                 masked = sorted(masked + at)  # (sampled again under their masks)
             for i in refused:
                 del unchecked[i]
+        if slot is not None and refused:  # (the copy made before holds the refused picks)
+            slot = self._copy_to_host(both, agree, len(watched), slot)
         self._launch_inflight(launch, both, logits, unchecked, watched, agree, free, masked,
-                              finishes, void)
+                              finishes, void, slot=slot)
         return [launch[i] for i in sorted(void)]
 
     def _advance(self, seqs: list[Sequence], filled: list[Sequence] | None = None) -> None:
@@ -771,25 +788,37 @@ class Engine:
         elif full:
             self.block_manager.commit_many(full)
 
-    def _launch_inflight(self, seqs: list[Sequence], both: torch.Tensor, logits: torch.Tensor,
-                         unchecked: dict[int, int], watched: list[int], agree, free: list[int],
-                         masked: list[int], finishes: int, void: set[int] = frozenset()
-                         ) -> None:
-        """Start copying a sampled step's ``[2, B]`` tokens and dead-end flags (and the
-        watched rows' ``agree`` flags) to the host and hold it as the step in flight."""
-        ready = None
-        if both.is_cuda:
+    def _copy_to_host(self, both: torch.Tensor, agree, watched: int, slot: tuple | None = None
+                      ) -> tuple:
+        """Start copying a sampled step's ``[2, B]`` tokens and dead-end flags (and
+        ``watched`` rows' ``agree`` flags) to the host: into ``slot`` (as this
+        returns it) or the next host slot. Returns the host tensors and the event
+        that fires once they are filled (None off CUDA)."""
+        if slot is not None:
+            host, agree_host, ready = slot
+        elif both.is_cuda:
             if self._host_slots is None:
                 self._host_slots = _HostSlots(self.config.max_num_seqs)
-            host, agree_host, ready = self._host_slots.next(len(seqs), len(watched))
+            host, agree_host, ready = self._host_slots.next(both.size(1), watched)
         else:
-            host = torch.empty(2, len(seqs), dtype=torch.long)
-            agree_host = torch.empty(len(watched), dtype=torch.bool) if watched else None
+            host, ready = torch.empty(2, both.size(1), dtype=torch.long), None
+            agree_host = torch.empty(watched, dtype=torch.bool) if watched else None
         host.copy_(both, non_blocking=True)
         if watched:
             agree_host.copy_(agree, non_blocking=True)
         if ready is not None:
             ready.record(current_stream(self.device))
+        return host, agree_host, ready
+
+    def _launch_inflight(self, seqs: list[Sequence], both: torch.Tensor, logits: torch.Tensor,
+                         unchecked: dict[int, int], watched: list[int], agree, free: list[int],
+                         masked: list[int], finishes: int, void: set[int] = frozenset(),
+                         slot: tuple | None = None) -> None:
+        """Start copying a sampled step's ``[2, B]`` tokens and dead-end flags (and the
+        watched rows' ``agree`` flags) to the host, unless ``slot`` holds them
+        already (:meth:`_copy_to_host`), and hold it as the step in flight."""
+        host, agree_host, ready = slot if slot is not None else \
+            self._copy_to_host(both, agree, len(watched))
         step = self._inflight = _InFlight(
             seqs=seqs, tokens=both[0], host=host, ready=ready,
             logits=logits if unchecked else None, unchecked=unchecked, watched=watched,

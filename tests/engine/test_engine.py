@@ -740,9 +740,9 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
         launch = engine._launch_sampled
         switches = engine._quick_switches
 
-        def counted(prev, rows, logits, picked, ok, refused, finishes, filled=None):
+        def counted(prev, rows, logits, picked, ok, refused, finishes, filled=None, **kw):
             counts["ahead_with_refused"] += filled is not None and bool(refused)
-            return launch(prev, rows, logits, picked, ok, refused, finishes, filled=filled)
+            return launch(prev, rows, logits, picked, ok, refused, finishes, filled=filled, **kw)
 
         def watched(on):
             switches(on)
