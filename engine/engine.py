@@ -651,8 +651,9 @@ class Engine:
             # reads nothing of the rows. So this step's picks start on their way to
             # the host now too: when every verdict is 1 nothing changes them, and
             # the replay goes before the rest
-            if self.runner.preload_decode(picked[0][0]):
-                slot = self._copy_to_host(picked[0], picked[3], len(picked[2]))
+            both, _, watched, agree = picked[:4]
+            if self.runner.preload_decode(both[0]):
+                slot = self._copy_to_host(both, agree, len(watched))
         try:
             verdicts = taking.pending.result()
         except BaseException:
@@ -669,16 +670,14 @@ class Engine:
         if refused and taking.ahead is not None:
             wait([taking.ahead[1]])  # (the mask thread is done before masks are filled here)
         filled: list[Sequence] = []
-        if slot is not None and not refused:
+        first = slot is not None and not refused
+        if first:
             # the step after first: what the device waits for (its inputs and this
             # step's copy to the host are queued already)
             self._launch_ahead(launch, picked[0][0], staged=True)
-            self._launch_sampled(prev, launch, logits, picked, set(), refused,
-                                 self._num_finishes, filled=filled, slot=slot)
-            return filled, []
         settled = self._launch_sampled(prev, launch, logits, picked, set(), refused,
                                        self._num_finishes, filled=filled, slot=slot)
-        if not settled:
+        if not first and not settled:
             self._launch_ahead(launch, self._inflight.tokens, staged=staged and not refused)
         return filled, settled
 
