@@ -1120,6 +1120,8 @@ class Engine:
             lists = prev.lists
         if lists is None:
             if prev.ready is not None:
+                if not prev.ready.query():  # (the device is busy: the host's chores now)
+                    _tidy_constraints(prev.seqs)
                 wait_event(prev.ready)
             lists = prev.host.tolist()
         token_list, dead_list = lists
@@ -1751,6 +1753,20 @@ def _forces_text(seq: Sequence) -> bool:
         return bool(hook())
     except Exception:
         return False
+
+
+def _tidy_constraints(seqs: list[Sequence]) -> None:
+    """Offer the constraint classes of ``seqs``' rows their optional ``tidy``
+    hook (housekeeping that would otherwise fall on a step's path), while the
+    host waits for the device anyway."""
+    kinds = {type(s.constraint) for s in seqs if s.constraint is not None}
+    for kind in kinds:
+        hook = getattr(kind, "tidy", None)
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # (the constraints report it where they are used)
+                pass
 
 
 def _without(items: SequenceABC, drop: list[int]) -> list:

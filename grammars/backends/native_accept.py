@@ -61,6 +61,10 @@ class Worker:
         self._submit.argtypes = [ctypes.c_void_p]
         self._submit.restype = None
         self._wait = lib.fc_wait  # (a CDLL call: spins without the interpreter lock)
+        self._release = quick.fc_defer_release
+        self._release.argtypes = [ctypes.c_void_p]
+        self._release.restype = ctypes.c_int
+        lib.fc_releases_pending.restype = ctypes.c_int64
         if lib.fc_start() != 0:
             raise OSError("the native accept worker failed to start")
         atexit.register(lib.fc_stop)
@@ -69,6 +73,17 @@ class Worker:
         """Queue ``job`` (its fields set; the caller keeps it and what it points
         to alive until it has finished)."""
         self._submit(ctypes.addressof(job))
+
+    def defer_release(self, obj) -> bool:
+        """Have the worker drop a reference to the tvm-ffi object ``obj`` (taken
+        here) between its jobs: when that is the last one, the object's
+        destructor runs there rather than on the caller's thread. False when
+        the worker has stopped (nothing taken)."""
+        return self._release(obj.__chandle__()) == 0
+
+    def releases_pending(self) -> int:
+        """References handed to :meth:`defer_release` not dropped yet."""
+        return self._lib.fc_releases_pending()
 
     def wait(self, job: Job) -> int:
         """Wait until ``job`` has finished: its state."""

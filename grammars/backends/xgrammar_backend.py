@@ -121,6 +121,19 @@ def _native_verdicts(handles, tokens: list[int]) -> list[int]:
     return [int(v) for v in got[:]]
 
 
+def _release_later(obj) -> None:
+    """Let the native worker drop a reference to the tvm-ffi object ``obj`` (a
+    matcher's handle, an array of them), called by its Python holder as it goes:
+    a finished batch's last references then go there, and their destructors
+    (256 xgrammar matchers: 2.4 ms on the H200's host, where the next batch
+    dropped them, the device idle meanwhile) run off the engine's thread."""
+    if obj is None or not hasattr(obj, "__chandle__"):
+        return
+    worker = native_accept.worker()
+    if worker is not None:
+        worker.defer_release(obj)
+
+
 def _handle_array(matchers: list["XGrammarMatcher"]):
     """The native batch accept's argument for ``matchers``: their handles, as a
     tvm-ffi array when this tvm-ffi makes one (else a list)."""
@@ -167,6 +180,12 @@ class _PreparedAccept:
             self.handles = _handle_array(matchers)
         for m in matchers:
             m._moved = True
+
+    def __del__(self) -> None:
+        try:
+            _release_later(self.handles)
+        except Exception:  # (at interpreter exit)
+            pass
 
     def subset(self, rows: list[int]) -> "_PreparedAccept":
         """This accept for the matchers at ``rows`` (indices) alone: the rows a
@@ -528,6 +547,12 @@ class _Pending:
         self._keep = (host, cols, verdicts, keep, handles)  # (what the worker reads)
         worker.submit(job)
 
+    def __del__(self) -> None:
+        try:
+            _release_later(self._keep[4])  # (the handles, maybe the last reference)
+        except Exception:  # (at interpreter exit)
+            pass
+
     def finish(self) -> None:
         """Wait for the worker, then break the matchers whose token it refused."""
         state = self.worker.wait(self.job)
@@ -725,6 +750,12 @@ class XGrammarMatcher(Matcher):
         self._pending = 0     # the last batch of tokens it takes on the worker (_Unsettled)
         self._broken = None   # why its state is not its text's (see _Pending)
 
+    def __del__(self) -> None:
+        try:
+            _release_later(self._handle)  # (xgrammar's matcher dies on the worker)
+        except Exception:  # (at interpreter exit)
+            pass
+
     def _sync(self) -> None:
         """Wait until xgrammar took the tokens this matcher took on known masks;
         raises when one broke it (see :class:`_Pending`)."""
@@ -752,6 +783,16 @@ class XGrammarMatcher(Matcher):
         self._m.fill_next_token_bitmask(bitmask, row)
         if self._text is not None and TEXT_MASKS and bitmask.device.type == "cpu":
             self._origin.text_masks.add(self._text, bitmask[row].numpy())
+
+    @staticmethod
+    def tidy() -> None:
+        """Housekeeping the engine offers while it waits for the device (its
+        optional hook): the batches of tokens the native worker is through with
+        are checked and let go. A finished batch's matchers, when those held
+        their last references, are destroyed here then, rather than at the next
+        batch's first accept (256 matchers: 1.5-2.4 ms on the H200's host)."""
+        if _UNSETTLED.queue:
+            _UNSETTLED.settle(done_only=True)
 
     @staticmethod
     def fill_bitmasks(matchers: list["XGrammarMatcher"], bitmask: torch.Tensor,

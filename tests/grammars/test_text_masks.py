@@ -158,3 +158,28 @@ def test_a_batch_of_fewer_rows_than_the_threshold_is_offered_by_xgrammar(person,
     assert seen == []
     assert kind.accept_tokens([_at(person, "{") for _ in range(3)], [byte('"')] * 3) == [1, 1, 1]
     assert seen == [True]
+
+
+def test_tidy_lets_go_of_the_batches_the_worker_is_through_with(person, monkeypatch):
+    """The engine's hook while it waits for the device: the batches taken on
+    known masks that the worker is done with are checked and dropped (with
+    their references to the matchers); the matchers' states are unchanged."""
+    import time
+
+    text = '{"name":"'
+    ref = _at(person, "")
+    for c in text:  # (the masks of the text's prefixes known)
+        _mask(ref, person)
+        assert ref.accept(byte(c))
+    kind = type(ref)
+    rows = [person.matcher() for _ in range(4)]
+    for c in text:
+        assert kind.accept_tokens(rows, [byte(c)] * 4) == [1] * 4
+    assert xb._UNSETTLED.queue
+    for _ in range(2000):  # (until the worker is through: done_only checks no others)
+        if all(p.job.state != native_accept.QUEUED for p in xb._UNSETTLED.queue):
+            break
+        time.sleep(0.001)
+    kind.tidy()
+    assert not xb._UNSETTLED.queue and xb._UNSETTLED.settled == xb._UNSETTLED.last
+    assert all(torch.equal(_mask(m, person), _mask(ref, person)) for m in rows)
