@@ -203,7 +203,6 @@ def test_dropped_matchers_are_destroyed_on_the_worker_and_their_memory_comes_bac
                 assert m.accept(t)
         if prepared.handles is not None:
             assert prepared([_byte("a")] * 1500) == [1] * 1500
-        assert worker.releases_pending() == 0
         del matchers, prepared
         gc.collect()
         idle()
