@@ -118,6 +118,13 @@ def worker() -> Worker | None:
     return _worker
 
 
+def started() -> Worker | None:
+    """The native accept worker when :func:`worker` has started it, else None
+    (never builds or starts it: what only helps a running worker, such as
+    handing it objects to release, asks this)."""
+    return _worker
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`worker` is None (after it was asked), else None."""
     return _reason

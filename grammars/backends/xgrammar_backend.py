@@ -129,7 +129,7 @@ def _release_later(obj) -> None:
     dropped them, the device idle meanwhile) run off the engine's thread."""
     if obj is None or not hasattr(obj, "__chandle__"):
         return
-    worker = native_accept.worker()
+    worker = native_accept.started()  # (a matcher let go never builds or starts it)
     if worker is not None:
         worker.defer_release(obj)
 

@@ -208,3 +208,22 @@ def test_dropped_matchers_are_destroyed_on_the_worker_and_their_memory_comes_bac
         idle()
         sizes.append(rss())
     assert sizes[-1] - sizes[1] < 16 << 20, [s >> 20 for s in sizes]
+
+
+def test_a_matcher_let_go_never_builds_or_starts_the_worker(compiler, tiny_vocab, monkeypatch):
+    """Matchers hand their handles to the worker as they go only when it runs
+    (started by an engine that uses it): otherwise they die where they are
+    dropped, and no compile or thread starts at a garbage collection."""
+    import gc
+
+    compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    monkeypatch.setattr(native_accept, "_worker", None)
+    monkeypatch.setattr(native_accept, "_reason", None)
+    asked = []
+    monkeypatch.setattr(native_accept, "_build", lambda: asked.append(1) or 1 / 0)
+    matchers = [compiled.matcher() for _ in range(8)]
+    for m in matchers:
+        assert m.accept(_byte("{"))
+    del matchers, m
+    gc.collect()
+    assert asked == [] and native_accept._worker is None and native_accept._reason is None
