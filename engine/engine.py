@@ -162,6 +162,8 @@ class Engine:
         # (rows, Sequence.sampling_epoch, unmasked_greedy, _sort_rows' answer) of
         # the last _sample_live over a whole step's rows
         self._sorted_rows: tuple | None = None
+        # (rows, their constraint classes' tidy hooks) of the last step that waited
+        self._tidy_hooks: tuple[list[Sequence], list] | None = None
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
         freeze = self.config.freeze_gc
@@ -1121,7 +1123,7 @@ class Engine:
         if lists is None:
             if prev.ready is not None:
                 if not prev.ready.query():  # (the device is busy: the host's chores now)
-                    _tidy_constraints(prev.seqs)
+                    self._tidy_constraints(prev.seqs)
                 wait_event(prev.ready)
             lists = prev.host.tolist()
         token_list, dead_list = lists
@@ -1248,6 +1250,22 @@ class Engine:
             outputs.extend(seqs[i] for i in refused)
             refused = []
         return outputs, ok, refused
+
+    def _tidy_constraints(self, seqs: list[Sequence]) -> None:
+        """Offer the constraint classes of ``seqs``' rows their optional ``tidy``
+        hook (housekeeping that would otherwise fall on a step's path), while the
+        host waits for the device anyway. The hooks are looked up once for as
+        long as the rows stay the same (a scan of every row each step before)."""
+        kept = self._tidy_hooks
+        if kept is None or kept[0] != seqs:  # (identity compares, in C)
+            kinds = {type(s.constraint) for s in seqs if s.constraint is not None}
+            hooks = [h for h in (getattr(k, "tidy", None) for k in kinds) if h is not None]
+            kept = self._tidy_hooks = (list(seqs), hooks)
+        for hook in kept[1]:
+            try:
+                hook()
+            except Exception:  # (the constraints report it where they are used)
+                pass
 
     @staticmethod
     def _rows_of(seqs: list[Sequence], tokens: list[int], rows: list[int]
@@ -1753,20 +1771,6 @@ def _forces_text(seq: Sequence) -> bool:
         return bool(hook())
     except Exception:
         return False
-
-
-def _tidy_constraints(seqs: list[Sequence]) -> None:
-    """Offer the constraint classes of ``seqs``' rows their optional ``tidy``
-    hook (housekeeping that would otherwise fall on a step's path), while the
-    host waits for the device anyway."""
-    kinds = {type(s.constraint) for s in seqs if s.constraint is not None}
-    for kind in kinds:
-        hook = getattr(kind, "tidy", None)
-        if hook is not None:
-            try:
-                hook()
-            except Exception:  # (the constraints report it where they are used)
-                pass
 
 
 def _without(items: SequenceABC, drop: list[int]) -> list:

@@ -126,12 +126,16 @@ def _release_later(obj) -> None:
     matcher's handle, an array of them), called by its Python holder as it goes:
     a finished batch's last references then go there, and their destructors
     (256 xgrammar matchers: 2.4 ms on the H200's host, where the next batch
-    dropped them, the device idle meanwhile) run off the engine's thread."""
-    if obj is None or not hasattr(obj, "__chandle__"):
-        return
-    worker = native_accept.started()  # (a matcher let go never builds or starts it)
-    if worker is not None:
-        worker.defer_release(obj)
+    dropped them, the device idle meanwhile) run off the engine's thread. Called
+    from ``__del__``: never raises (at interpreter exit the module may be gone)."""
+    try:
+        if obj is None or not hasattr(obj, "__chandle__"):
+            return
+        worker = native_accept.started()  # (a matcher let go never builds or starts it)
+        if worker is not None:
+            worker.defer_release(obj)
+    except Exception:
+        pass
 
 
 def _handle_array(matchers: list["XGrammarMatcher"]):
@@ -182,10 +186,7 @@ class _PreparedAccept:
             m._moved = True
 
     def __del__(self) -> None:
-        try:
-            _release_later(self.handles)
-        except Exception:  # (at interpreter exit)
-            pass
+        _release_later(getattr(self, "handles", None))
 
     def subset(self, rows: list[int]) -> "_PreparedAccept":
         """This accept for the matchers at ``rows`` (indices) alone: the rows a
@@ -548,10 +549,8 @@ class _Pending:
         worker.submit(job)
 
     def __del__(self) -> None:
-        try:
-            _release_later(self._keep[4])  # (the handles, maybe the last reference)
-        except Exception:  # (at interpreter exit)
-            pass
+        keep = getattr(self, "_keep", None)  # (none when the submit failed first)
+        _release_later(keep[4] if keep else None)  # (the handles, maybe the last reference)
 
     def finish(self) -> None:
         """Wait for the worker, then break the matchers whose token it refused."""
@@ -751,10 +750,7 @@ class XGrammarMatcher(Matcher):
         self._broken = None   # why its state is not its text's (see _Pending)
 
     def __del__(self) -> None:
-        try:
-            _release_later(self._handle)  # (xgrammar's matcher dies on the worker)
-        except Exception:  # (at interpreter exit)
-            pass
+        _release_later(getattr(self, "_handle", None))  # (xgrammar's matcher dies on the worker)
 
     def _sync(self) -> None:
         """Wait until xgrammar took the tokens this matcher took on known masks;
