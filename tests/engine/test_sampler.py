@@ -368,3 +368,53 @@ def test_masked_picks_read_in_pinned_memory_equal_the_copied_ones():
                 assert picks[col] == max(ok, key=lambda t: logits[row, t].item())
         if kind is AllowOnly:
             assert got[0][0][1] == [0, 1, 0]  # (the empty mask: a dead end, at its column)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("n", [6, 24])
+def test_masked_argmax_on_the_cpu_reads_each_mask_as_masking_every_row(shared, n):
+    """The CPU's masked pick, mask row by mask row (a few allowed tokens gathered,
+    many masked in one broadcast), against masking every row's logits and taking
+    the max: the same picks, dead-end flags and agreement, across masks that
+    allow one token, a few, most or none, and rows whose allowed logits are all
+    -inf (a dead end too)."""
+    from formcast.engine.constraint import bitmask_words
+    from formcast.engine.kernels.bitmask import masked_argmax_
+
+    gen = torch.Generator().manual_seed(11)
+    vocab = 1000
+    words = bitmask_words(vocab)
+    logits = torch.randn(n + 2, vocab, generator=gen).round(decimals=1)
+    logits[5] = float("-inf")
+    allowed = torch.zeros(6, vocab, dtype=torch.bool)
+    allowed[0, 17] = True                                            # one token
+    allowed[1, torch.randperm(vocab, generator=gen)[:20]] = True     # a few: gathered
+    allowed[2] = torch.rand(vocab, generator=gen) < 0.9              # most: broadcast
+    allowed[3, 990:] = True                                          # past the cut only
+    allowed[4] = True
+    bits = torch.zeros(6, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    packed = (bits.view(6, words, 32) << torch.arange(32)).sum(dim=-1)
+    masks = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    rows = torch.randperm(n + 2, generator=gen)[:n]
+    rows[0] = 5
+    cols = torch.randperm(n, generator=gen)
+    mask_rows = torch.randint(0, 6, (n,), generator=gen)
+    out = torch.stack((logits[:n].argmax(dim=-1), torch.zeros(n, dtype=torch.long)))
+    got, agree = out.clone(), torch.zeros(n, dtype=torch.bool)
+    if shared:
+        masked_argmax_(got, logits, masks, rows, cols, agree, vocab_size=990,
+                       mask_rows=mask_rows, backend="torch")
+    else:
+        masked_argmax_(got, logits, masks[mask_rows], rows, cols, agree, vocab_size=990,
+                       backend="torch")
+    every = logits[rows, :990].masked_fill(~allowed[mask_rows, :990], float("-inf"))
+    values, ids = every.max(dim=-1)
+    dead = torch.isneginf(values)
+    want = out.clone()
+    want[0, cols] = ids.masked_fill(dead, 0)
+    want[1, cols] = dead.long()
+    assert torch.equal(got, want)
+    assert agree.tolist() == (want[0, cols] == out[0, cols]).tolist()
+    assert dead[0] and dead[mask_rows == 3].all()                  # -inf row; nothing allowed
+    assert set(mask_rows.tolist()) == set(range(6)) or n < 24
