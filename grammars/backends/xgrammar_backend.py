@@ -127,7 +127,8 @@ def _release_later(obj) -> None:
     a finished batch's last references then go there, and their destructors
     (256 xgrammar matchers: 2.4 ms on the H200's host, where the next batch
     dropped them, the device idle meanwhile) run off the engine's thread. Called
-    from ``__del__``: never raises (at interpreter exit the module may be gone)."""
+    from ``__del__``, which binds it (at interpreter exit the module's names
+    may be gone before the objects): never raises."""
     try:
         if obj is None or not hasattr(obj, "__chandle__"):
             return
@@ -185,8 +186,8 @@ class _PreparedAccept:
         for m in matchers:
             m._moved = True
 
-    def __del__(self) -> None:
-        _release_later(getattr(self, "handles", None))
+    def __del__(self, _release=_release_later) -> None:  # (bound: the module may be gone)
+        _release(getattr(self, "handles", None))
 
     def subset(self, rows: list[int]) -> "_PreparedAccept":
         """This accept for the matchers at ``rows`` (indices) alone: the rows a
@@ -548,9 +549,9 @@ class _Pending:
         self._keep = (host, cols, verdicts, keep, handles)  # (what the worker reads)
         worker.submit(job)
 
-    def __del__(self) -> None:
+    def __del__(self, _release=_release_later) -> None:  # (bound: the module may be gone)
         keep = getattr(self, "_keep", None)  # (none when the submit failed first)
-        _release_later(keep[4] if keep else None)  # (the handles, maybe the last reference)
+        _release(keep[4] if keep else None)  # (the handles, maybe the last reference)
 
     def finish(self) -> None:
         """Wait for the worker, then break the matchers whose token it refused."""
@@ -749,8 +750,8 @@ class XGrammarMatcher(Matcher):
         self._pending = 0     # the last batch of tokens it takes on the worker (_Unsettled)
         self._broken = None   # why its state is not its text's (see _Pending)
 
-    def __del__(self) -> None:
-        _release_later(getattr(self, "_handle", None))  # (xgrammar's matcher dies on the worker)
+    def __del__(self, _release=_release_later) -> None:  # (bound: the module may be gone)
+        _release(getattr(self, "_handle", None))  # (xgrammar's matcher dies on the worker)
 
     def _sync(self) -> None:
         """Wait until xgrammar took the tokens this matcher took on known masks;
