@@ -53,7 +53,8 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
                         dtype=torch.float32)
     eng = Engine(model, tok, config=EngineConfig(
         max_num_seqs=max_batch, num_kv_blocks=8192, max_num_batched_tokens=16384,
-        async_scheduling=True, spec="none", freeze_gc=True), device=torch.device("cpu"))
+        async_scheduling=True, spec="none", freeze_gc=True,
+        native_accept=True), device=torch.device("cpu"))  # (as on CUDA: the native worker)
     eng.sampler.batch_fill = True  # (masks filled as on CUDA: the grammar's batch hooks)
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(POOL, cfg.vocab_size, generator=gen)
