@@ -88,6 +88,14 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
         staging.stage_seqs(seqs, len(seqs), ahead=1)
         return True
 
+    execute = eng.runner.execute
+
+    def execute_invalidating(*args, **kwargs):  # (as an ordinary step does the graphs')
+        staging.invalidate()
+        return execute(*args, **kwargs)
+
+    eng.runner.execute = execute_invalidating
+    eng.runner.forget_rows = staging.invalidate  # (as the graphs' staging)
     eng.runner.execute_decode = types.MethodType(execute_decode, eng.runner)
     eng.runner.stage_decode_ahead = types.MethodType(stage_decode_ahead, eng.runner)
     eng.runner.greedy_samples = types.MethodType(greedy_samples, eng.runner)

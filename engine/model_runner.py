@@ -180,6 +180,12 @@ class ModelRunner:
         then only replays. False when nothing was queued."""
         return self.graphs is not None and self.graphs.preload(tokens)
 
+    def forget_rows(self) -> None:
+        """No request is left: the decode graphs' staging lets go of the sequences
+        it keeps for their block tables (the next step stages its rows whole)."""
+        if self.graphs is not None:
+            self.graphs.invalidate()
+
     def decode_mark(self) -> int:
         """Where the decode graphs' replays stand (for :meth:`rewind_decode`)."""
         return self.graphs.replays if self.graphs is not None else 0

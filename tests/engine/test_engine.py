@@ -1202,3 +1202,34 @@ def _tiny_smollm2_shaped():
                               num_key_value_heads=1, head_dim=32)
     return build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5),
                        device=torch.device("cpu"), dtype=torch.float32)
+
+
+def test_an_idle_engine_keeps_no_finished_request(smollm2_engine, monkeypatch):
+    """Once no request is left, nothing of the engine keeps the batch that ran:
+    its requests, constraints and token lists go then, not when the next batch's
+    first steps replace the caches of its rows (on the host's path). Run with
+    the pipelined steps, the native accept of unmasked picks and masked rows,
+    and a tokenizer-sized vocabulary."""
+    import gc
+
+    import formcast.engine.engine as engine_module
+    from formcast.engine.sequence import Sequence
+
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tok = smollm2_engine.tokenizer
+    model, compiled, prompts = _records_batch(tok, 6)
+    engine = Engine(model, tok, config=EngineConfig(
+        max_num_seqs=8, num_kv_blocks=256, async_scheduling=True, spec="none",
+        native_accept=True), device=torch.device("cpu"))
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+    for p in prompts:
+        engine.add_request(p, greedy, constraint=compiled.matcher())
+    ran, done = set(), []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+        ran.update(id(s) for s in engine.scheduler.running)
+    assert len(done) == 6 and all(len(o.token_ids) == 20 for o in done)
+    assert engine.num_pipelined_steps > 10 and len(ran) == 6
+    gc.collect()
+    kept = [o for o in gc.get_objects() if type(o) is Sequence and id(o) in ran]
+    assert kept == [], f"{len(kept)} finished requests still referenced"
