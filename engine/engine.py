@@ -345,6 +345,7 @@ class Engine:
         return outputs
 
     def _step_once(self) -> list[Sequence]:
+        """:meth:`_step` but for letting go of a finished batch."""
         outputs = list(self._aborted)
         self._aborted.clear()
         if self._async:
