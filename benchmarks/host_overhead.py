@@ -60,7 +60,10 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
     pool = torch.randn(POOL, cfg.vocab_size, generator=gen)
     pool[:, tok.vocab_size:] = float("-inf")
     texts = [tok.decode([i]) for i in range(tok.vocab_size)] if picks != "random" else []
-    if picks in ("words", "mixed"):  # each row's argmax a word, which a JSON string takes
+    if picks == "uniform":  # rows alike but for their argmax: they keep in step
+        pool[:] = pool[0].clone()
+    if picks in ("words", "mixed", "uniform"):  # each row's argmax a word, which a JSON
+        # string takes
         words = torch.tensor([i for i, t in enumerate(texts) if t.strip().isalpha()])
         pool[torch.arange(POOL), words[torch.randint(len(words), (POOL,), generator=gen)]] = 10.0
     if picks == "mixed":  # and 1 row in CLOSING a token that ends the string
@@ -139,14 +142,19 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="64,256")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5, help="runs of each side, alternating")
-    ap.add_argument("--picks", choices=("random", "words", "mixed"), default="random",
+    ap.add_argument("--picks", choices=("random", "words", "mixed", "uniform"),
+                    default="random",
                     help="random: the pool's argmax anywhere in the vocabulary; words: "
                     "a word's token, as the GPU benchmark's random weights mostly pick "
                     "(rows stay in a JSON string after its opening punctuation); mixed: "
                     "words, and a string's closing quote in one pool row in "
                     f"{CLOSING}, so rows keep leaving their strings for the schema's "
                     "punctuation, where picks are refused (~260 refusals a run at 256 "
-                    "rows, as the GPU benchmark's random weights make)")
+                    "rows, as the GPU benchmark's random weights make); uniform: words, "
+                    "the pool's rows otherwise alike, so that every row picks the "
+                    "schema's opening the same way and they reach the string together, "
+                    "as the GPU benchmark's rows do (its masked opening, then every row "
+                    "unmasked at once)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
