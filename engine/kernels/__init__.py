@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import threading
 
+import numpy
 import torch
 
 
@@ -97,6 +98,9 @@ def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     of integers (a step's row indices) go through a ring of pinned buffers
     (:class:`_PinnedRing`); anything else is made in pinned memory."""
     if device.type != "cuda":
+        if device.type == "cpu" and dtype is torch.long and len(values) > 0 and \
+                type(values[0]) is int:  # (through numpy: a quarter of torch.tensor's time)
+            return torch.from_numpy(numpy.array(values, dtype=numpy.int64))
         return torch.tensor(values, dtype=dtype, device=device)
     if dtype is torch.long and 0 < len(values) <= _PinnedRing.SIZE and \
             type(values[0]) is int:
