@@ -62,8 +62,7 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
     texts = [tok.decode([i]) for i in range(tok.vocab_size)] if picks != "random" else []
     if picks == "uniform":  # rows alike but for their argmax: they keep in step
         pool[:] = pool[0].clone()
-    if picks in ("words", "mixed", "uniform"):  # each row's argmax a word, which a JSON
-        # string takes
+    if picks != "random":  # each row's argmax a word, which a JSON string takes
         words = torch.tensor([i for i, t in enumerate(texts) if t.strip().isalpha()])
         pool[torch.arange(POOL), words[torch.randint(len(words), (POOL,), generator=gen)]] = 10.0
     if picks == "mixed":  # and 1 row in CLOSING a token that ends the string
