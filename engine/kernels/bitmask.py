@@ -20,21 +20,15 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     if sys.byteorder == "little" and bitmask.is_contiguous():
         # bit b of byte k is token 8k + b (a word's low byte first): the bits
         # unpacked from bytes, a quarter of the work and memory of 32-bit words
-        data, shifts = bitmask.view(torch.uint8), _SHIFTS8.get(bitmask.device)
-        if shifts is None:
-            shifts = _SHIFTS8[bitmask.device] = torch.arange(8, dtype=torch.uint8,
-                                                             device=bitmask.device)
+        data = bitmask.view(torch.uint8)
     else:
         data = bitmask
-        shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    shifts = torch.arange(8 * data.element_size(), dtype=data.dtype, device=data.device)
     allowed = ((data.unsqueeze(-1) >> shifts) & 1).view(n, -1).bool()
     if allowed.shape[1] >= vocab_size:
         return allowed[:, :vocab_size]
     pad = allowed.new_zeros(n, vocab_size - allowed.shape[1])
     return torch.cat([allowed, pad], dim=1)
-
-
-_SHIFTS8: dict[torch.device, torch.Tensor] = {}
 
 
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
