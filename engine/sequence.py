@@ -86,6 +86,8 @@ class Sequence:
     # counts the changes of any sequence's way of sampling (``masked``, banned
     # tokens): a list of sequences sorted by it once stays sorted while it holds
     sampling_epoch = 0
+    # counts the bans (:meth:`ban`) of any sequence
+    ban_epoch = 0
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  constraint: LogitsConstraint | None,
@@ -210,6 +212,7 @@ class Sequence:
         self.banned_tokens = {p: t for p, t in self.banned_tokens.items() if p <= position}
         self.banned_tokens.setdefault(position, set()).add(token_id)
         Sequence.sampling_epoch += 1
+        Sequence.ban_epoch += 1
 
     def defer_text(self, token_id: int) -> None:
         """Append ``token_id``'s text the next time :attr:`text` is read. (The

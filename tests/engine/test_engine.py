@@ -1233,3 +1233,48 @@ def test_an_idle_engine_keeps_no_finished_request(smollm2_engine, monkeypatch):
     gc.collect()
     kept = [o for o in gc.get_objects() if type(o) is Sequence and id(o) in ran]
     assert kept == [], f"{len(kept)} finished requests still referenced"
+
+
+def test_a_batch_of_greedy_constrained_rows_sorts_as_any_batch_does(smollm2_engine,
+                                                                    monkeypatch):
+    """The pipelined sampling's sort of a batch whose every row is a greedy
+    constrained one, by each row's ``masked`` alone, gives what the sort of any
+    batch gives, with and without the logits rows, as rows are masked and
+    unmasked; a ban (the row then drawn by the sampler) or a row of another kind
+    sends the batch the general way."""
+    import random
+
+    from .helpers import make_seq
+
+    engine = variant(smollm2_engine, async_scheduling=True, unmasked_greedy=True)
+    general = engine._all_greedy_constrained
+    rng = random.Random(0)
+    live = []
+    for i in range(40):
+        seq = make_seq([1, 2, 3], rid=f"r{i}", temperature=0.0)
+        seq.constraint = AllowOnly({5, 6})
+        live.append(seq)
+
+    def both(rows):
+        fast = engine._sort_rows(live, rows)
+        with monkeypatch.context() as m:
+            m.setattr(engine, "_all_greedy_constrained", lambda _live: False)
+            return fast, engine._sort_rows(live, rows)
+
+    for _ in range(12):
+        for seq in live:
+            if rng.random() < 0.2:
+                seq.pick_refused() if not seq.masked else seq.masked_pick_seen(True)
+        rows = None if rng.random() < 0.5 else sorted(rng.sample(range(100), len(live)))
+        assert general(live)
+        fast, slow = both(rows)
+        assert fast == slow
+    assert any(s.masked for s in live) and not all(s.masked for s in live)
+    live[7].ban(10, 5)  # (no longer a greedy row: drawn by the sampler)
+    assert not general(live)
+    fast, slow = both(None)
+    assert fast == slow and 7 in fast[1] and 7 not in fast[0]
+    live[7:8] = [make_seq([1, 2, 3], rid="free", temperature=0.0)]  # (no constraint)
+    assert not general(live)
+    fast, slow = both(None)
+    assert fast == slow and fast[4] == [7]
