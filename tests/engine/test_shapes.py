@@ -146,3 +146,34 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
         # (the opening's prefill samples the ordinary way; later steps may all verify
         # drafts instead, as the measured step times schedule them)
         assert cells["sample_and"] > 0 or label == "after"
+
+
+@pytest.mark.slow
+def test_engine_ab_compares_two_variants_on_the_cpu(tmp_path, smollm2_gguf):
+    # the benchmark's smoke mode: a line per workload with both sides' tokens/s and
+    # their ratio, the sides' JSON/free line; a switch that changes the tokens is
+    # said to (masks at every step do not: they give the same picks), and one that
+    # names nothing is refused before any work
+    import re
+
+    out = run_benchmark("engine_ab.py", smollm2_gguf, tmp_path, "--device", "cpu",
+                        "--shape", "deepseek-v4-tiny", "--batch-sizes", "2", "--tokens", "6",
+                        "--runs", "2", "--config", "unmasked_greedy=False")
+    rows = re.findall(r"^ +2 +(free|json) +([0-9]+) \( *([0-9]+)\) +([0-9]+) \( *([0-9]+)\) "
+                      r"+([0-9.]+) \(([0-9.]+)\)$", out, re.M)
+    assert [r[0] for r in rows] == ["free", "json"]
+    for _, a, _, b, _, ratio, _ in rows:
+        assert int(a) > 0 and int(b) > 0 and float(ratio) == pytest.approx(
+            int(b) / int(a), rel=0.02, abs=0.002)
+    assert re.search(r"^ +2 json/free +A [0-9.]+ \([0-9.]+\) +B [0-9.]+ \([0-9.]+\)$", out, re.M)
+    assert "(outputs differ)" not in out
+    out = run_benchmark("engine_ab.py", smollm2_gguf, tmp_path, "--device", "cpu",
+                        "--shape", "deepseek-v4-tiny", "--batch-sizes", "2", "--tokens", "6",
+                        "--runs", "1", "--workloads", "free",
+                        "--set", "formcast.engine.models.deepseek_v4:DeepseekV4ForCausalLM.logits="
+                        "lambda self, h: -self.lm_head(self.model.norm(self.model.hc_head(h)))"
+                        ".float()")  # (B picks each row's least likely token)
+    assert "(outputs differ)" in out
+    with pytest.raises(AssertionError, match="has no _NO_SUCH_SWITCH"):
+        run_benchmark("engine_ab.py", smollm2_gguf, tmp_path, "--device", "cpu",
+                      "--set", "formcast.engine.engine:_NO_SUCH_SWITCH=1")

@@ -1,0 +1,179 @@
+"""What a change to the engine buys, two variants in one process, sides alternating.
+
+The GPU benchmark's figures move with the host machine more than with most
+changes (its part 2 at batch 256 has read 0.80 to 0.94 on different H200 hosts
+for the same code), so a change is measured against its baseline in the same
+process: ``gpu_throughput.py``'s workloads (free text, and every row under its
+JSON Schema, greedy, ``--tokens`` a row) on one engine of random weights, the
+baseline (A) and the variant (B) taking turns run by run, the order flipped
+each round. B is A with module attributes replaced (``--set``) and engine
+config fields replaced (``--config``), both put back for A's runs; the change
+under test is written behind such a switch (a module constant, a method, a
+config field).
+
+Prints, per batch size and workload, the tokens/s of each side (best and
+median of ``--runs``) and B's over A's, then each side's JSON/free ratio (part
+2's figure). The two sides' outputs are checked to be the same tokens.
+
+    python benchmarks/engine_ab.py --tokenizer-dir DIR \\
+        --set 'formcast.engine.engine:Engine._all_greedy_constrained=lambda self, live: False'
+    python benchmarks/engine_ab.py --tokenizer-dir DIR --config unmasked_greedy=False
+    python benchmarks/engine_ab.py --tokenizer-dir DIR --device cpu --batch-sizes 4 --tokens 8 \\
+        --set formcast.engine.engine:_OVERLAP_ROWS=1
+
+``--set MODULE:ATTR=EXPR``: ``ATTR`` may be dotted (a class's method); ``EXPR``
+is evaluated in the module's namespace (a number, a lambda, a name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import statistics
+import time
+
+import torch
+
+import gpu_throughput as bench
+from formcast.engine import SamplingParams, Tokenizer
+from formcast.engine.models.shapes import DEEPSEEK_V4_SHAPES, SHAPES
+
+_MISSING = object()
+
+
+class Patch:
+    """Attribute replacements, put on and taken off in turn."""
+
+    def __init__(self, specs: list[str]) -> None:
+        self.items = []  # (owner, name, new value, old value)
+        for spec in specs:
+            where, _, expr = spec.partition("=")
+            module_name, _, dotted = where.partition(":")
+            if not expr or not dotted:
+                raise SystemExit(f"--set {spec!r}: expected MODULE:ATTR=EXPR")
+            module = importlib.import_module(module_name)
+            *path, name = dotted.split(".")
+            owner = module
+            for part in path:
+                owner = getattr(owner, part)
+            old = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else \
+                getattr(owner, name, _MISSING)
+            if old is _MISSING:
+                raise SystemExit(f"--set {spec!r}: {module_name} has no {dotted}")
+            value = eval(expr, vars(module))  # (the command line's own code)
+            self.items.append((owner, name, value, old))
+
+    def on(self) -> None:
+        for owner, name, value, _ in self.items:
+            setattr(owner, name, value)
+
+    def off(self) -> None:
+        for owner, name, _, old in self.items:
+            setattr(owner, name, old)
+
+
+def config_changes(specs: list[str]) -> dict:
+    """The EngineConfig fields that ``field=literal`` specs replace."""
+    import ast
+
+    from formcast.engine import EngineConfig
+
+    changes = {}
+    for spec in specs:
+        name, _, value = spec.partition("=")
+        if name not in {f.name for f in dataclasses.fields(EngineConfig)}:
+            raise SystemExit(f"--config {spec!r}: EngineConfig has no field {name!r}")
+        try:
+            changes[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise SystemExit(f"--config {spec!r}: the value is not a Python literal") from None
+    return changes
+
+
+def run_side(eng, config, patch: Patch | None, ps, sp, constraints):
+    """Tokens/s of one timed ``generate`` as side A (``patch`` None) or B, and its
+    outputs' tokens."""
+    base = eng.config
+    eng.config = config
+    if patch is not None:
+        patch.on()
+    try:
+        secs, count = bench.timed_generate(eng, ps, sp, constraints)
+        outs = eng.generate(ps[:4], sp, constraints=None if constraints is None
+                            else constraints()[:4])
+    finally:
+        if patch is not None:
+            patch.off()
+        eng.config = base
+    return count / secs, [o.token_ids for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--shape", default="smollm2-135m",
+                    choices=sorted(SHAPES) + sorted(DEEPSEEK_V4_SHAPES))
+    ap.add_argument("--batch-sizes", default="256")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=6, help="timed runs a side and workload")
+    ap.add_argument("--workloads", default="free,json")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    help="MODULE:ATTR=EXPR, replaced for side B (repeatable)")
+    ap.add_argument("--config", dest="configs", action="append", default=[],
+                    help="EngineConfig field=literal for side B (repeatable)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    args = ap.parse_args()
+    if not args.sets and not args.configs:
+        ap.error("nothing to compare: give --set or --config for side B")
+    bench.DEVICE = torch.device(args.device)
+    patch = Patch(args.sets)
+    changes = config_changes(args.configs)
+    tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    workloads = args.workloads.split(",")
+    if not set(workloads) <= {"free", "json"}:
+        ap.error(f"--workloads: free and/or json, not {args.workloads!r}")
+    name = torch.cuda.get_device_name() if bench.DEVICE.type == "cuda" else "cpu"
+    print(f"device={name} torch={torch.__version__}")
+    print("B: " + "; ".join(args.sets + args.configs))
+    t = time.perf_counter()
+    eng = bench.make_engine(args.shape, tok, max(sizes))
+    print(f"engine built in {time.perf_counter() - t:.1f} s")
+    config_a, config_b = eng.config, dataclasses.replace(eng.config, **changes)
+    from formcast.grammars import JsonSchema, compile
+
+    compiled = compile(JsonSchema(bench.SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
+    sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    print(f"{args.tokens} tokens a row, {args.runs} runs a side; tok/s best (median)")
+    print(f"{'batch':>5} {'load':>5} {'A tok/s':>17} {'B tok/s':>17} {'B/A':>15}")
+    for bs in sizes:
+        ps = bench.prompts(tok, bs)
+        best = {}
+        for load in workloads:
+            constraints = None if load == "free" else \
+                (lambda: [compiled.matcher() for _ in ps])
+            got = {"A": [], "B": []}
+            tokens = {}
+            for r in range(args.runs):
+                for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                    rate, toks = run_side(eng, config_a if side == "A" else config_b,
+                                          None if side == "A" else patch, ps, sp, constraints)
+                    got[side].append(rate)
+                    tokens.setdefault(side, toks)
+            same = "" if tokens["A"] == tokens["B"] else "  (outputs differ)"
+            a, b = got["A"], got["B"]
+            mid = statistics.median
+            best[load] = (max(a), max(b), mid(a), mid(b))
+            print(f"{bs:>5} {load:>5} {max(a):>9.0f} ({mid(a):>6.0f}) "
+                  f"{max(b):>9.0f} ({mid(b):>6.0f}) {max(b) / max(a):>6.3f} "
+                  f"({mid(b) / mid(a):.3f}){same}", flush=True)
+        if {"free", "json"} <= set(best):
+            fa, fb, fma, fmb = best["free"]
+            ja, jb, jma, jmb = best["json"]
+            print(f"{bs:>5} json/free  A {ja / fa:.3f} ({jma / fma:.3f})  "
+                  f"B {jb / fb:.3f} ({jmb / fmb:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
