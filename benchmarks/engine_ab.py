@@ -22,7 +22,11 @@ median of ``--runs``) and B's over A's, then each side's JSON/free ratio (part
         --set formcast.engine.engine:_OVERLAP_ROWS=1
 
 ``--set MODULE:ATTR=EXPR``: ``ATTR`` may be dotted (a class's method); ``EXPR``
-is evaluated in the module's namespace (a number, a lambda, a name).
+is evaluated in the module's namespace (a number, a lambda, a name). Set a name
+in the module that reads it (a constant another module imported by name keeps
+its own binding there). ``--config`` takes the fields the engine reads as it
+runs (``unmasked_greedy``, ``native_accept``, ...), not those it was built with
+(``max_num_seqs``, the KV cache's size).
 """
 
 from __future__ import annotations
