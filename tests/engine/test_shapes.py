@@ -157,8 +157,8 @@ def test_engine_ab_compares_two_variants_on_the_cpu(tmp_path, smollm2_gguf):
     import re
 
     out = run_benchmark("engine_ab.py", smollm2_gguf, tmp_path, "--device", "cpu",
-                        "--shape", "deepseek-v4-tiny", "--batch-sizes", "2", "--tokens", "6",
-                        "--runs", "2", "--config", "unmasked_greedy=False")
+                        "--shape", "deepseek-v4-tiny", "--batch-sizes", "2", "--tokens", "4",
+                        "--runs", "1", "--config", "unmasked_greedy=False")
     rows = re.findall(r"^ +2 +(free|json) +([0-9]+) \( *([0-9]+)\) +([0-9]+) \( *([0-9]+)\) "
                       r"+([0-9.]+) \(([0-9.]+)\)$", out, re.M)
     assert [r[0] for r in rows] == ["free", "json"]
@@ -168,7 +168,7 @@ def test_engine_ab_compares_two_variants_on_the_cpu(tmp_path, smollm2_gguf):
     assert re.search(r"^ +2 json/free +A [0-9.]+ \([0-9.]+\) +B [0-9.]+ \([0-9.]+\)$", out, re.M)
     assert "(outputs differ)" not in out
     out = run_benchmark("engine_ab.py", smollm2_gguf, tmp_path, "--device", "cpu",
-                        "--shape", "deepseek-v4-tiny", "--batch-sizes", "2", "--tokens", "6",
+                        "--shape", "deepseek-v4-tiny", "--batch-sizes", "2", "--tokens", "4",
                         "--runs", "1", "--workloads", "free",
                         "--set", "formcast.engine.models.deepseek_v4:DeepseekV4ForCausalLM.logits="
                         "lambda self, h: -self.lm_head(self.model.norm(self.model.hc_head(h)))"
