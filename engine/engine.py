@@ -168,6 +168,7 @@ class Engine:
         self._uniform_rows: tuple | None = None
         # (rows, their constraint classes' tidy hooks) of the last step that waited
         self._tidy_hooks: tuple[list[Sequence], list] | None = None
+        self._detok_at = 0  # (the row _detokenize_while goes on from)
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
         freeze = self.config.freeze_gc
@@ -1174,6 +1175,8 @@ class Engine:
             if prev.ready is not None:
                 if not prev.ready.query():  # (the device is busy: the host's chores now)
                     self._tidy_constraints(prev.seqs)
+                    if _DETOK_CHORE_TOKENS:
+                        self._detokenize_while(prev.seqs, lambda: not prev.ready.query())
                 wait_event(prev.ready)
             lists = prev.host.tolist()
         token_list, dead_list = lists
@@ -1316,6 +1319,37 @@ class Engine:
                 hook()
             except Exception:  # (the constraints report it where they are used)
                 pass
+
+    def _detokenize_while(self, seqs: list[Sequence], busy) -> None:
+        """While ``busy()`` (the device still at work, the host otherwise
+        idle), make the text of ``seqs``' deferred tokens (see
+        :meth:`Sequence.defer_text`), a few rows at a time, each row once it has
+        ``_DETOK_CHORE_TOKENS`` of them. A batch's rows that end together then
+        have a few tokens each left to detokenize, not their whole output: at 256
+        rows of 128 tokens that was 4.3 ms of the H200's host, the device idle,
+        at the end of every batch. The rows are taken in turn from where the
+        last call stopped. Off unless ``_DETOK_CHORE_TOKENS`` is set: not yet
+        measured on a GPU. (Not while waiting for the native worker's verdicts:
+        that wait lets go of the interpreter lock, which the mask and accept
+        threads want then; in the stubbed engine of host_overhead.py on our
+        CPU, JSON at 256 rows, its steps took longer with it.)"""
+        n = len(seqs)
+        if not n:
+            return
+        at = self._detok_at % n
+        left = n  # (one pass over the rows at most)
+        while left > 0 and busy():
+            chunk = seqs[at:at + _DETOK_CHORE_ROWS]
+            made = False
+            for s in chunk:
+                if len(s._undecoded) >= _DETOK_CHORE_TOKENS:
+                    s.text  # (reading it makes it)
+                    made = True
+            at = (at + len(chunk)) % n
+            left -= len(chunk)
+            if not made:  # (rows take their tokens in step: the next ones have none either)
+                break
+        self._detok_at = at
 
     @staticmethod
     def _rows_of(seqs: list[Sequence], tokens: list[int], rows: list[int]
@@ -1783,6 +1817,13 @@ _OVERLAP_ROWS = 128
 # At 256 JSON rows on the H200 (same run, median of 12), constrained throughput
 # went from 0.675 to 0.704 of free text's with it
 _ASYNC_FILL_ROWS = 16
+# The host's waits for the device detokenize a row's deferred tokens once it has
+# this many (None: they do not), this many rows between looks at whether the wait
+# is over (Engine._detokenize_while). Off until measured on a GPU, where alone
+# the host waits for the device: benchmarks/engine_ab.py --batch-sizes 64,256
+# --set formcast.engine.engine:_DETOK_CHORE_TOKENS=32
+_DETOK_CHORE_TOKENS: int | None = None
+_DETOK_CHORE_ROWS = 8
 _PINNED_ROWS = 16  # masked rows a step's kernel reads in pinned memory, at most
 # the fewest rows whose first step puts its tokens in flight (Engine._first_in_flight)
 _FIRST_IN_FLIGHT_ROWS = 8

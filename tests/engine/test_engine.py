@@ -1278,3 +1278,50 @@ def test_a_batch_of_greedy_constrained_rows_sorts_as_any_batch_does(smollm2_engi
     assert not general(live)
     fast, slow = both(None)
     assert fast == slow and fast[4] == [7]
+
+
+def test_the_hosts_idle_waits_detokenize_deferred_tokens_in_turn(smollm2_engine, monkeypatch):
+    """While the device is busy the host makes the text of rows' deferred tokens,
+    a few rows between looks at the device, each row once it holds enough of
+    them, going on where the last wait stopped; the texts are those that one
+    detokenization of every token makes (a character split across tokens
+    included)."""
+    import formcast.engine.engine as engine_module
+    from formcast.engine.tokenizer import IncrementalDetokenizer
+
+    from .helpers import make_seq
+
+    monkeypatch.setattr(engine_module, "_DETOK_CHORE_TOKENS", 32)  # (off by default)
+    engine, tok = smollm2_engine, smollm2_engine.tokenizer
+    chore, rows_a_look = engine_module._DETOK_CHORE_TOKENS, engine_module._DETOK_CHORE_ROWS
+    ids = tok.encode("Zürich, 東京 and 🎉 in one line: the rows' outputs " * 4)
+    assert len(ids) >= 2 * chore
+    seqs = []
+    for i in range(3 * rows_a_look):
+        seq = make_seq([1, 2], rid=f"r{i}")
+        seq.detok = IncrementalDetokenizer(tok, skip_special_tokens=True)
+        seqs.append(seq)
+    short = seqs[5]
+    for seq in seqs:
+        for t in ids[:chore - 1 if seq is short else chore + 3]:
+            seq.defer_text(t)
+    looks = []
+
+    def busy(n):
+        return lambda: looks.append(1) or len(looks) <= n
+
+    engine._detok_at = 0
+    engine._detokenize_while(seqs, busy(1))  # one look: the first rows only
+    made = [not s._undecoded for s in seqs]
+    assert made == [i < rows_a_look and seqs[i] is not short for i in range(len(seqs))]
+    assert engine._detok_at == rows_a_look
+    looks.clear()
+    engine._detokenize_while(seqs, busy(10))  # on from there, round to the start
+    assert all(not s._undecoded for s in seqs if s is not short)
+    assert len(short._undecoded) == chore - 1  # (too few to be worth a call)
+    looks.clear()
+    engine._detokenize_while(seqs, busy(10))  # nothing left to make: one look
+    assert len(looks) == 1
+    for seq in seqs:
+        n = chore - 1 if seq is short else chore + 3
+        assert seq.text == tok.decode(ids[:n], skip_special_tokens=True)
