@@ -236,6 +236,42 @@ def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer,
     assert results[True] == results[False]
 
 
+def test_cuda_texts_made_while_the_device_runs_are_the_texts_made_at_the_end(
+        weights, tokenizer, monkeypatch):
+    """With the host's waits for the device detokenizing rows' deferred tokens
+    (``_DETOK_CHORE_TOKENS``), outputs have the texts they have without: free,
+    seeded and JSON-constrained rows; the waits did make texts."""
+    import formcast.engine.engine as engine_module
+
+    grammars = pytest.importorskip("formcast.grammars")
+    schema = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+    eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
+                      max_num_seqs=16, async_scheduling=True)
+    compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
+                                vocab_size=eng.model.config.vocab_size)
+    ps = prompts(tokenizer, 12)
+    params = [SamplingParams(max_tokens=40 + i, temperature=0.0 if i % 3 else 0.9, seed=i,
+                             ignore_eos=True) for i in range(12)]
+    made = []
+    chores = engine_module.Engine._detokenize_while
+
+    def counted(self, seqs, busy):
+        before = sum(len(s._undecoded) for s in seqs)
+        chores(self, seqs, busy)
+        made.append(before - sum(len(s._undecoded) for s in seqs))
+
+    monkeypatch.setattr(engine_module.Engine, "_detokenize_while", counted)
+    results = {}
+    for tokens in (None, 8):
+        monkeypatch.setattr(engine_module, "_DETOK_CHORE_TOKENS", tokens)
+        free = eng.generate(ps, params)
+        constrained = eng.generate(ps[:6], SamplingParams(max_tokens=48, temperature=0.0),
+                                   constraints=[compiled.matcher() for _ in range(6)])
+        results[tokens] = [(o.token_ids, o.text) for o in free + constrained]
+    assert results[8] == results[None]
+    assert sum(made) > 0  # (the device kept the host waiting at least once)
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, graphs,
                                                             monkeypatch):
