@@ -41,7 +41,7 @@ POOL = 2048  # rows of random logits the stub hands out
 CLOSING = 112  # "mixed" picks: one row in this many closes a string
 
 
-def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
+def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random", closing: int = CLOSING
                 ) -> tuple[Engine, list[float]]:
     """An engine on a one-layer model of SmolLM2's vocabulary whose decode steps
     are stubbed out (see the module doc). Returns it and the seconds its
@@ -65,9 +65,9 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random"
     if picks != "random":  # each row's argmax a word, which a JSON string takes
         words = torch.tensor([i for i, t in enumerate(texts) if t.strip().isalpha()])
         pool[torch.arange(POOL), words[torch.randint(len(words), (POOL,), generator=gen)]] = 10.0
-    if picks == "mixed":  # and 1 row in CLOSING a token that ends the string
+    if picks == "mixed":  # and 1 row in ``closing`` a token that ends the string
         quotes = torch.tensor([i for i, t in enumerate(texts) if t in ('"', '",', '"}', '"]')])
-        rows = torch.arange(0, POOL, CLOSING)
+        rows = torch.arange(0, POOL, closing)
         pool[rows, quotes[torch.randint(len(quotes), (len(rows),), generator=gen)]] = 20.0
     greedy = torch.stack((pool.argmax(-1), torch.zeros(POOL, dtype=torch.long)))
     staging = DecodeStaging(max_batch, 1024, block_size=eng.config.block_size, scratch_slot=0,
@@ -149,16 +149,22 @@ def main() -> None:
                     "words, and a string's closing quote in one pool row in "
                     f"{CLOSING}, so rows keep leaving their strings for the schema's "
                     "punctuation, where picks are refused (~260 refusals a run at 256 "
-                    "rows, as the GPU benchmark's random weights make); uniform: words, "
+                    "rows; see --closing); uniform: words, "
                     "the pool's rows otherwise alike, so that every row picks the "
                     "schema's opening the same way and they reach the string together, "
                     "as the GPU benchmark's rows do (its masked opening, then every row "
                     "unmasked at once)")
+    ap.add_argument("--closing", type=int, default=CLOSING,
+                    help="mixed picks: one pool row in this many closes a string (at 256 "
+                    "rows the default made ~250 refusals a run, 1000 ~85, 2000 ~50; the GPU "
+                    "benchmark's runs have had 14-18 of late)")
     args = ap.parse_args()
+    if args.closing < 1:
+        ap.error(f"--closing {args.closing}: must be at least 1")
     torch.set_num_threads(1)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    eng, masked_secs = stub_engine(tok, max(sizes), args.picks)
+    eng, masked_secs = stub_engine(tok, max(sizes), args.picks, args.closing)
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     print(f"host us per pipelined step (median of {args.reps}, forward stubbed), "
