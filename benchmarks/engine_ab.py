@@ -13,7 +13,8 @@ config field).
 
 Prints, per batch size and workload, the tokens/s of each side (best and
 median of ``--runs``) and B's over A's, then each side's JSON/free ratio (part
-2's figure). The two sides' outputs are checked to be the same tokens.
+2's figure). The two sides' outputs (every row of a timed run) are checked to be
+the same tokens.
 
     python benchmarks/engine_ab.py --tokenizer-dir DIR \\
         --set 'formcast.engine.engine:Engine._all_greedy_constrained=lambda self, live: False'
@@ -83,10 +84,11 @@ def config_changes(specs: list[str]) -> dict:
 
     from formcast.engine import EngineConfig
 
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
     changes = {}
     for spec in specs:
         name, _, value = spec.partition("=")
-        if name not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        if name not in fields:
             raise SystemExit(f"--config {spec!r}: EngineConfig has no field {name!r}")
         try:
             changes[name] = ast.literal_eval(value)
@@ -103,14 +105,13 @@ def run_side(eng, config, patch: Patch | None, ps, sp, constraints):
     if patch is not None:
         patch.on()
     try:
-        secs, count = bench.timed_generate(eng, ps, sp, constraints)
-        outs = eng.generate(ps[:4], sp, constraints=None if constraints is None
-                            else constraints()[:4])
+        secs, outs = bench.timed_outputs(eng, ps, sp, constraints)
     finally:
         if patch is not None:
             patch.off()
         eng.config = base
-    return count / secs, [o.token_ids for o in outs]
+    tokens = [o.token_ids for o in outs]
+    return sum(map(len, tokens)) / secs, tokens
 
 
 def main() -> None:

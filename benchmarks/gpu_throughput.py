@@ -119,15 +119,21 @@ def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-def timed_generate(eng: Engine, ps, sp, constraints=None) -> tuple[float, int]:
-    """Seconds and generated tokens of one ``generate`` (after a short warm-up)."""
+def timed_outputs(eng: Engine, ps, sp, constraints=None) -> tuple[float, list]:
+    """Seconds and outputs of one ``generate`` (after a short warm-up)."""
     eng.generate(ps, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                  constraints=None if constraints is None else constraints())
     sync()
     t = time.perf_counter()
     outs = eng.generate(ps, sp, constraints=None if constraints is None else constraints())
     sync()
-    return time.perf_counter() - t, sum(len(o.token_ids) for o in outs)
+    return time.perf_counter() - t, outs
+
+
+def timed_generate(eng: Engine, ps, sp, constraints=None) -> tuple[float, int]:
+    """Seconds and generated tokens of one ``generate`` (after a short warm-up)."""
+    secs, outs = timed_outputs(eng, ps, sp, constraints)
+    return secs, sum(len(o.token_ids) for o in outs)
 
 
 def hf_tokens_per_s(hf, ps, n: int) -> float:

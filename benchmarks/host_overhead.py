@@ -148,7 +148,7 @@ def main() -> None:
                     "(rows stay in a JSON string after its opening punctuation); mixed: "
                     "words, and a string's closing quote in one pool row in "
                     f"{CLOSING}, so rows keep leaving their strings for the schema's "
-                    "punctuation, where picks are refused (~260 refusals a run at 256 "
+                    "punctuation, where picks are refused (~250 refusals a run at 256 "
                     "rows; see --closing); uniform: words, "
                     "the pool's rows otherwise alike, so that every row picks the "
                     "schema's opening the same way and they reach the string together, "
