@@ -185,14 +185,15 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
           "\n    medians (a constrained run's time varies more than a free run's: the"
           "\n    host's threads take turns with the grammar's)")
     print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>15} "
-          f"{'masked tok/s':>13} {'ratio':>15} {'picks refused':>14}")
+          f"{'masked tok/s':>13} {'ratio':>15} {'picks refused premasked':>24}")
     unmasked = eng.config
     masked = dataclasses.replace(unmasked, unmasked_greedy=False)
     for bs in sizes:
         ps = prompts(tok, bs)
         # alternate sides, best of five each: the host is shared and noisy
         free, json_, json_masked = [], [], []
-        picks, refused = eng.num_unmasked_picks, eng.num_refused_picks
+        picks, refused, premasked = (eng.num_unmasked_picks, eng.num_refused_picks,
+                                     eng.num_premasked_picks)
         for _ in range(5):
             secs, count = timed_generate(eng, ps, sp)
             free.append(count / secs)
@@ -204,7 +205,9 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
                                          lambda: [compiled.matcher() for _ in ps])
             json_masked.append(count / secs)
             eng.config = unmasked
-        picks, refused = eng.num_unmasked_picks - picks, eng.num_refused_picks - refused
+        picks, refused, premasked = (eng.num_unmasked_picks - picks,
+                                     eng.num_refused_picks - refused,
+                                     eng.num_premasked_picks - premasked)
         out = eng.generate(ps[:1], sp, constraints=[compiled.matcher()])[0]
         assert '"records"' in out.text[:60], out.text[:80]
         mid = statistics.median
@@ -212,7 +215,7 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
               f"{max(json_) / max(free):>6.3f} ({mid(json_) / mid(free):.3f}) "
               f"{max(json_masked):>13.0f} "
               f"{max(json_masked) / max(free):>6.3f} ({mid(json_masked) / mid(free):.3f}) "
-              f"{picks:>8} {refused:>5}", flush=True)
+              f"{picks:>8} {refused:>5} {premasked:>9}", flush=True)
         if profile:  # where the host's time goes (main thread), free then constrained
             for constraints in (None, [compiled.matcher() for _ in ps]):
                 prof = cProfile.Profile()

@@ -35,6 +35,7 @@ from formcast.engine.cuda_graph import DecodeStaging
 from formcast.engine.engine import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 from formcast.grammars import JsonSchema, compile
+from engine_ab import Patch
 from gpu_throughput import SCHEMA, prompts
 
 POOL = 2048  # rows of random logits the stub hands out
@@ -116,9 +117,9 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random", closing: 
 
 
 def host_us_per_step(eng: Engine, masked_secs: list[float], ps, sp, constraints
-                     ) -> tuple[float, int, int]:
+                     ) -> tuple[float, int, int, int]:
     """Microseconds of host work per pipelined step of one run to completion,
-    the picks taken unmasked and refused."""
+    the picks taken unmasked and refused, and the pipelined steps."""
     for p, c in zip(ps, constraints or [None] * len(ps)):
         eng.add_request(p, sp, constraint=c)
     eng.step()  # prefill
@@ -132,7 +133,7 @@ def host_us_per_step(eng: Engine, masked_secs: list[float], ps, sp, constraints
     secs = time.perf_counter() - t - masked_secs[0]
     steps = eng.num_pipelined_steps - steps
     return (secs / max(steps, 1) * 1e6, eng.num_unmasked_picks - picks,
-            eng.num_refused_picks - refused)
+            eng.num_refused_picks - refused, steps)
 
 
 def main() -> None:
@@ -158,6 +159,11 @@ def main() -> None:
                     help="mixed picks: one pool row in this many closes a string (at 256 "
                     "rows the default made ~250 refusals a run, 1000 ~85, 2000 ~50; the GPU "
                     "benchmark's runs have had 14-18 of late)")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    metavar="MODULE:ATTR=EXPR",
+                    help="a side B, as engine_ab.py's --set: the runs alternate A and B "
+                    "(the order flipped each round) and a line for each side is printed, "
+                    "then B's JSON host time a run over A's")
     args = ap.parse_args()
     if args.closing < 1:
         ap.error(f"--closing {args.closing}: must be at least 1")
@@ -167,21 +173,40 @@ def main() -> None:
     eng, masked_secs = stub_engine(tok, max(sizes), args.picks, args.closing)
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
+    patch = Patch(args.sets) if args.sets else None
+    sides = ("A", "B") if patch is not None else ("",)
     print(f"host us per pipelined step (median of {args.reps}, forward stubbed), "
-          f"{args.tokens} tokens a row")
-    print(f"{'batch':>5} {'free':>7} {'json':>7} {'json/free':>9} {'picks':>7} {'refused':>7}")
+          f"{args.tokens} tokens a row; json ms: the host's time a JSON run")
+    print(f"{'batch':>5} {'free':>7} {'json':>7} {'json/free':>9} {'picks':>7} {'refused':>7} "
+          f"{'steps':>5} {'json ms':>8}")
     for bs in sizes:
         ps = prompts(tok, bs)
         host_us_per_step(eng, masked_secs, ps, sp, None)  # warm-up
-        free, json_ = [], []
-        for _ in range(args.reps):
-            free.append(host_us_per_step(eng, masked_secs, ps, sp, None)[0])
-            us, picks, refused = host_us_per_step(eng, masked_secs, ps, sp,
-                                                  [compiled.matcher() for _ in ps])
-            json_.append(us)
-        f, j = statistics.median(free), statistics.median(json_)
-        print(f"{bs:>5} {f:>7.0f} {j:>7.0f} {j / f:>9.2f} {picks:>7} {refused:>7}",
-              flush=True)
+        runs: dict[str, list] = {side: [] for side in sides}
+        for rep in range(args.reps):
+            for side in sides if rep % 2 == 0 else sides[::-1]:
+                if side == "B":
+                    patch.on()
+                try:
+                    free = host_us_per_step(eng, masked_secs, ps, sp, None)[0]
+                    json_ = host_us_per_step(eng, masked_secs, ps, sp,
+                                             [compiled.matcher() for _ in ps])
+                finally:
+                    if side == "B":
+                        patch.off()
+                runs[side].append((free, *json_))
+        ms = {}
+        for side in sides:
+            got = runs[side]
+            f = statistics.median(r[0] for r in got)
+            j = statistics.median(r[1] for r in got)
+            ms[side] = statistics.median(r[1] * r[4] / 1e3 for r in got)
+            _, _, picks, refused, steps = got[-1]
+            label = f"{bs} {side}".strip()
+            print(f"{label:>5} {f:>7.0f} {j:>7.0f} {j / f:>9.2f} {picks:>7} {refused:>7} "
+                  f"{steps:>5} {ms[side]:>8.1f}", flush=True)
+        if patch is not None:
+            print(f"{bs:>5} B/A json ms {ms['B'] / ms['A']:.3f}", flush=True)
     gc.unfreeze()  # (the engine froze the heap: let it go at exit)
 
 

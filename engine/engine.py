@@ -169,6 +169,17 @@ class Engine:
         # (rows, their constraint classes' tidy hooks) of the last step that waited
         self._tidy_hooks: tuple[list[Sequence], list] | None = None
         self._detok_at = 0  # (the row _detokenize_while goes on from)
+        # premasking (see _premask_landed): the tokens that may end a JSON string,
+        # how often the model's next unmasked pick after one broke the grammar
+        # (a moving average), the rows premasked whose first masked pick's
+        # agreement is due, the rows that took such a token unmasked whose next
+        # pick's verdict is due, and the accept a premasked row's mask waits for
+        self._risky: frozenset[int] | None = None
+        self._premask_rate = 0.0
+        self._premasked: dict[Sequence, None] = {}
+        self._risky_after: list[Sequence] = []
+        self._premask_wait = None
+        self.num_premasked_picks = 0  # picks made under a mask by premasking
         if self.config.num_threads is not None and self.device.type == "cpu":
             torch.set_num_threads(self.config.num_threads)
         freeze = self.config.freeze_gc
@@ -457,6 +468,8 @@ class Engine:
         2790 us of host time rather than 3517, the last step 2634 rather than
         2489, the steps after the prefill 10.20 ms rather than 10.75."""
         self._room = self._sorted_rows = self._uniform_rows = self._tidy_hooks = None
+        self._premasked.clear()
+        self._risky_after, self._premask_wait = [], None
         self._acceptor.reset()
         self._masked_acceptor.reset()
         forget = getattr(self.runner, "forget_rows", None)
@@ -549,7 +562,9 @@ class Engine:
                 # again and none ended: sample every row while it works; those whose
                 # pick turns out refused are sampled again over their draws
                 try:
+                    self._premask_landed(taking)
                     early = self._sample_live(logits, launch, None)
+                    taking.sampled = True
                 except BaseException:
                     self._take_end(taking)  # (the checked picks are appended before we go)
                     raise
@@ -785,6 +800,8 @@ class Engine:
         self._advance(live, filled)
         void: set[int] = set()
         if refused:
+            if self._premasked:
+                masked, watched, agree = self._unpremask(refused, masked, watched, agree)
             _, fixed_both, settled = self._resample(prev, refused, into=both)
             at = refused
             if settled:  # (ended, or backed out of a dead end: void rows)
@@ -797,12 +814,30 @@ class Engine:
                         both[:, index] = fixed_both
                 masked = sorted(masked + at)  # (sampled again under their masks)
             for i in refused:
-                del unchecked[i]
+                unchecked.pop(i, None)  # (a premasked row's pick was masked)
         if slot is not None and refused:  # (the copy made before holds the refused picks)
             slot = self._copy_to_host(both, agree, len(watched), slot)
         self._launch_inflight(launch, both, logits, unchecked, watched, agree, free, masked,
                               finishes, void, slot=slot)
         return [launch[i] for i in sorted(void)]
+
+    @staticmethod
+    def _unpremask(refused: list[int], masked: list[int], watched: list[int], agree
+                   ) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """A sampled step's ``masked`` and ``watched`` rows (``agree``: the
+        watched ones' flags, on the device) without the ``refused`` ones: rows
+        premasked as their pick landed (see :meth:`_premask_landed`) whose pick
+        was then refused, their masked pick drawn in a state left behind. (The
+        caller samples them again from the step before.)"""
+        gone = set(refused)
+        if gone.isdisjoint(masked):
+            return masked, watched, agree
+        masked = [i for i in masked if i not in gone]
+        keep = [k for k, i in enumerate(watched) if i not in gone]
+        if len(keep) < len(watched):
+            agree = agree[to_device(keep, torch.long, agree.device)] if keep else None
+            watched = [watched[k] for k in keep]
+        return masked, watched, agree
 
     def _advance(self, seqs: list[Sequence], filled: list[Sequence] | None = None) -> None:
         """Count each of ``seqs``' token in flight as computed. A block it fills is
@@ -835,8 +870,8 @@ class Engine:
             host, ready = torch.empty(2, both.size(1), dtype=torch.long), None
             agree_host = torch.empty(watched, dtype=torch.bool) if watched else None
         host.copy_(both, non_blocking=True)
-        if watched:
-            agree_host.copy_(agree, non_blocking=True)
+        if watched:  # (a slot copied into again may hold more rows' flags)
+            agree_host[:watched].copy_(agree, non_blocking=True)
         if ready is not None:
             ready.record(current_stream(self.device))
         return host, agree_host, ready
@@ -1092,12 +1127,20 @@ class Engine:
         """``seqs``' masks: those filled ahead while the last tokens were taken when
         they are for exactly these rows, else filled now."""
         ahead, self._masks_ahead = self._masks_ahead, None
-        if ahead is not None and len(ahead[0]) == len(seqs) and all(
-                a is b for a, b in zip(ahead[0], seqs)):
+        landed, self._premask_wait = self._premask_wait, None
+        if landed is not None:  # (premasked rows: their masks follow the tokens being taken)
             try:
-                return ahead[1].result()
-            except Exception:  # filled again, which reports the error
+                landed.result()
+            except Exception:  # (the take reports it)
                 pass
+        if ahead is not None:
+            if len(ahead[0]) == len(seqs) and all(a is b for a, b in zip(ahead[0], seqs)):
+                try:
+                    return ahead[1].result()
+                except Exception:  # filled again, which reports the error
+                    pass
+            else:
+                wait([ahead[1]])  # (the mask thread is done with the constraints)
         return self.sampler.fill_masks(seqs)
 
     def _resample(self, prev: "_InFlight", refused: list[int], into: torch.Tensor | None = None
@@ -1185,8 +1228,12 @@ class Engine:
             token_list = Sampler.finish_rows(token_list, dead_list, errors)
         seqs = prev.seqs
         if prev.watched:
+            premasked = self._premasked
             for i, agreed in zip(prev.watched, prev.agree.tolist()):
                 seq = seqs[i]
+                if premasked and seq in premasked:  # (its first masked pick since premasked)
+                    del premasked[seq]
+                    self._risky_seen(not agreed)
                 if agreed and seq.masked and seq.agreements_due <= 1 and _forces_text(seq):
                     continue  # (the grammar fixed the text there: an agreement shows nothing)
                 seq.masked_pick_seen(agreed)
@@ -1277,6 +1324,7 @@ class Engine:
                         seq, verdict = rows[k], verdicts[k]
                         if verdict == 0:
                             seq.pick_refused()  # masked until the model agrees with its grammar
+                            self._premasked.pop(seq, None)  # (its masked pick is void)
                             refused.append(checked[k])
                             continue
                         if verdict == 2:  # taken, and the constraint is now done
@@ -1294,6 +1342,8 @@ class Engine:
                 ok.update(rows)
                 self.num_unmasked_picks += len(verdicts) - verdicts.count(-1)
                 self.num_refused_picks += len(refused)
+                if self._risky_after or not self._risky_tokens().isdisjoint(tokens):
+                    self._watch_risky(taking, rows, tokens, refused)
         finally:
             taking.abandon()  # (the threads are done with the constraints before we go on)
         if refused and not taking.defer:
@@ -1303,6 +1353,91 @@ class Engine:
             outputs.extend(seqs[i] for i in refused)
             refused = []
         return outputs, ok, refused
+
+    # -- premasking ------------------------------------------------------------------
+    # A greedy constrained row picks unmasked until its grammar refuses a pick; the
+    # refused row is sampled again under its mask and set back a step (the step
+    # launched on the refused token is lost to it), and a batch whose rows were set
+    # back ends a step or more after the rest. Where a model breaks the grammar,
+    # it breaks it at the same places: a model of random weights (the GPU
+    # benchmark's) writes words inside a JSON string, and its pick after the
+    # string's closing quote, where the grammar wants punctuation, is refused
+    # nearly every time. So once the picks after such a token (one holding a double
+    # quote) mostly broke the grammar, a row that takes one is masked for its next
+    # pick, until its model agrees with its grammar again: no pick refused, no step
+    # lost, the same tokens (greedy under the mask either way). Whether the model
+    # would have broken it is still seen: a premasked row's masked pick is watched,
+    # and one that is not the model's argmax would have been refused. A model that
+    # follows the grammar there (a trained one writing JSON) never turns it on.
+
+    def _risky_tokens(self) -> frozenset[int]:
+        """The tokens after which premasking may mask a row: those whose text
+        holds a double quote (in a JSON string, its end)."""
+        risky = self._risky
+        if risky is None:
+            risky = self._risky = frozenset(
+                i for i, b in enumerate(self.tokenizer.token_bytes()) if b'"' in b)
+        return risky
+
+    def _premasking(self) -> bool:
+        return self._premask_rate >= _PREMASK_AFTER
+
+    def _premask(self, seq: Sequence) -> None:
+        seq.premask()
+        self._premasked[seq] = None
+        self.num_premasked_picks += 1
+
+    def _premask_landed(self, taking: "_Taking") -> None:
+        """Premask the rows of ``taking`` whose unmasked pick, landed and being
+        checked on the accept thread or the native worker, is a risky token,
+        for the sampling that comes before the verdicts: their masks (filled by
+        :meth:`_masks_for`) wait for that check, which their matchers' state
+        follows. A pick that turns out refused sets its row back as ever."""
+        if not taking.checked or not self._premasking():
+            return
+        tokens, risky = taking.token_list, self._risky_tokens()
+        if risky.isdisjoint(tokens):
+            return
+        seqs, found = taking.prev.seqs, False
+        for i in taking.checked:
+            if tokens[i] in risky and not seqs[i].masked:
+                self._premask(seqs[i])
+                found = True
+        if found:
+            self._premask_wait = taking.pending
+
+    def _watch_risky(self, taking: "_Taking", rows: list[Sequence], tokens: list[int],
+                     refused: list[int]) -> None:
+        """After a take's verdicts (``rows`` took ``tokens`` unmasked; the picks at
+        ``refused`` were refused): the verdicts on the rows that took a risky
+        token the step before count in :attr:`_premask_rate`, and the rows that
+        take one now are premasked (when premasking and the step's sampling
+        comes after this) or watched so."""
+        seqs = taking.prev.seqs
+        after, self._risky_after = self._risky_after, []
+        if after:  # (a few rows: each looked up in C)
+            missed = [seqs[i] for i in refused]
+            for seq in after:
+                if seq in missed:
+                    self._risky_seen(True)
+                elif seq in rows:
+                    self._risky_seen(False)
+        risky = self._risky_tokens()
+        if risky.isdisjoint(tokens):
+            return
+        premask = self._premasking() and not taking.sampled
+        # (the rows that took one, found in C: a trained model writing JSON takes
+        # quotes at most steps of a large batch)
+        for seq in itertools.compress(rows, map(risky.__contains__, tokens)):
+            if not seq.masked and seq.status is not FINISHED:
+                if premask:
+                    self._premask(seq)
+                else:
+                    self._risky_after.append(seq)
+
+    def _risky_seen(self, missed: bool) -> None:
+        """A pick after a risky token broke the grammar (``missed``), or did not."""
+        self._premask_rate += (float(missed) - self._premask_rate) * _PREMASK_EMA
 
     def _tidy_constraints(self, seqs: list[Sequence]) -> None:
         """Offer the constraint classes of ``seqs``' rows their optional ``tidy``
@@ -1397,6 +1532,8 @@ class Engine:
         self._quick_switches(False)
         prev, self._inflight = self._inflight, None
         outputs = self._take(prev)[0] if prev is not None else []
+        self._premask_wait, self._risky_after = None, []  # (an ordinary step masks every row)
+        self._premasked.clear()
         # (after the take, which finds it for its rows: an ordinary step may take
         # several tokens a row without counting as a pipelined one)
         self._room = None
@@ -1825,6 +1962,11 @@ _ASYNC_FILL_ROWS = 16
 _DETOK_CHORE_TOKENS: int | None = None
 _DETOK_CHORE_ROWS = 8
 _PINNED_ROWS = 16  # masked rows a step's kernel reads in pinned memory, at most
+# Premasking (see Engine._premask_landed) is on while a moving average (weight
+# _PREMASK_EMA a pick) of how often the pick after a risky token broke the
+# grammar is at least _PREMASK_AFTER (above 1: never)
+_PREMASK_AFTER = 0.5
+_PREMASK_EMA = 0.125
 # the fewest rows whose first step puts its tokens in flight (Engine._first_in_flight)
 _FIRST_IN_FLIGHT_ROWS = 8
 _ACCEPT_SWITCH_INTERVAL = 2e-4  # seconds (see Engine._quick_switches)
@@ -2162,6 +2304,7 @@ class _Taking:
     pending_rows: list[int] = field(default_factory=list)
     ahead: tuple[list[Sequence], Future] | None = None  # the next masks, on the mask thread
     clean: bool = True  # every row sampled, none voided, no request ended since the launch
+    sampled: bool = False  # the step after it was sampled before its verdicts came
     # no row's token can end its request (see Engine._room_of; no end token among
     # them): a row that took its token appends it plainly
     quiet: bool = False

@@ -198,6 +198,13 @@ class Sequence:
                 self.masked = False
                 Sequence.sampling_epoch += 1
 
+    def premask(self) -> None:
+        """Masked from its next pick on, before any pick of it was refused (the
+        engine's premasking: its model tends to break the grammar here), until a
+        masked pick is its unmasked argmax (more in a row after refusals in a
+        row, as :meth:`_mask_until_agreed` counts them)."""
+        self._mask_until_agreed()
+
     def _mask_until_agreed(self) -> None:
         """Masks serve it until 1 << min(refusals in a row, 4) masked picks in a
         row are its unmasked argmax."""

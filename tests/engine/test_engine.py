@@ -676,6 +676,137 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     assert refused_shipped <= refused_ruled
 
 
+@pytest.mark.parametrize("path", ["host", "thread", "native"])
+def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, path):
+    """Premasking, forced on: a greedy constrained row whose unmasked pick is a
+    risky token is masked for its next pick. The tiny random model writes one
+    word over and over inside its strings, and `:"` where the schema forces
+    `":"`; with that word counted risky too, rows are premasked after the host
+    checked their picks (``host``), or as their picks land while the accept
+    thread or the native worker checks them, their masks waiting for that
+    check; a landed `:"` is then refused, its row's premasked pick void, and
+    the row sampled again from the step before. Outputs equal synchronous
+    masked decoding's."""
+    import collections
+
+    import formcast.engine.engine as engine_module
+    from formcast.grammars.backends import native_accept
+
+    if path == "native" and native_accept.worker() is None:
+        pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
+    tok = smollm2_engine.tokenizer
+    model, compiled, prompts = _records_batch(tok, 12)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+
+    def run(**config):
+        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=12, num_kv_blocks=128,
+                                                        spec="none", **config),
+                        device=torch.device("cpu"))
+        outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
+        return [o.token_ids for o in outs], engine
+
+    masked, _ = run(async_scheduling=False, unmasked_greedy=False)
+    word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
+    risky = Engine._risky_tokens
+    monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
+    monkeypatch.setattr(engine_module, "_PREMASK_AFTER", 0.0)
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 10**9 if path == "host" else 1)
+    unpremask, voided = Engine._unpremask, []
+
+    def spied(refused, masked_rows, watched, agree):
+        out = unpremask(refused, masked_rows, watched, agree)
+        voided.append(len(out[0]) < len(masked_rows))
+        return out
+
+    monkeypatch.setattr(Engine, "_unpremask", staticmethod(spied))
+    premasked, engine = run(async_scheduling=True, native_accept=path == "native")
+    assert premasked == masked
+    assert engine.num_premasked_picks > 20 and engine.num_refused_picks > 0
+    if path != "host":
+        assert any(voided)  # (a premasked row's landed pick refused)
+    if path == "native":
+        assert engine.num_native_accepts > 5
+
+
+def test_premasked_rows_masks_wait_for_the_check_of_their_landed_picks(smollm2_engine):
+    """A row premasked as its pick landed has its mask filled for the state after
+    that pick: the fill waits for the accept thread's (or the native worker's)
+    check, which moves its matcher, and for the mask thread's fill of the other
+    masked rows, which reads the same matchers."""
+    import threading
+    from concurrent.futures import Future
+
+    engine = variant(smollm2_engine, async_scheduling=True, spec="none")
+    seen = []
+    fill = engine.sampler.fill_masks
+    engine.sampler.fill_masks = lambda seqs: (seen.append(waited.done()), fill(seqs))[1]
+    for waited in (Future(), Future()):
+        if not seen:
+            engine._premask_wait = waited
+        else:
+            engine._masks_ahead = ([object()], waited)  # (for other rows: not what is asked)
+        threading.Timer(0.05, waited.set_result, (None,)).start()
+        engine._masks_for([])
+    assert seen == [True, True]
+    assert engine._premask_wait is None and engine._masks_ahead is None
+
+
+def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engine,
+                                                                    monkeypatch):
+    """Premasking turns on once the picks after risky tokens mostly broke the
+    grammar (a moving average over those picks, seen refused, or seen as a
+    premasked row's masked pick that is not the model's argmax) and off once
+    they mostly did not. The tiny random model repeats its word inside its
+    strings: its pick after the word never breaks the grammar, so with the word
+    counted risky premasking never turns on (and, forced on, turns itself off),
+    the outputs the same."""
+    import collections
+
+    import formcast.engine.engine as engine_module
+
+    tok = smollm2_engine.tokenizer
+    model, compiled, prompts = _records_batch(tok, 12)
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+
+    def engine_for(**config):
+        return Engine(model, tok, config=EngineConfig(max_num_seqs=12, num_kv_blocks=128,
+                                                      spec="none", **config),
+                      device=torch.device("cpu"))
+
+    fresh = engine_for(async_scheduling=True)
+    assert not fresh._premasking()
+    assert tok.encode('"', add_special_tokens=False)[0] in fresh._risky_tokens()
+    assert tok.encode(" word", add_special_tokens=False)[0] not in fresh._risky_tokens()
+    for _ in range(3):
+        fresh._risky_seen(True)
+    assert not fresh._premasking()  # (a few misses are not yet the rule)
+    for _ in range(3):
+        fresh._risky_seen(True)
+    assert fresh._premasking()
+    for _ in range(4):
+        fresh._risky_seen(False)
+    assert not fresh._premasking()
+
+    masked = engine_for(async_scheduling=False, unmasked_greedy=False).generate(
+        prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
+    masked = [o.token_ids for o in masked]
+    word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
+    risky = Engine._risky_tokens
+    monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    for forced in (False, True):
+        engine = engine_for(async_scheduling=True)
+        if forced:
+            engine._premask_rate = 1.0
+        outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
+        assert [o.token_ids for o in outs] == masked
+        assert not engine._premasking()
+        if forced:  # (premasked until the agreements it saw brought the average down)
+            assert 0 < engine.num_premasked_picks < 40
+        else:
+            assert engine.num_premasked_picks == 0 and engine._premask_rate == 0.0
+
+
 def test_masked_picks_taken_on_known_text_masks_give_the_same_outputs(smollm2_engine,
                                                                      monkeypatch):
     """A batch's opening, every row masked while the schema forces its first text:

@@ -327,6 +327,58 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         results[True, True, False] == results[False, False, None]
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_premasked_picks_give_the_masked_outputs(tokenizer, graphs, monkeypatch):
+    """Premasking forced on, with the word a tiny random-weights model writes over
+    and over inside its JSON strings counted risky too (so that rows are
+    premasked often; its `:"` where the schema forces `":"` is a risky pick the
+    grammar refuses): rows that take a risky token are masked for their next
+    pick, as their picks land (the native worker's check, polling the step's
+    event, or the accept thread's; the masks wait for it, then go through pinned
+    memory) or after the host's check; a premasked row whose landed pick is
+    refused is sampled again from the step before. Outputs equal masked
+    decoding's, with and without CUDA graphs."""
+    import collections
+    import dataclasses
+
+    import formcast.engine.engine as engine_module
+
+    grammars = pytest.importorskip("formcast.grammars")
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
+                              intermediate_size=128, num_attention_heads=2,
+                              num_key_value_heads=1, head_dim=32)
+    tiny = random_llama_weights(cfg, seed=0, head_std=0.5)
+    schema = {"type": "object", "required": ["records"], "properties": {"records": {
+        "type": "array", "minItems": 20, "items": {
+            "type": "object", "required": ["name", "city"], "additionalProperties": False,
+            "properties": {"name": {"type": "string"}, "city": {"type": "string"}}}}}}
+    ps = [tokenizer.encode(f"Request number {i}: list the people.") for i in range(12)]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+
+    def run(unmasked: bool, overlap: bool = False, native=None):
+        monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
+        model = build_model(cfg, tiny, device=torch.device("cuda"), dtype=torch.bfloat16)
+        eng = Engine(model, tokenizer, config=EngineConfig(
+            num_kv_blocks=256, max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
+            unmasked_greedy=unmasked, native_accept=native, spec="none"),
+            device=torch.device("cuda"))
+        compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
+                                    vocab_size=cfg.vocab_size)
+        outs = eng.generate(ps, params, constraints=[compiled.matcher() for _ in ps])
+        return [(o.token_ids, o.finish_reason) for o in outs], eng
+
+    masked, _ = run(False)
+    word = collections.Counter(t for out, _ in masked for t in out).most_common(1)[0][0]
+    risky = engine_module.Engine._risky_tokens
+    monkeypatch.setattr(engine_module.Engine, "_risky_tokens",
+                        lambda self: risky(self) | {word})
+    monkeypatch.setattr(engine_module, "_PREMASK_AFTER", 0.0)
+    for overlap, native in ((False, None), (True, None), (True, False)):
+        premasked, eng = run(True, overlap, native)
+        assert premasked == masked, (overlap, native)
+        assert eng.num_premasked_picks > 10
+
+
 def test_cuda_a_preload_no_replay_takes_loses_no_table_entry(weights, tokenizer):
     """A step staged ahead whose input copies were queued (``preload``: the table
     entries of the blocks its rows open went as patches) and then not launched

@@ -103,10 +103,31 @@ def test_host_overhead_times_a_stubbed_pipeline_on_the_cpu(tmp_path, smollm2_ggu
 
     out = run_benchmark("host_overhead.py", smollm2_gguf, tmp_path, "--batch-sizes", "8",
                         "--tokens", "40", "--reps", "1", "--picks", "mixed")
-    free, json_, ratio, picks, refused = map(float, re.search(
-        r"^ +8 +(\d+) +(\d+) +([0-9.]+) +(\d+) +(\d+)$", out, re.M).groups())
+    free, json_, ratio, picks, refused, steps, ms = map(float, re.search(
+        r"^ +8 +(\d+) +(\d+) +([0-9.]+) +(\d+) +(\d+) +(\d+) +([0-9.]+)$", out, re.M).groups())
     assert free > 0 and json_ > 0 and ratio == pytest.approx(json_ / free, rel=0.02)
     assert picks > 0 and 0 < refused < picks
+    assert steps >= 39 and ms == pytest.approx(json_ * steps / 1e3, rel=0.02)
+
+
+@pytest.mark.slow
+def test_host_overhead_compares_a_switch_in_one_process(tmp_path, smollm2_gguf):
+    # --set: sides A and B alternate, a line each, then B's JSON time over A's. Here
+    # B turns premasking off (the stub's mixed picks break the grammar after a
+    # closing quote, which turns it on in A): B refuses those picks too, A only the
+    # quotes that are themselves refused ('"]' where the schema wants a comma)
+    import re
+
+    out = run_benchmark("host_overhead.py", smollm2_gguf, tmp_path, "--batch-sizes", "16",
+                        "--tokens", "64", "--reps", "2", "--picks", "mixed", "--closing", "40",
+                        "--set", "formcast.engine.engine:_PREMASK_AFTER=2")
+    sides = {side: list(map(float, rest)) for side, *rest in re.findall(
+        r"^ +16 (A|B) +(\d+) +(\d+) +([0-9.]+) +(\d+) +(\d+) +(\d+) +([0-9.]+)$", out, re.M)}
+    assert set(sides) == {"A", "B"}
+    refused, steps = ({side: row[k] for side, row in sides.items()} for k in (4, 5))
+    assert refused["A"] < refused["B"] and steps["A"] <= steps["B"]
+    ratio = float(re.search(r"^ +16 B/A json ms ([0-9.]+)$", out, re.M).group(1))
+    assert ratio == pytest.approx(sides["B"][6] / sides["A"][6], rel=0.02)
 
 
 @pytest.mark.slow
