@@ -17,6 +17,12 @@ benchmark's random weights do: most picks inside strings are taken, picks where
 the schema forces punctuation are refused.
 
     python benchmarks/host_overhead.py --tokenizer-dir DIR [--batch-sizes 64,256] [--picks mixed]
+    python benchmarks/host_overhead.py --tokenizer-dir DIR --picks mixed --closing 2000 \
+        --set formcast.engine.engine:_PREMASK_AFTER=2     # B: premasking off
+
+On our CPU (256 rows, --closing 2000, 6 runs a side) premasking took the
+refused picks of a JSON run from 63 to 1 and its steps from 130 to 128, the
+host's time a run from 157.8 to 154.0 ms (at 64 rows 83.8 to 78.0 ms).
 """
 
 from __future__ import annotations
