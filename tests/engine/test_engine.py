@@ -686,7 +686,8 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
     thread or the native worker checks them, their masks waiting for that
     check; a landed `:"` is then refused, its row's premasked pick void, and
     the row sampled again from the step before. Outputs equal synchronous
-    masked decoding's."""
+    masked decoding's, also when a request joins mid-run (the pipeline drains
+    with premasked rows in flight) and another is aborted."""
     import collections
 
     import formcast.engine.engine as engine_module
@@ -726,6 +727,25 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
         assert any(voided)  # (a premasked row's landed pick refused)
     if path == "native":
         assert engine.num_native_accepts > 5
+
+    def interrupted(**config):  # a request joins (the pipeline drains), another is aborted
+        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=16, num_kv_blocks=160,
+                                                        spec="none", **config),
+                        device=torch.device("cpu"))
+        ids = [engine.add_request(p, greedy, constraint=compiled.matcher()) for p in prompts]
+        done, steps = {}, 0
+        while engine.has_unfinished_requests():
+            done.update((o.request_id, o.token_ids) for o in engine.step() if o.finished)
+            steps += 1
+            if steps == 9:
+                ids.append(engine.add_request(prompts[0], greedy, constraint=compiled.matcher()))
+            if steps == 14:
+                assert engine.abort_request(ids[5])
+        return [done[i] for k, i in enumerate(ids) if k != 5], engine
+
+    reference, _ = interrupted(async_scheduling=False, unmasked_greedy=False)
+    got, engine = interrupted(async_scheduling=True, native_accept=path == "native")
+    assert got == reference and engine.num_premasked_picks > 20
 
 
 def test_premasked_rows_masks_wait_for_the_check_of_their_landed_picks(smollm2_engine):
