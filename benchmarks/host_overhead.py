@@ -21,8 +21,11 @@ the schema forces punctuation are refused.
         --set formcast.engine.engine:_PREMASK_AFTER=2     # B: premasking off
 
 On our CPU (256 rows, --closing 2000, 6 runs a side) premasking took the
-refused picks of a JSON run from 63 to 1 and its steps from 130 to 128, the
-host's time a run from 157.8 to 154.0 ms (at 64 rows 83.8 to 78.0 ms).
+refused picks of a JSON run from 63 to 1 and its steps from 130 to 128; the
+host's time a run went from 157.8 to 154.0 ms (at 64 rows 83.8 to 78.0 ms),
+inside the spread: on a 2-core host the JSON runs' time varies by +-20% from
+run to run, and an A/A comparison (B the same code) read 0.84-0.91 with 8 runs
+a side. Counts (picks, refusals, steps) are what it tells for sure there.
 """
 
 from __future__ import annotations
