@@ -800,8 +800,9 @@ class Engine:
         self._advance(live, filled)
         void: set[int] = set()
         if refused:
-            if self._premasked:
-                masked, watched, agree = self._unpremask(refused, masked, watched, agree)
+            # (not only while rows are premasked: a take before this may have let go
+            # of the refused one already)
+            masked, watched, agree = self._unpremask(refused, masked, watched, agree)
             _, fixed_both, settled = self._resample(prev, refused, into=both)
             at = refused
             if settled:  # (ended, or backed out of a dead end: void rows)
@@ -1342,8 +1343,7 @@ class Engine:
                 ok.update(rows)
                 self.num_unmasked_picks += len(verdicts) - verdicts.count(-1)
                 self.num_refused_picks += len(refused)
-                if self._risky_after or not self._risky_tokens().isdisjoint(tokens):
-                    self._watch_risky(taking, rows, tokens, refused)
+                self._watch_risky(taking, rows, tokens, refused)
         finally:
             taking.abandon()  # (the threads are done with the constraints before we go on)
         if refused and not taking.defer:
@@ -1413,10 +1413,10 @@ class Engine:
         token the step before count in :attr:`_premask_rate`, and the rows that
         take one now are premasked (when premasking and the step's sampling
         comes after this) or watched so."""
-        seqs = taking.prev.seqs
-        after, self._risky_after = self._risky_after, []
+        after = self._risky_after
         if after:  # (a few rows: each looked up in C)
-            missed = [seqs[i] for i in refused]
+            self._risky_after = []
+            missed = [taking.prev.seqs[i] for i in refused]
             for seq in after:
                 if seq in missed:
                     self._risky_seen(True)

@@ -355,9 +355,10 @@ def test_cuda_premasked_picks_give_the_masked_outputs(tokenizer, graphs, monkeyp
     ps = [tokenizer.encode(f"Request number {i}: list the people.") for i in range(12)]
     params = SamplingParams(max_tokens=40, temperature=0.0)
 
+    model = build_model(cfg, tiny, device=torch.device("cuda"), dtype=torch.bfloat16)
+
     def run(unmasked: bool, overlap: bool = False, native=None):
         monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
-        model = build_model(cfg, tiny, device=torch.device("cuda"), dtype=torch.bfloat16)
         eng = Engine(model, tokenizer, config=EngineConfig(
             num_kv_blocks=256, max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
             unmasked_greedy=unmasked, native_accept=native, spec="none"),
