@@ -9,7 +9,9 @@ baseline (A) and the variant (B) taking turns run by run, the order flipped
 each round. B is A with module attributes replaced (``--set``) and engine
 config fields replaced (``--config``), both put back for A's runs; the change
 under test is written behind such a switch (a module constant, a method, a
-config field).
+config field). What an engine fixes as it is built (the kernels its CUDA graphs
+captured) takes ``--rebuild``: B then runs on an engine of its own, built with
+the ``--set`` replacements on (same weights).
 
 Prints, per batch size and workload, the tokens/s of each side (best and
 median of ``--runs``) and B's over A's, then each side's JSON/free ratio (part
@@ -19,6 +21,8 @@ the same tokens.
     python benchmarks/engine_ab.py --tokenizer-dir DIR \\
         --set 'formcast.engine.engine:Engine._all_greedy_constrained=lambda self, live: False'
     python benchmarks/engine_ab.py --tokenizer-dir DIR --config unmasked_greedy=False
+    python benchmarks/engine_ab.py --tokenizer-dir DIR --rebuild \\
+        --set formcast.engine.models.llama:LlamaMLP.fused_gate_up=True
     python benchmarks/engine_ab.py --tokenizer-dir DIR --device cpu --batch-sizes 4 --tokens 8 \\
         --set formcast.engine.engine:_OVERLAP_ROWS=1
 
@@ -127,6 +131,8 @@ def main() -> None:
                     help="MODULE:ATTR=EXPR, replaced for side B (repeatable)")
     ap.add_argument("--config", dest="configs", action="append", default=[],
                     help="EngineConfig field=literal for side B (repeatable)")
+    ap.add_argument("--rebuild", action="store_true",
+                    help="B on an engine of its own, built with --set on (see above)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = ap.parse_args()
     if not args.sets and not args.configs:
@@ -145,6 +151,13 @@ def main() -> None:
     t = time.perf_counter()
     eng = bench.make_engine(args.shape, tok, max(sizes))
     print(f"engine built in {time.perf_counter() - t:.1f} s")
+    eng_b = eng
+    if args.rebuild:
+        patch.on()
+        try:
+            eng_b = bench.make_engine(args.shape, tok, max(sizes))
+        finally:
+            patch.off()
     config_a, config_b = eng.config, dataclasses.replace(eng.config, **changes)
     from formcast.grammars import JsonSchema, compile
 
@@ -162,8 +175,8 @@ def main() -> None:
             tokens = {}
             for r in range(args.runs):
                 for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    rate, toks = run_side(eng, config_a if side == "A" else config_b,
-                                          None if side == "A" else patch, ps, sp, constraints)
+                    rate, toks = run_side(*((eng, config_a, None) if side == "A" else
+                                            (eng_b, config_b, patch)), ps, sp, constraints)
                     got[side].append(rate)
                     tokens.setdefault(side, toks)
             same = "" if tokens["A"] == tokens["B"] else "  (outputs differ)"

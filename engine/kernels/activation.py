@@ -1,4 +1,5 @@
-"""SwiGLU's gate: ``silu(gate) * up`` of a fused gate|up projection, in one pass.
+"""SwiGLU's gate: ``silu(gate) * up`` of a fused gate|up projection, in one pass;
+and the projection with it (:func:`gate_up_silu`).
 
 ``x`` [T, 2 I] holds the gate in its first half and up in its second; the result
 is [T, I] in ``x``'s dtype. The torch path is the reference (and the CPU's): silu
@@ -22,3 +23,18 @@ def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
         return silu_and_mul_triton(x, half)
     gate, up = x.split(half, dim=-1)
     return F.silu(gate) * up
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, *, backend: str = "auto"
+                 ) -> torch.Tensor:
+    """``silu_and_mul(x @ weight.T)``: ``x`` [T, K], ``weight`` [2 I, K] (gate's
+    rows, then up's), result [T, I]. On CUDA one Triton kernel computes each
+    output tile's gate and up columns together and applies the gate as it
+    stores, the [T, 2 I] projection never written; the roundings are the unfused
+    ops' (the projection's output, silu, the product), the sums' order the
+    kernel's own."""
+    if use_triton(x, backend) and x.shape[0] > 0:
+        from formcast.engine.kernels.activation_triton import gate_up_silu_triton
+
+        return gate_up_silu_triton(x, weight)
+    return silu_and_mul(F.linear(x, weight), backend="torch")

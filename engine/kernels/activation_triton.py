@@ -29,3 +29,60 @@ def silu_and_mul_triton(x: torch.Tensor, half: int) -> torch.Tensor:
     _silu_mul_kernel[(x2.shape[0], triton.cdiv(half, block))](x2, out, half, x2.stride(0),
                                                               out.stride(0), BLOCK=block)
     return out.view(*x.shape[:-1], half)
+
+
+@triton.jit
+def _gate_up_silu_kernel(x_ptr, w_ptr, out_ptr, rows, half, k, stride_x, stride_w, stride_o,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One tile of ``silu(x @ gate.T) * (x @ up.T)``: the gate's and up's tiles
+    of the same columns (weight rows ``n`` and ``half + n``) accumulated side by
+    side over ``k`` in float32, each rounded to the output dtype as the GEMM's
+    output is, then silu and the product rounded as :func:`_silu_mul_kernel`
+    rounds them."""
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kk = tl.arange(0, BLOCK_K)
+    live_m = m < rows
+    live_n = n < half
+    x_rows = x_ptr + m[:, None].to(tl.int64) * stride_x
+    gate_rows = w_ptr + n[None, :].to(tl.int64) * stride_w          # [1, N]: weight [2 half, k]
+    up_rows = gate_rows + half * stride_w
+    gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, k, BLOCK_K):
+        ks = start + kk
+        live_k = ks < k
+        a = tl.load(x_rows + ks[None, :], mask=live_m[:, None] & live_k[None, :], other=0.0)
+        wmask = live_k[:, None] & live_n[None, :]
+        gate = tl.dot(a, tl.load(gate_rows + ks[:, None], mask=wmask, other=0.0), gate)
+        up = tl.dot(a, tl.load(up_rows + ks[:, None], mask=wmask, other=0.0), up)
+    dtype = out_ptr.dtype.element_ty
+    g = gate.to(dtype).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    out = (act * up.to(dtype).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + m[:, None].to(tl.int64) * stride_o + n[None, :], out,
+             mask=live_m[:, None] & live_n[None, :])
+
+
+# rows at most -> (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages); the last entry takes the rest
+GATE_UP_CONFIGS: list[tuple[int, tuple[int, int, int, int, int]]] = [
+    (16, (16, 64, 128, 4, 3)),
+    (64, (64, 64, 64, 4, 3)),
+    (1 << 62, (64, 128, 64, 4, 3)),
+]
+
+
+def gate_up_silu_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ weight[:half].T) * (x @ weight[half:].T)`` in one launch:
+    ``x`` [T, K], ``weight`` [2 half, K] (a fused gate|up projection's)."""
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("gate_up_silu: the last dimension must be contiguous")
+    rows, k = x.shape
+    half = weight.shape[0] // 2
+    out = torch.empty(rows, half, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps, stages = next(
+        config for most, config in GATE_UP_CONFIGS if rows <= most)
+    _gate_up_silu_kernel[(triton.cdiv(rows, block_m), triton.cdiv(half, block_n))](
+        x, weight, out, rows, half, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+    return out

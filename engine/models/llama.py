@@ -12,7 +12,7 @@ from torch import nn
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.kernels import triton_available
-from formcast.engine.kernels.activation import silu_and_mul
+from formcast.engine.kernels.activation import gate_up_silu, silu_and_mul
 from formcast.engine.kernels.paged_attention import SPLIT_BELOW, rope_decode_attention
 from formcast.engine.layers.attention import AttentionMetadata, paged_attention
 from formcast.engine.layers.linear import Linear
@@ -79,8 +79,16 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                    bias=config.mlp_bias)
 
+    # the gate|up projection and silu(gate) * up in one kernel (gate_up_silu) for a
+    # half-precision CUDA model's plain projections
+    fused_gate_up = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj
+        if self.fused_gate_up and x.is_cuda and x.dtype != torch.float32 and \
+                type(gate_up) is Linear and gate_up.bias is None and triton_available():
+            return self.down_proj.forward(gate_up_silu(x, gate_up.weight))
+        return self.down_proj.forward(silu_and_mul(gate_up.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -19,7 +19,7 @@ from formcast.engine.kernels.paged_attention import (paged_decode_attention,
                                                      rope_decode_attention)
 from formcast.engine.kernels.sampling import sample, sampling_thresholds
 from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
-from formcast.engine.kernels.activation import silu_and_mul
+from formcast.engine.kernels.activation import gate_up_silu, silu_and_mul
 from formcast.engine.kernels.rope import apply_rope_, apply_rope_and_store_kv_
 from formcast.engine.layers.rotary import RotaryEmbedding
 
@@ -115,6 +115,20 @@ def _compare(backend_device: str) -> None:
             assert got.shape == ref.shape and got.dtype == dtype
             rel = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5  # an ulp at each rounding
             assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + 1e-6)
+        # the gate|up projection with it, in one kernel: every row count's tile shape
+        # (1, 16, 64, 65, 300 rows), ragged columns and depth (a 50-column half, k 72).
+        # (The interpreter's half-precision tl.dot is not the GPU's: float32 there)
+        shapes = ((1, 64, 576), (16, 96, 64), (64, 50, 72), (65, 64, 128), (300, 128, 64))
+        for rows, half, k in shapes if dtype == torch.float32 or backend_device == "cuda" else ():
+            x = torch.randn(rows, k, generator=gen).to(dtype).to(backend_device)
+            w = (torch.randn(2 * half, k, generator=gen) / k ** 0.5).to(dtype).to(backend_device)
+            ref = gate_up_silu(x, w, backend="torch")
+            got = gate_up_silu(x, w, backend="triton")
+            assert got.shape == (rows, half) and got.dtype == dtype
+            # (the sums' order differs: a projection can round to its neighbour, then
+            # silu and the product round again)
+            rel = 2.0 ** -5 if dtype == torch.bfloat16 else 1e-4
+            assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + rel)
 
 
 def _paged_cache(gen: torch.Generator, lens: list[int], hkv: int, d: int, bs: int,
