@@ -12,7 +12,8 @@ from torch import nn
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.kernels import triton_available
-from formcast.engine.kernels.activation import gate_up_silu, silu_and_mul
+from formcast.engine.kernels.activation import (add_norm_gate_up_silu, gate_up_silu,
+                                                silu_and_mul)
 from formcast.engine.kernels.paged_attention import SPLIT_BELOW, rope_decode_attention
 from formcast.engine.layers.attention import AttentionMetadata, paged_attention
 from formcast.engine.layers.linear import Linear
@@ -83,15 +84,23 @@ class LlamaMLP(nn.Module):
     # half-precision CUDA model's plain projections
     fused_gate_up = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def fusable(self, x: torch.Tensor) -> bool:
+        """Whether the gate|up projection of ``x`` may run in gate_up_silu's kernel."""
         gate_up = self.gate_up_proj
-        if self.fused_gate_up and x.is_cuda and x.dtype != torch.float32 and \
-                type(gate_up) is Linear and gate_up.bias is None and triton_available():
-            return self.down_proj.forward(gate_up_silu(x, gate_up.weight))
-        return self.down_proj.forward(silu_and_mul(gate_up.forward(x)))
+        return x.is_cuda and x.dtype != torch.float32 and type(gate_up) is Linear and \
+            gate_up.bias is None and triton_available()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up and self.fusable(x):
+            return self.down_proj.forward(gate_up_silu(x, self.gate_up_proj.weight))
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
+    # the residual add, the MLP's input norm, its gate|up projection and gate in
+    # one kernel (add_norm_gate_up_silu) where the MLP's projection may fuse
+    fused_norm_gate_up = False
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -112,8 +121,14 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, h = self.input_layernorm.add_forward(x, pending)
         attn = self.self_attn.forward(h, positions, rotary, kv_cache, meta)
+        mlp = self.mlp
+        if self.fused_norm_gate_up and mlp.fusable(x):  # x + attn, and its MLP's gate
+            x, act = add_norm_gate_up_silu(x, attn, self.post_attention_layernorm.weight,
+                                           self.post_attention_layernorm.eps,
+                                           mlp.gate_up_proj.weight)
+            return x, mlp.down_proj.forward(act)
         x, h = self.post_attention_layernorm.add_forward(x, attn)  # x + attn, its norm
-        return x, self.mlp.forward(h)
+        return x, mlp.forward(h)
 
 
 class LlamaModel(nn.Module):

@@ -19,7 +19,8 @@ from formcast.engine.kernels.paged_attention import (paged_decode_attention,
                                                      rope_decode_attention)
 from formcast.engine.kernels.sampling import sample, sampling_thresholds
 from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
-from formcast.engine.kernels.activation import gate_up_silu, silu_and_mul
+from formcast.engine.kernels.activation import (add_norm_gate_up_silu, gate_up_silu,
+                                                silu_and_mul)
 from formcast.engine.kernels.rope import apply_rope_, apply_rope_and_store_kv_
 from formcast.engine.layers.rotary import RotaryEmbedding
 
@@ -128,6 +129,13 @@ def _compare(backend_device: str) -> None:
             # (the sums' order differs: a projection can round to its neighbour, then
             # silu and the product round again)
             rel = 2.0 ** -5 if dtype == torch.bfloat16 else 1e-4
+            assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + rel)
+            # and the residual add and norm before it (the sum exact, as the norm kernel's)
+            add = torch.randn(rows, k, generator=gen).to(dtype).to(backend_device)
+            norm = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(backend_device)
+            ref_sum, ref = add_norm_gate_up_silu(x, add, norm, 1e-5, w, backend="torch")
+            got_sum, got = add_norm_gate_up_silu(x, add, norm, 1e-5, w, backend="triton")
+            assert torch.equal(got_sum, ref_sum) and got.shape == (rows, half)
             assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + rel)
 
 
