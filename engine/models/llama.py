@@ -12,8 +12,8 @@ from torch import nn
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.kernels import triton_available
-from formcast.engine.kernels.activation import (add_norm_gate_up_silu, gate_up_silu,
-                                                silu_and_mul)
+from formcast.engine.kernels.activation import silu_and_mul
+from formcast.engine.kernels.norm_linear import add_norm_gate_up_silu, add_norm_linear
 from formcast.engine.kernels.paged_attention import SPLIT_BELOW, rope_decode_attention
 from formcast.engine.layers.attention import AttentionMetadata, paged_attention
 from formcast.engine.layers.linear import Linear
@@ -47,8 +47,12 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        qkv = self.qkv_proj.forward(x)
+        return self.attend(self.qkv_proj.forward(x), positions, rotary, kv_cache, meta)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The rest of :meth:`forward` from the step's q|k|v projection ``qkv``."""
+        t = qkv.shape[0]
         if qkv.is_cuda and self.fused_decode and qkv.dtype != torch.float32 and \
                 self.head_dim <= 64 and t * self.num_kv_heads >= SPLIT_BELOW and \
                 meta.one_token_rows and not meta.prefills and meta.num_decodes == t and \
@@ -80,25 +84,23 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                    bias=config.mlp_bias)
 
-    # the gate|up projection and silu(gate) * up in one kernel (gate_up_silu) for a
-    # half-precision CUDA model's plain projections
-    fused_gate_up = False
-
-    def fusable(self, x: torch.Tensor) -> bool:
-        """Whether the gate|up projection of ``x`` may run in gate_up_silu's kernel."""
-        gate_up = self.gate_up_proj
-        return x.is_cuda and x.dtype != torch.float32 and type(gate_up) is Linear and \
-            gate_up.bias is None and triton_available()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gate_up and self.fusable(x):
-            return self.down_proj.forward(gate_up_silu(x, self.gate_up_proj.weight))
         return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
+def _fusable(proj: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``proj`` of ``x`` may run in a :mod:`norm_linear` kernel: a plain
+    half-precision CUDA projection without bias."""
+    return x.is_cuda and x.dtype != torch.float32 and type(proj) is Linear and \
+        proj.bias is None and triton_available()
+
+
 class LlamaDecoderLayer(nn.Module):
-    # the residual add, the MLP's input norm, its gate|up projection and gate in
-    # one kernel (add_norm_gate_up_silu) where the MLP's projection may fuse
+    # the residual add and input norm folded into the projection after it, one
+    # kernel each (norm_linear), where the projection may fuse (_fusable): the
+    # attention's q|k|v (add_norm_linear), the MLP's gate|up with its gate
+    # (add_norm_gate_up_silu)
+    fused_norm_qkv = False
     fused_norm_gate_up = False
 
     def __init__(self, config: LlamaConfig) -> None:
@@ -116,18 +118,21 @@ class LlamaDecoderLayer(nn.Module):
         layer's input norm. Returns the stream and this layer's MLP output."""
         # .forward directly: a decode step makes ~10 module calls per layer, and
         # nn.Module.__call__'s hook machinery costs more than some of the ops
+        attn, mlp = self.self_attn, self.mlp
         if pending is None:
-            h = self.input_layernorm.forward(x)
+            qkv = attn.qkv_proj.forward(self.input_layernorm.forward(x))
+        elif self.fused_norm_qkv and _fusable(attn.qkv_proj, x):
+            norm = self.input_layernorm
+            x, qkv = add_norm_linear(x, pending, norm.weight, norm.eps, attn.qkv_proj.weight)
         else:
             x, h = self.input_layernorm.add_forward(x, pending)
-        attn = self.self_attn.forward(h, positions, rotary, kv_cache, meta)
-        mlp = self.mlp
-        if self.fused_norm_gate_up and mlp.fusable(x):  # x + attn, and its MLP's gate
-            x, act = add_norm_gate_up_silu(x, attn, self.post_attention_layernorm.weight,
-                                           self.post_attention_layernorm.eps,
-                                           mlp.gate_up_proj.weight)
+            qkv = attn.qkv_proj.forward(h)
+        out = attn.attend(qkv, positions, rotary, kv_cache, meta)
+        if self.fused_norm_gate_up and _fusable(mlp.gate_up_proj, x):  # x + out, the gate
+            norm = self.post_attention_layernorm
+            x, act = add_norm_gate_up_silu(x, out, norm.weight, norm.eps, mlp.gate_up_proj.weight)
             return x, mlp.down_proj.forward(act)
-        x, h = self.post_attention_layernorm.add_forward(x, attn)  # x + attn, its norm
+        x, h = self.post_attention_layernorm.add_forward(x, out)  # x + out, its norm
         return x, mlp.forward(h)
 
 
