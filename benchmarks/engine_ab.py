@@ -22,7 +22,7 @@ the same tokens.
         --set 'formcast.engine.engine:Engine._all_greedy_constrained=lambda self, live: False'
     python benchmarks/engine_ab.py --tokenizer-dir DIR --config unmasked_greedy=False
     python benchmarks/engine_ab.py --tokenizer-dir DIR --rebuild \\
-        --set formcast.engine.models.llama:LlamaDecoderLayer.fused_norm_gate_up=True
+        --set formcast.engine.models.llama:LlamaAttention.fused_decode=False
     python benchmarks/engine_ab.py --tokenizer-dir DIR --device cpu --batch-sizes 4 --tokens 8 \\
         --set formcast.engine.engine:_OVERLAP_ROWS=1
 

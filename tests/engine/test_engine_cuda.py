@@ -172,53 +172,6 @@ def test_cuda_fused_rope_decode_attention_tracks_the_separate_kernels(weights, t
     assert not calls and eng32.runner.graphs.draft_sizes == set(eng32.runner.graphs.sizes)
 
 
-@pytest.mark.parametrize("switch", ["fused_norm_qkv", "fused_norm_gate_up"])
-def test_cuda_norm_linear_kernels_track_the_separate_ones(weights, tokenizer, monkeypatch,
-                                                         switch):
-    """bfloat16 steps (prompts, graphed decode steps, 1 to 48 rows) with a layer's
-    residual add and norm folded into the q|k|v projection, or into the gate|up
-    projection with its gate, give the log-probabilities of the separate kernels
-    within bfloat16's rounding (up to a near-tie taken the other way); the fused
-    kernel runs, and a float32 engine keeps the separate ones."""
-    from formcast.engine.kernels import norm_linear_triton
-    from formcast.engine.models import llama
-
-    calls = []
-    kernel = norm_linear_triton.norm_linear_triton
-
-    def counted(x, weight, norm, gate):
-        calls.append(gate)
-        return kernel(x, weight, norm, gate)
-
-    monkeypatch.setattr(norm_linear_triton, "norm_linear_triton", counted)
-    lp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
-    batches = [prompts(tokenizer, n) for n in (1, 5, 48)]
-    got = {}
-    for fused in (True, False):
-        monkeypatch.setattr(llama.LlamaDecoderLayer, switch, fused)
-        calls.clear()
-        eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=2048,
-                          max_num_seqs=64)
-        got[fused] = [eng.generate(ps, lp) for ps in batches]
-        assert bool(calls) == fused
-        assert set(calls) <= {switch == "fused_norm_gate_up"}
-    compared = total = 0
-    for outs_a, outs_b in zip(got[True], got[False]):
-        for a, b in zip(outs_a, outs_b):
-            total += len(a.logprobs)
-            for x, y in zip(a.logprobs, b.logprobs):
-                if x.token_id != y.token_id:
-                    break  # (a near-tie taken the other way: the rest differ by design)
-                assert x.logprob == pytest.approx(y.logprob, abs=0.05)
-                compared += 1
-    assert compared >= total // 2
-    monkeypatch.setattr(llama.LlamaDecoderLayer, switch, True)
-    calls.clear()
-    make_engine(weights, tokenizer, "cuda", torch.float32, num_kv_blocks=512,
-                max_num_seqs=8).generate(batches[0], lp)
-    assert not calls
-
-
 def test_cuda_prompt_graphs_give_the_eager_outputs(weights, tokenizer):
     """Steps of prompt chunks replayed from graphs (tokens, chunks and the longest
     chunk padded to powers of two; captured the first time a bucket runs) give

@@ -20,7 +20,6 @@ from formcast.engine.kernels.paged_attention import (paged_decode_attention,
 from formcast.engine.kernels.sampling import sample, sampling_thresholds
 from formcast.engine.kernels.rmsnorm import add_rms_norm, rms_norm
 from formcast.engine.kernels.activation import silu_and_mul
-from formcast.engine.kernels.norm_linear import add_norm_gate_up_silu, add_norm_linear
 from formcast.engine.kernels.rope import apply_rope_, apply_rope_and_store_kv_
 from formcast.engine.layers.rotary import RotaryEmbedding
 
@@ -116,26 +115,6 @@ def _compare(backend_device: str) -> None:
             assert got.shape == ref.shape and got.dtype == dtype
             rel = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5  # an ulp at each rounding
             assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + 1e-6)
-        # the residual add and norm with the projection after it, in one kernel (the
-        # sum exact, as the norm kernel's): every row count's tile shape (1, 16, 64,
-        # 65, 300 rows), ragged columns and depth (50 or 100 columns, k 72); the
-        # gate|up projection with its gate, and a plain one. (The interpreter's
-        # half-precision tl.dot is not the GPU's: float32 there)
-        shapes = ((1, 64, 576), (16, 96, 64), (64, 50, 72), (65, 64, 128), (300, 128, 64))
-        for rows, cols, k in shapes if dtype == torch.float32 or backend_device == "cuda" else ():
-            x = torch.randn(rows, k, generator=gen).to(dtype).to(backend_device)
-            add = torch.randn(rows, k, generator=gen).to(dtype).to(backend_device)
-            norm = (torch.rand(k, generator=gen) + 0.5).to(dtype).to(backend_device)
-            w = (torch.randn(2 * cols, k, generator=gen) / k ** 0.5).to(dtype).to(backend_device)
-            # (the sums' order differs: a projection can round to its neighbour, then
-            # silu and the product round again)
-            rel = 2.0 ** -5 if dtype == torch.bfloat16 else 1e-4
-            for op, width in ((add_norm_gate_up_silu, cols), (add_norm_linear, 2 * cols)):
-                ref_sum, ref = op(x, add, norm, 1e-5, w, backend="torch")
-                got_sum, got = op(x, add, norm, 1e-5, w, backend="triton")
-                assert torch.equal(got_sum, ref_sum)
-                assert got.shape == (rows, width) and got.dtype == dtype
-                assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + rel)
 
 
 def _paged_cache(gen: torch.Generator, lens: list[int], hkv: int, d: int, bs: int,
