@@ -122,6 +122,9 @@ class Sequence:
         self.masked = False
         self.agreements_due = 0
         self.refusal_streak = 0
+        # (index into token_ids, parity of the double quotes of the output before
+        # it): how far the engine's premasking counted (Engine._leaves_string)
+        self.quote_scan = (self.num_prompt_tokens, 0)
         self.draft = None              # spec.Draft to verify in the next step, if any
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0

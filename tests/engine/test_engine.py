@@ -676,6 +676,49 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     assert refused_shipped <= refused_ruled
 
 
+def _count_word_risky(monkeypatch, word: int) -> None:
+    """Premasking takes ``word`` as a risky token too, and every risky token,
+    wherever it stands, as one that leaves a string (the tiny model's quotes
+    mostly stand where none belongs, its word inside a string)."""
+    risky = Engine._risky_tokens
+    monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
+    monkeypatch.setattr(Engine, "_leaves_string", lambda self, seq, token, appended: True)
+
+
+def test_premasking_watches_the_quotes_that_leave_a_string(smollm2_engine):
+    """The tokens premasking watches are those holding a double quote; of those,
+    a token counts where it leaves the row's output (not its prompt) with an
+    even number of unescaped quotes: a key's or a value's end, not an opening.
+    Counted on from where the last look stopped, and afresh after tokens are
+    taken back."""
+    engine = smollm2_engine
+    tok = engine.tokenizer
+    risky = engine._risky_tokens()
+    text = '{"name": "Bob \\"B\\" Lee", "city": "Oslo", "age": 4}'
+    output = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(output) == text
+    prompt = tok.encode('Say "hi" in JSON: "', add_special_tokens=False)  # (odd, ignored)
+    seq = engine._make_sequence(prompt, SamplingParams(max_tokens=64), None, None)
+    got, want = [], []
+    for i, token in enumerate(output):
+        if token in risky:
+            want += [tok.decode(output[:i + 1]).replace('\\"', "").count('"') % 2 == 0] * 2
+            got.append(engine._leaves_string(seq, token, False))
+        seq.token_ids.append(token)
+        if token in risky:  # (asked again once appended: the same answer)
+            got.append(engine._leaves_string(seq, token, True))
+    assert got == want and True in got and False in got
+    # the same output's tokens, every risky one counted: leaving, not leaving
+    leaving = [engine._leaves_string(seq, t, False) for t in tok.encode(
+        ' "x', add_special_tokens=False) if t in risky]
+    assert leaving == [False]  # (after the whole object: even, so a quote opens)
+    assert seq.quote_scan == (len(seq.token_ids), 0)
+    del seq.token_ids[len(prompt) + 2:]  # (taken back to '{"name': inside the key)
+    closing = tok.encode('":', add_special_tokens=False)[0]
+    assert closing in risky and engine._leaves_string(seq, closing, False)
+    assert seq.quote_scan == (len(prompt) + 2, 1)
+
+
 @pytest.mark.parametrize("path", ["host", "thread", "native"])
 def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, path):
     """Premasking, forced on: a greedy constrained row whose unmasked pick is a
@@ -708,8 +751,7 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
 
     masked, _ = run(async_scheduling=False, unmasked_greedy=False)
     word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
-    risky = Engine._risky_tokens
-    monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
+    _count_word_risky(monkeypatch, word)
     monkeypatch.setattr(engine_module, "_PREMASK_AFTER", 0.0)
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 10**9 if path == "host" else 1)
     unpremask, voided = Engine._unpremask, []
@@ -811,8 +853,7 @@ def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engin
         prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
     masked = [o.token_ids for o in masked]
     word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
-    risky = Engine._risky_tokens
-    monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
+    _count_word_risky(monkeypatch, word)
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
     for forced in (False, True):
         engine = engine_for(async_scheduling=True)
