@@ -1392,7 +1392,8 @@ class Engine:
         its grammar wants punctuation next, rather than into one, where any
         word goes (the picks a model of random weights gets wrong, and right).
         The count goes on from where the last call stopped (a few list lookups
-        a token, in C), from the output's start again after a rollback."""
+        a token, in C), from the output's start again after a rollback (which
+        resets it; a shorter output than counted does too)."""
         ids, quotes = seq.token_ids, self._quotes
         upto = len(ids) - appended
         done, parity = seq.quote_scan
@@ -1730,6 +1731,7 @@ class Engine:
             return False
         banned = seq.token_ids[keep]
         del seq.token_ids[keep:]
+        seq.quote_scan = (seq.num_prompt_tokens, 0)  # (premasking's count: tokens replaced)
         if seq.logprobs is not None:
             del seq.logprobs[seq.num_output_tokens:]
         seq.ban(keep, banned)
