@@ -469,8 +469,7 @@ class Engine:
         2790 us of host time rather than 3517, the last step 2634 rather than
         2489, the steps after the prefill 10.20 ms rather than 10.75."""
         self._room = self._sorted_rows = self._uniform_rows = self._tidy_hooks = None
-        self._premasked.clear()
-        self._risky_after, self._premask_wait = [], None
+        self._forget_premasking()
         self._acceptor.reset()
         self._masked_acceptor.reset()
         forget = getattr(self.runner, "forget_rows", None)
@@ -1462,6 +1461,12 @@ class Engine:
                 else:
                     self._risky_after.append(seq)
 
+    def _forget_premasking(self) -> None:
+        """Drop the rows premasked or watched and the check a mask waits for (the
+        pipeline is over; the moving average stays)."""
+        self._premasked.clear()
+        self._risky_after, self._premask_wait = [], None
+
     def _risky_seen(self, missed: bool) -> None:
         """A pick after a risky token broke the grammar (``missed``), or did not."""
         self._premask_rate += (float(missed) - self._premask_rate) * _PREMASK_EMA
@@ -1559,8 +1564,7 @@ class Engine:
         self._quick_switches(False)
         prev, self._inflight = self._inflight, None
         outputs = self._take(prev)[0] if prev is not None else []
-        self._premask_wait, self._risky_after = None, []  # (an ordinary step masks every row)
-        self._premasked.clear()
+        self._forget_premasking()  # (an ordinary step masks every row)
         # (after the take, which finds it for its rows: an ordinary step may take
         # several tokens a row without counting as a pipelined one)
         self._room = None

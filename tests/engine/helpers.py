@@ -65,3 +65,14 @@ def assert_logprobs_match_a_fresh_forward(engine, prompt_ids: list[int], out) ->
     for k, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert lp.token_id == tok
         assert lp.logprob == pytest.approx(float(expected[k, tok]), abs=1e-3), k
+
+
+def count_word_risky(monkeypatch, word: int) -> None:
+    """Premasking takes ``word`` as a risky token too, and every risky token,
+    wherever it stands, as one that leaves a string (a tiny random model's
+    quotes mostly stand where none belongs, its word inside a string)."""
+    from formcast.engine import Engine
+
+    risky = Engine._risky_tokens
+    monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
+    monkeypatch.setattr(Engine, "_leaves_string", lambda self, seq, token, appended: True)

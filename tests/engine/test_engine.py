@@ -15,7 +15,7 @@ import torch
 from formcast.engine import Engine, EngineConfig, SamplingParams
 from formcast.errors import ModelNotFoundError, RequestError
 
-from .helpers import AllowOnly
+from .helpers import AllowOnly, count_word_risky
 
 pytestmark = pytest.mark.slow
 
@@ -676,15 +676,6 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     assert refused_shipped <= refused_ruled
 
 
-def _count_word_risky(monkeypatch, word: int) -> None:
-    """Premasking takes ``word`` as a risky token too, and every risky token,
-    wherever it stands, as one that leaves a string (the tiny model's quotes
-    mostly stand where none belongs, its word inside a string)."""
-    risky = Engine._risky_tokens
-    monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
-    monkeypatch.setattr(Engine, "_leaves_string", lambda self, seq, token, appended: True)
-
-
 def test_premasking_watches_the_quotes_that_leave_a_string(smollm2_engine):
     """The tokens premasking watches are those holding a double quote; of those,
     a token counts where it leaves the row's output (not its prompt) with an
@@ -751,7 +742,7 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
 
     masked, _ = run(async_scheduling=False, unmasked_greedy=False)
     word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
-    _count_word_risky(monkeypatch, word)
+    count_word_risky(monkeypatch, word)
     monkeypatch.setattr(engine_module, "_PREMASK_AFTER", 0.0)
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 10**9 if path == "host" else 1)
     unpremask, voided = Engine._unpremask, []
@@ -853,7 +844,7 @@ def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engin
         prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
     masked = [o.token_ids for o in masked]
     word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
-    _count_word_risky(monkeypatch, word)
+    count_word_risky(monkeypatch, word)
     monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
     for forced in (False, True):
         engine = engine_for(async_scheduling=True)

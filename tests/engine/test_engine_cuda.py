@@ -12,7 +12,7 @@ from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from formcast.engine.engine import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 
-from .helpers import AllowOnly
+from .helpers import AllowOnly, count_word_risky
 
 pytestmark = pytest.mark.cuda
 
@@ -370,13 +370,7 @@ def test_cuda_premasked_picks_give_the_masked_outputs(tokenizer, graphs, monkeyp
 
     masked, _ = run(False)
     word = collections.Counter(t for out, _ in masked for t in out).most_common(1)[0][0]
-    risky = engine_module.Engine._risky_tokens
-    monkeypatch.setattr(engine_module.Engine, "_risky_tokens",
-                        lambda self: risky(self) | {word})
-    # (every risky token counted as leaving a string: the tiny model's quotes mostly
-    # stand where none belongs, its word inside a string)
-    monkeypatch.setattr(engine_module.Engine, "_leaves_string",
-                        lambda self, seq, token, appended: True)
+    count_word_risky(monkeypatch, word)
     monkeypatch.setattr(engine_module, "_PREMASK_AFTER", 0.0)
     for overlap, native in ((False, None), (True, None), (True, False)):
         premasked, eng = run(True, overlap, native)
