@@ -11,7 +11,10 @@ L2, as they do in a step (best of five replays). Rows' contexts spread from
 half to 1.5x the length given. Prints microseconds per call, the engine's
 first, then the fastest configurations and their speed-up over it.
 
-    python benchmarks/decode_attention_configs.py [--rows 256,128,64] [--context 80,150]
+    python benchmarks/decode_attention_configs.py [--rows 256,128,64] [--context 80,150] [--fused]
+
+``--fused`` sweeps the kernel a Llama decode step runs instead (the new token's
+rotation and cache store in the same kernel; :func:`sweep_fused`).
 
 On the H200 (SmolLM2-135M's 9 heads over 3, head dim 64, bfloat16, 30 layers),
 a tile of 128 keys over four warps and three stages at 128 rows took 7.0 us
@@ -29,9 +32,10 @@ import sys
 
 import torch
 
-from formcast.engine.kernels.paged_attention import paged_decode_attention
+from formcast.engine.kernels.paged_attention import paged_decode_attention, rope_decode_attention
 from formcast.engine.kernels.paged_attention_triton import (
-    decode_splits, launch_decode, paged_decode_attention_triton)
+    decode_splits, launch_decode, paged_decode_attention_triton, rope_decode_attention_triton)
+from formcast.engine.layers.rotary import RotaryEmbedding
 
 GRID = list(itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 3)))  # keys a tile, warps, stages
 
@@ -73,6 +77,9 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--table-blocks", type=int, default=64, help="block table width")
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--fused", action="store_true",
+                    help="the kernel that rotates and stores the new token too (the one a "
+                    "Llama decode step runs), each of its modes over a smaller grid")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_attention_configs.py needs a CUDA device")
@@ -96,6 +103,9 @@ def main() -> None:
             print(f"{rows} rows: the kernel splits contexts there (under 128 programs): skipped")
             continue
         lens = torch.randint(context // 2, context * 3 // 2 + 1, (rows,), device=dev)
+        if args.fused:
+            sweep_fused(args, rows, context, caches, tables, lens, scale)
+            continue
         q = torch.randn(rows, h, d, device=dev, dtype=dt)
         ref = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, backend="torch")
         engine = graph_us([
@@ -119,6 +129,59 @@ def main() -> None:
         for us, block_n, warps, stages in timed[:args.top]:
             print(f"    {us:6.2f} us  ({engine / us:4.2f}x)  tiles of {block_n} keys, "
                   f"{warps} warps, {stages} stages")
+
+
+FUSED_GRID = list(itertools.product((32, 64, 128), (2, 4), (2, 3)))  # keys a tile, warps, stages
+
+
+def sweep_fused(args, rows: int, context: int, caches, tables, lens, scale: float) -> None:
+    """:func:`rope_decode_attention_triton` (rotation, cache store and attention in
+    one kernel, the one a Llama decode step runs) at each configuration of
+    ``FUSED_GRID``, checked against the torch path on the last layer's caches.
+
+    On the H100 at 256 rows the engine's choice (64 keys, two warps, three
+    stages) was the fastest at ~80 tokens (13.6 us) and within 0.2% of it at ~150
+    (20.2 us). Variants of the kernel measured there, at their best
+    configurations, and dropped: each tile's values asked for with its keys
+    (0.98-1.00x the engine's speed), the first tile asked for before the
+    rotation's reads (0.86-0.89x), and each next tile asked for before the
+    current one is folded in (0.86x): the registers they hold cost more than
+    the waits they overlap."""
+    dev, dt = lens.device, caches[0][0].dtype
+    h, hkv, d = args.heads, args.kv_heads, args.head_dim
+    bs = caches[0][0].shape[1]
+    qkv = torch.randn(rows, (h + 2 * hkv) * d, device=dev, dtype=dt)
+    positions = lens - 1
+    slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+    cos, sin = RotaryEmbedding(d, 4096, 10000.0).tables(dev)
+    k_last, v_last = caches[-1]
+    ref = rope_decode_attention(qkv, h, hkv, positions, cos, sin, k_last.clone(),
+                                v_last.clone(), slots, tables, lens, scale, backend="torch")
+
+    def call(k, v, config=None):
+        return rope_decode_attention_triton(qkv, h, hkv, positions, cos, sin, k, v, slots,
+                                            tables, lens, scale, config=config)
+
+    engine = graph_us([lambda k=k, v=v: call(k, v) for k, v in caches])
+    timed = []
+    for config in FUSED_GRID:
+        try:
+            us = graph_us([lambda k=k, v=v: call(k, v, config) for k, v in caches])
+        except Exception as exc:  # (out of shared memory or registers at this size)
+            print(f"  tiles {config[0]}, {config[1]} warps, {config[2]} stages: "
+                  f"{type(exc).__name__}")
+            continue
+        err = (call(k_last, v_last, config).float() - ref.float()).abs().max().item()
+        if err > 0.05:
+            print(f"  tiles {config[0]}, {config[1]} warps, {config[2]} stages: "
+                  f"off by {err:.3f}")
+            continue
+        timed.append((us, *config))
+    timed.sort()
+    print(f"{rows} rows of ~{context} tokens, fused: the engine's call {engine:.2f} us; fastest:")
+    for us, block_n, warps, stages in timed[:args.top]:
+        print(f"    {us:6.2f} us  ({engine / us:4.2f}x)  tiles of {block_n} keys, "
+              f"{warps} warps, {stages} stages")
 
 
 if __name__ == "__main__":

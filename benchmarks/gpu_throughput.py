@@ -275,11 +275,23 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: hf, constrained, bound")
     ap.add_argument("--profile", action="store_true", help="host profile of a constrained run")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    ap.add_argument("--set", dest="sets", action="append", default=[],
+                    metavar="MODULE:ATTR=EXPR",
+                    help="replace a module attribute before the engines are built (as "
+                    "engine_ab.py's --set): a variant's figures")
     ap.add_argument("--host-cores", type=int, default=None,
                     help="run on this many host cores (a slower host: the constrained "
                     "steps of a large batch are host-bound on some H200 machines)")
     args = ap.parse_args()
     limit_host_cores(args.host_cores)
+    if args.sets:
+        import sys
+
+        sys.modules.setdefault("gpu_throughput", sys.modules[__name__])  # (one module, run or not)
+        from engine_ab import Patch
+
+        Patch(args.sets).on()
+        print("with " + "; ".join(args.sets))
     global DEVICE
     DEVICE = torch.device(args.device)
     skip = set(filter(None, args.skip.split(",")))

@@ -1235,8 +1235,12 @@ class Engine:
                 if premasked and seq in premasked:  # (its first masked pick since premasked)
                     del premasked[seq]
                     self._risky_seen(not agreed)
-                if agreed and seq.masked and seq.agreements_due <= 1 and _forces_text(seq):
-                    continue  # (the grammar fixed the text there: an agreement shows nothing)
+                if agreed and seq.masked and seq.agreements_due <= 1 and (
+                        _forces_text(seq) or self._ends_string(seq, token_list[i])):
+                    # (the grammar fixed the text there: an agreement shows nothing;
+                    # or the pick leaves a string, and the next one is the schema's
+                    # punctuation, which the agreement says nothing about)
+                    continue
                 seq.masked_pick_seen(agreed)
         free, masked, checked = prev.free, prev.masked, list(prev.unchecked)
         room = self._room_of(seqs)
@@ -1403,6 +1407,11 @@ class Engine:
             seq.quote_scan = (upto, parity)
         return not (parity + quotes[token]) & 1
 
+    def _ends_string(self, seq: Sequence, token: int) -> bool:
+        """Whether ``token``, ``seq``'s pick not yet appended, leaves its output
+        out of a JSON string (:meth:`_leaves_string`, for a risky token)."""
+        return token in self._risky_tokens() and self._leaves_string(seq, token, False)
+
     def _premasking(self) -> bool:
         return self._premask_rate >= _PREMASK_AFTER
 
@@ -1495,11 +1504,11 @@ class Engine:
         have a few tokens each left to detokenize, not their whole output: at 256
         rows of 128 tokens that was 4.3 ms of the H200's host, the device idle,
         at the end of every batch. The rows are taken in turn from where the
-        last call stopped. Off unless ``_DETOK_CHORE_TOKENS`` is set: not yet
-        measured on a GPU. (Not while waiting for the native worker's verdicts:
-        that wait lets go of the interpreter lock, which the mask and accept
-        threads want then; in the stubbed engine of host_overhead.py on our
-        CPU, JSON at 256 rows, its steps took longer with it.)"""
+        last call stopped; off where ``_DETOK_CHORE_TOKENS`` is None. (Not
+        while waiting for the native worker's verdicts: that wait lets go of
+        the interpreter lock, which the mask and accept threads want then; in
+        the stubbed engine of host_overhead.py on our CPU, JSON at 256 rows,
+        its steps took longer with it.)"""
         n = len(seqs)
         if not n:
             return
@@ -1988,10 +1997,10 @@ _OVERLAP_ROWS = 128
 _ASYNC_FILL_ROWS = 16
 # The host's waits for the device detokenize a row's deferred tokens once it has
 # this many (None: they do not), this many rows between looks at whether the wait
-# is over (Engine._detokenize_while). Off until measured on a GPU, where alone
-# the host waits for the device: benchmarks/engine_ab.py --batch-sizes 64,256
-# --set formcast.engine.engine:_DETOK_CHORE_TOKENS=32
-_DETOK_CHORE_TOKENS: int | None = None
+# is over (Engine._detokenize_while). On the H100, 256 free rows of 128 tokens
+# (benchmarks/engine_ab.py, one process, 3 runs a side; B: 32, A: None): 1.016x
+# tokens/s best, 1.017x median
+_DETOK_CHORE_TOKENS: int | None = 32
 _DETOK_CHORE_ROWS = 8
 _PINNED_ROWS = 16  # masked rows a step's kernel reads in pinned memory, at most
 # Premasking (see Engine._premask_landed) is on while a moving average (weight

@@ -290,14 +290,17 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
                                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slots: torch.Tensor, block_tables: torch.Tensor,
-                                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                 context_lens: torch.Tensor, scale: float, *,
+                                 config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Decode rows' attention from their fused projection's output ``qkv``
     ``[B, (H + 2 Hkv) * D]`` (queries, keys, values; rows contiguous), each at
     ``positions`` with the new token's key and value written to ``slots`` of
     the caches on the way: what :func:`formcast.engine.kernels.rope.
     apply_rope_and_store_kv_` then :func:`paged_decode_attention_triton` do,
     in one launch (two with a split context). ``context_lens`` count the new
-    token. Returns ``[B, H, D]``; ``qkv`` is left as it is."""
+    token. Returns ``[B, H, D]``; ``qkv`` is left as it is. ``config`` (keys a
+    tile, warps, stages) replaces :func:`decode_config`'s choice (for
+    benchmarks/decode_attention_configs.py)."""
     b = qkv.shape[0]
     d = k_cache.shape[3]
     h, hkv = num_heads, num_kv_heads
@@ -314,7 +317,7 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
     else:
         part = torch.empty(b, h, splits, d, dtype=torch.float32, device=qkv.device)
         lse = torch.empty(b, h, splits, dtype=torch.float32, device=qkv.device)
-    block_n, warps, stages = decode_config(splits, qkv.dtype, b * hkv)
+    block_n, warps, stages = config or decode_config(splits, qkv.dtype, b * hkv)
     cos = cos.to(device=qkv.device, dtype=torch.float32)
     sin = sin.to(device=qkv.device, dtype=torch.float32)
     _rope_decode_kernel[(b, hkv, splits)](

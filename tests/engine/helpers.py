@@ -70,9 +70,12 @@ def assert_logprobs_match_a_fresh_forward(engine, prompt_ids: list[int], out) ->
 def count_word_risky(monkeypatch, word: int) -> None:
     """Premasking takes ``word`` as a risky token too, and every risky token,
     wherever it stands, as one that leaves a string (a tiny random model's
-    quotes mostly stand where none belongs, its word inside a string)."""
+    quotes mostly stand where none belongs, its word inside a string). Masked
+    rows' agreements on risky tokens count as any other (premasking alone is
+    under test, not the rule of :meth:`Engine._ends_string`)."""
     from formcast.engine import Engine
 
     risky = Engine._risky_tokens
     monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
     monkeypatch.setattr(Engine, "_leaves_string", lambda self, seq, token, appended: True)
+    monkeypatch.setattr(Engine, "_ends_string", lambda self, seq, token: False)

@@ -638,6 +638,8 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     tok = smollm2_engine.tokenizer
     model, compiled, prompts = _records_batch(tok, 8)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
+    # (the rule for a string's closing quote left out: the next test's)
+    monkeypatch.setattr(engine_module.Engine, "_ends_string", lambda self, seq, token: False)
     forced = engine_module._forces_text
     refused, seen = Sequence.pick_refused, Sequence.masked_pick_seen
     asked = []
@@ -674,6 +676,39 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
     assert refused_ruled < refused_counted and asked
     assert unmasked_ruled > refused_ruled
     assert refused_shipped <= refused_ruled
+
+
+def test_agreements_on_the_quote_that_ends_a_string_do_not_unmask(smollm2_engine,
+                                                                   monkeypatch):
+    """A masked row whose pick closes a JSON string stays masked for its next
+    pick even where that agreement was the one it was due: the next pick is the
+    schema's punctuation, which the agreement says nothing about. The tiny
+    random-weights model closes the name's value with `:"`, agreeing with its
+    mask, and (unmasked) picks `:"` again where the schema wants a comma: one
+    refusal a row without the rule, none with it, the rows still going back to
+    unmasked picks later; outputs equal synchronous masked decoding's."""
+    import formcast.engine.engine as engine_module
+
+    tok = smollm2_engine.tokenizer
+    model, compiled, prompts = _records_batch(tok, 16)
+    greedy = SamplingParams(max_tokens=48, temperature=0.0)
+    ends = engine_module.Engine._ends_string
+
+    def run(rule: bool, **config):
+        monkeypatch.setattr(engine_module.Engine, "_ends_string",
+                            ends if rule else (lambda self, seq, token: False))
+        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=16, num_kv_blocks=256,
+                                                        spec="none", **config),
+                        device=torch.device("cpu"))
+        outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
+        return [o.token_ids for o in outs], engine.num_refused_picks, engine.num_unmasked_picks
+
+    masked, _, _ = run(True, async_scheduling=False, unmasked_greedy=False)
+    without, refused_without, _ = run(False, async_scheduling=True)
+    ruled, refused_ruled, unmasked_ruled = run(True, async_scheduling=True)
+    assert without == masked and ruled == masked
+    assert refused_without >= len(prompts) and refused_ruled < refused_without // 4
+    assert unmasked_ruled > 10 * len(prompts)  # (and the rows went back to unmasked picks)
 
 
 def test_premasking_watches_the_quotes_that_leave_a_string(smollm2_engine):
@@ -1474,7 +1509,7 @@ def test_the_hosts_idle_waits_detokenize_deferred_tokens_in_turn(smollm2_engine,
 
     from .helpers import make_seq
 
-    monkeypatch.setattr(engine_module, "_DETOK_CHORE_TOKENS", 32)  # (off by default)
+    monkeypatch.setattr(engine_module, "_DETOK_CHORE_TOKENS", 32)
     engine, tok = smollm2_engine, smollm2_engine.tokenizer
     chore, rows_a_look = engine_module._DETOK_CHORE_TOKENS, engine_module._DETOK_CHORE_ROWS
     ids = tok.encode("Zürich, 東京 and 🎉 in one line: the rows' outputs " * 4)
