@@ -659,11 +659,7 @@ def test_agreements_where_the_grammar_fixes_the_text_do_not_unmask(smollm2_engin
                             else (lambda seq: False))
         monkeypatch.setattr(Sequence, "pick_refused", refused_once if once else refused)
         monkeypatch.setattr(Sequence, "masked_pick_seen", seen_once if once else seen)
-        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=8, num_kv_blocks=128,
-                                                        spec="none", **config),
-                        device=torch.device("cpu"))
-        outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
-        return [o.token_ids for o in outs], engine.num_refused_picks, engine.num_unmasked_picks
+        return _run_records(model, tok, compiled, prompts, greedy, **config)
 
     masked, _, _ = run(True, async_scheduling=False, unmasked_greedy=False)
     counted, refused_counted, _ = run(False, True, async_scheduling=True)
@@ -697,11 +693,7 @@ def test_agreements_on_the_quote_that_ends_a_string_do_not_unmask(smollm2_engine
     def run(rule: bool, **config):
         monkeypatch.setattr(engine_module.Engine, "_ends_string",
                             ends if rule else (lambda self, seq, token: False))
-        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=16, num_kv_blocks=256,
-                                                        spec="none", **config),
-                        device=torch.device("cpu"))
-        outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
-        return [o.token_ids for o in outs], engine.num_refused_picks, engine.num_unmasked_picks
+        return _run_records(model, tok, compiled, prompts, greedy, **config)
 
     masked, _, _ = run(True, async_scheduling=False, unmasked_greedy=False)
     without, refused_without, _ = run(False, async_scheduling=True)
@@ -1406,6 +1398,17 @@ def _records_batch(tok, n: int):
     compiled = compile(JsonSchema(schema), tok, vocab_size=model.config.vocab_size)
     return model, compiled, [tok.encode(f"Request number {i}: list the people.")
                              for i in range(n)]
+
+
+def _run_records(model, tok, compiled, prompts, params, **config):
+    """One engine of ``config`` (on the CPU, as many rows as prompts) generating
+    every prompt under ``compiled``: the outputs' tokens, the picks refused and
+    the unmasked picks."""
+    engine = Engine(model, tok, config=EngineConfig(max_num_seqs=len(prompts),
+                                                    num_kv_blocks=256, spec="none", **config),
+                    device=torch.device("cpu"))
+    outs = engine.generate(prompts, params, constraints=[compiled.matcher() for _ in prompts])
+    return [o.token_ids for o in outs], engine.num_refused_picks, engine.num_unmasked_picks
 
 
 def _tiny_smollm2_shaped():
