@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=6)
     ap.add_argument("--fused", action="store_true",
                     help="the kernel that rotates and stores the new token too (the one a "
-                    "Llama decode step runs), each of its modes over a smaller grid")
+                    "Llama decode step runs), over a smaller grid")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_attention_configs.py needs a CUDA device")

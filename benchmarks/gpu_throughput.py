@@ -27,6 +27,7 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -285,8 +286,6 @@ def main() -> None:
     args = ap.parse_args()
     limit_host_cores(args.host_cores)
     if args.sets:
-        import sys
-
         sys.modules.setdefault("gpu_throughput", sys.modules[__name__])  # (one module, run or not)
         from engine_ab import Patch
 
