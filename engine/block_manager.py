@@ -9,6 +9,7 @@ ref count drops to zero stay hashed in an LRU pool until their memory is needed.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -40,6 +41,10 @@ class BlockManager:
         # ref_count == 0 blocks, least recently freed first; hashed ones may be revived
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[int, int] = {}
+        # sequences whose full blocks may be unhashed yet (see defer_commits), in order
+        self._deferred: dict[Sequence, None] = {}
+        self._early_seqs: list[Sequence] | None = None  # the rows open_early went over last
+        self._early_at = 0  # and where it stopped
 
     @property
     def num_blocks(self) -> int:
@@ -64,6 +69,8 @@ class BlockManager:
             raise ValueError(f"sequence {seq.request_id} already has blocks")
         if not self.enable_prefix_caching:
             return 0
+        if self._deferred:  # (the blocks of the sequences running are found too)
+            self.commit_deferred()
         bs = self.block_size
         parent: int | None = None
         for i in range((len(seq) - 1) // bs):
@@ -105,7 +112,8 @@ class BlockManager:
 
         Rows that start decoding together open their blocks at the same step
         (at 256 rows, 256 blocks at once), so the blocks are taken in one pass
-        over the free list's head rather than one :meth:`grow` each."""
+        over the free list's head rather than one :meth:`grow` each (and the
+        engine opens most of them before, see :meth:`open_early`)."""
         bs = self.block_size
         opening = [s for s in seqs if s.num_computed_tokens + ahead >= len(s.block_table) * bs]
         if not opening:
@@ -121,6 +129,36 @@ class BlockManager:
             for _ in range(count):
                 s.block_table.append(next(taken))
         return True
+
+    def open_early(self, seqs: list[Sequence], rows: int, ahead: int = 1) -> bool:
+        """Open the next block of the next ``rows`` of ``seqs`` (round robin from
+        where the last call stopped) whose table ends at the block their step
+        ``ahead`` tokens on writes in, unless that step starts the block (its
+        table entry is then written in that step alone) or free blocks are short
+        (fewer than two a sequence would be left). A sequence holds one such
+        block at most; it is freed with the rest. Whether rows are left to look
+        at before the round comes back (the engine's chore, while the host
+        waits for the device: a decode batch's rows open their blocks at the
+        same step, 256 rows a quarter of a millisecond of the host's time in
+        that step's launch, where :meth:`grow_decode` then finds them open)."""
+        n = len(seqs)
+        if not n or len(self._free) < 2 * n + rows:
+            return False
+        bs = self.block_size
+        # (the same rows as the last call, compared by identity in C)
+        at = self._early_at % n if seqs == self._early_seqs else 0
+        self._early_seqs = seqs
+        part = seqs[at:at + rows]
+        self._early_at = at + len(part)
+        due = []
+        for s in part:
+            pos = s.num_computed_tokens + ahead
+            if pos % bs and len(s.block_table) == pos // bs + 1:
+                due.append(s)
+        if due:
+            for s, block_id in zip(due, self._take_free(len(due))):
+                s.block_table.append(block_id)
+        return self._early_at < n
 
     def _take_free(self, n: int) -> list[int]:
         """``n`` blocks from the head of the free list (least recently freed),
@@ -145,23 +183,68 @@ class BlockManager:
 
     def commit_many(self, seqs) -> None:
         """:meth:`commit` each of ``seqs``, in one loop: rows that decode together
-        fill their blocks at the same step (256 rows: 256 blocks to hash)."""
+        fill their blocks at the same step (256 rows: 256 blocks to hash). A
+        block counts as full once its tokens are computed and in the sequence's
+        token ids (a decode step's token in flight is computed before the host
+        has it)."""
         if not self.enable_prefix_caching:
             return
         bs, blocks, by_hash = self.block_size, self.blocks, self._by_hash
         for seq in seqs:
             hashes, table, ids_of = seq.block_hashes, seq.block_table, seq.token_ids
-            for i in range(len(hashes), min(seq.num_computed_tokens // bs, len(table))):
+            i = len(hashes)
+            end = min(seq.num_computed_tokens, len(ids_of)) // bs
+            if end > len(table):
+                end = len(table)
+            if i >= end:
+                continue
+            parent = hashes[-1] if hashes else None
+            while i < end:  # (chain_hash, inline: this runs for every row a block fills)
                 ids = tuple(ids_of[i * bs:(i + 1) * bs])
-                h = chain_hash(hashes[-1] if hashes else None, ids)
-                hashes.append(h)
-                block = blocks[table[i]]
-                if block.hash is None and h not in by_hash:
-                    block.hash, block.token_ids = h, ids
-                    by_hash[h] = block.block_id
+                parent = hash((parent, ids))
+                hashes.append(parent)
+                if parent not in by_hash:
+                    block_id = table[i]
+                    block = blocks[block_id]
+                    if block.hash is None:
+                        block.hash, block.token_ids = parent, ids
+                        by_hash[parent] = block_id
+                i += 1
+
+    def defer_commits(self, seqs) -> None:
+        """:meth:`commit_many` of ``seqs`` later: when :meth:`commit_deferred`
+        runs (the engine's chores, while the host waits for the device), or
+        before a prompt looks up cached blocks or one of them is freed. A
+        decode batch's rows fill their blocks at the same step (256 rows: a
+        quarter to half a millisecond of hashing on the host, every
+        ``block_size`` steps), where the step's launch waited for it."""
+        if self.enable_prefix_caching:
+            self._deferred.update(dict.fromkeys(seqs))
+
+    def commit_deferred(self, limit: int | None = None) -> bool:
+        """Hash the deferred sequences' full blocks, the ``limit`` first of
+        them (None: all); whether any are left."""
+        deferred = self._deferred
+        if limit is None or limit >= len(deferred):
+            seqs = list(deferred)
+            deferred.clear()
+        else:
+            seqs = list(itertools.islice(deferred, limit))
+            for seq in seqs:
+                del deferred[seq]
+        self.commit_many(seqs)
+        return bool(deferred)
+
+    @property
+    def num_deferred(self) -> int:
+        """Sequences whose blocks wait to be hashed (:meth:`defer_commits`)."""
+        return len(self._deferred)
 
     def free(self, seq: Sequence) -> None:
         """Release all blocks of ``seq`` (tail first, so shared prefixes live longest)."""
+        if self._deferred and seq in self._deferred:  # (cached with their hashes)
+            del self._deferred[seq]
+            self.commit_many((seq,))
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table = []

@@ -370,6 +370,7 @@ class Engine:
                 taken = self._pipelined_step()
                 if self._inflight is None or self._inflight.early is None:
                     self._quick_switches(False)  # (no picks left with the accept thread)
+                self._commit_quota()
                 if taken is not None:
                     return outputs + taken
             outputs += self._drain()
@@ -578,7 +579,7 @@ class Engine:
                 filled, settled = lane
                 self._let_accept_in()
                 taken = self._take_end(taking)[0]  # (refused rows: sampled again already)
-                bm.commit_many(filled)  # (hashed now their last token is there)
+                bm.defer_commits(filled)  # (hashed once their last token is there)
                 return taken + settled
         checked_from = self._num_finishes
         taken, ok, refused = self._take_end(taking) if taking is not None else ([], None, [])
@@ -853,7 +854,7 @@ class Engine:
         if filled is not None:
             filled += full
         elif full:
-            self.block_manager.commit_many(full)
+            self.block_manager.defer_commits(full)
 
     def _copy_to_host(self, both: torch.Tensor, agree, watched: int, slot: tuple | None = None
                       ) -> tuple:
@@ -1218,9 +1219,14 @@ class Engine:
         if lists is None:
             if prev.ready is not None:
                 if not prev.ready.query():  # (the device is busy: the host's chores now)
+                    def busy(ready=prev.ready) -> bool:
+                        return not ready.query()
+
+                    self._commit_while(busy)
+                    self._open_while(prev.seqs, busy)
                     self._tidy_constraints(prev.seqs)
                     if _DETOK_CHORE_TOKENS:
-                        self._detokenize_while(prev.seqs, lambda: not prev.ready.query())
+                        self._detokenize_while(prev.seqs, busy)
                 wait_event(prev.ready)
             lists = prev.host.tolist()
         token_list, dead_list = lists
@@ -1501,6 +1507,29 @@ class Engine:
                 hook()
             except Exception:  # (the constraints report it where they are used)
                 pass
+
+    def _commit_while(self, busy) -> None:
+        """While ``busy()`` (the device at work, the host otherwise idle), hash
+        the full blocks that decode steps filled (see
+        :meth:`BlockManager.defer_commits`), a few sequences at a time."""
+        bm = self.block_manager
+        while bm.num_deferred and busy():
+            bm.commit_deferred(_COMMIT_CHORE_ROWS)
+
+    def _open_while(self, seqs: list[Sequence], busy) -> None:
+        """While ``busy()``, open the next KV block of ``seqs``' rows that will
+        need one soon (:meth:`BlockManager.open_early`), a few rows at a time, a
+        round of the rows at most."""
+        bm = self.block_manager
+        while busy() and bm.open_early(seqs, _OPEN_CHORE_ROWS):
+            pass
+
+    def _commit_quota(self) -> None:
+        """Hash some of the blocks left unhashed, the step's launches made (a host
+        with no wait to do it in still drains a batch's blocks in a few steps,
+        not at the batch's end, where its requests are freed)."""
+        if self.block_manager.num_deferred:
+            self.block_manager.commit_deferred(_COMMIT_QUOTA_ROWS)
 
     def _detokenize_while(self, seqs: list[Sequence], busy) -> None:
         """While ``busy()`` (the device still at work, the host otherwise
@@ -1876,6 +1905,10 @@ class Engine:
         for seq in seqs:
             self._queue(seq)
         pending = {s.request_id for s in seqs}
+        pause = self.config.pause_gc
+        paused = (pause if pause is not None else self.device.type == "cuda") and gc.isenabled()
+        if paused:
+            gc.disable()
         try:
             while pending:
                 finishes, aborted = self._num_finishes, bool(self._aborted)
@@ -1886,9 +1919,11 @@ class Engine:
                             pending.discard(seq.request_id)
                 if pending and not self.scheduler.has_unfinished():
                     raise EngineError(f"requests {sorted(pending)} were lost by the scheduler")
+            return [s.to_output() for s in seqs]
         finally:
             self._quick_switches(False)
-        return [s.to_output() for s in seqs]
+            if paused:
+                gc.enable()
 
     @torch.inference_mode()
     def forward_logits(self, token_ids: SequenceABC[int], *, as_generated: bool = False
@@ -2009,6 +2044,14 @@ _ASYNC_FILL_ROWS = 16
 _DETOK_CHORE_TOKENS: int | None = 32
 _DETOK_CHORE_ROWS = 8
 _PINNED_ROWS = 16  # masked rows a step's kernel reads in pinned memory, at most
+# Full KV blocks are hashed for the prefix cache off the step's path: this many
+# sequences at a time while the host waits for the device, and at least
+# _COMMIT_QUOTA_ROWS a pipelined step after its launches (Engine._commit_while)
+_COMMIT_CHORE_ROWS = 16
+_COMMIT_QUOTA_ROWS = 32
+# Rows whose next KV block opens before they reach it, at a time, while the host
+# waits for the device (Engine._open_while)
+_OPEN_CHORE_ROWS = 32
 # Premasking (see Engine._premask_landed) is on while a moving average (weight
 # _PREMASK_EMA a pick) of how often the pick after a risky token broke the
 # grammar is at least _PREMASK_AFTER (above 1: never)

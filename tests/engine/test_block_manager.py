@@ -153,3 +153,91 @@ def test_double_release_is_detected():
     a.block_table = table
     with pytest.raises(RuntimeError, match="released more often"):
         bm.free(a)
+
+
+def test_a_token_in_flight_counts_as_computed_but_is_not_hashed_until_it_is_there():
+    bm = BlockManager(8, 4)
+    a = make_seq(list(range(7)), rid="a")
+    bm.grow(a, 8)
+    a.num_computed_tokens = 8   # (the decode step in flight computes the 8th token)
+    bm.commit(a)
+    assert len(a.block_hashes) == 1             # its ids stop at 7: block 1 is not full yet
+    a.token_ids.append(7)
+    bm.commit(a)
+    assert len(a.block_hashes) == 2
+
+
+def test_deferred_commits_hash_in_limited_batches_and_before_lookups_and_frees():
+    bm = BlockManager(16, 4)
+    seqs = [make_seq(list(range(100 * i, 100 * i + 8)), rid=f"s{i}") for i in range(3)]
+    for seq in seqs:
+        bm.grow(seq, 8)
+        seq.num_computed_tokens = 8
+    bm.defer_commits(seqs)
+    bm.defer_commits(seqs[:1])                  # (once each)
+    assert bm.num_deferred == 3 and all(not s.block_hashes for s in seqs)
+    assert bm.commit_deferred(limit=2)          # some left
+    assert [len(s.block_hashes) for s in seqs] == [2, 2, 0] and bm.num_deferred == 1
+    # a prompt's lookup hashes what is left first: the third sequence's blocks are found
+    probe = make_seq(list(range(200, 209)), rid="p")
+    assert bm.allocate_prefix(probe) == 8 and bm.num_deferred == 0
+    # a freed sequence's deferred blocks are hashed as it goes, and stay cached
+    late = make_seq(list(range(300, 308)), rid="late")
+    bm.grow(late, 8)
+    late.num_computed_tokens = 8
+    bm.defer_commits([late])
+    bm.free(late)
+    assert bm.num_deferred == 0
+    again = make_seq(list(range(300, 309)), rid="again")
+    assert bm.allocate_prefix(again) == 8
+
+
+def test_deferred_commits_are_dropped_without_prefix_caching():
+    bm = BlockManager(8, 4, enable_prefix_caching=False)
+    a = make_seq(list(range(8)), rid="a")
+    bm.grow(a, 8)
+    a.num_computed_tokens = 8
+    bm.defer_commits([a])
+    assert bm.num_deferred == 0 and not bm.commit_deferred()
+
+
+def test_open_early_gives_rows_their_next_block_round_robin():
+    bm = BlockManager(40, 4)
+    # rows' next positions (num_computed + 1): 5 (mid block 1), 8 (starts block 2),
+    # 6 with block 2 open already, 2 (mid block 0), 7
+    seqs = []
+    for k, (computed, blocks) in enumerate([(4, 2), (7, 2), (5, 3), (1, 1), (6, 2)]):
+        seq = make_seq(list(range(computed)), rid=f"s{k}")
+        bm.grow(seq, blocks * 4)
+        seq.num_computed_tokens = computed
+        seqs.append(seq)
+    before = [len(s.block_table) for s in seqs]
+    assert bm.open_early(seqs, rows=2)          # rows 0 and 1: more to look at
+    assert bm.open_early(seqs, rows=2)          # rows 2 and 3
+    assert not bm.open_early(seqs, rows=2)      # row 4: the round is done
+    opened = [len(s.block_table) - b for s, b in zip(seqs, before)]
+    # row 1's step starts its block (written then), row 2 holds its next one already
+    assert opened == [1, 0, 0, 1, 1]
+    assert not bm.open_early(seqs, rows=5)      # a new round: nothing more to open
+    assert [len(s.block_table) - b for s, b in zip(seqs, before)] == opened
+    # the step after finds the blocks open: only row 1 opens one
+    free = bm.num_free_blocks
+    for s in seqs:
+        s.num_computed_tokens += 1
+    assert bm.grow_decode(seqs) and bm.num_free_blocks == free - 1
+    for s in seqs:
+        bm.free(s)
+    assert bm.num_free_blocks == 40
+
+
+def test_open_early_keeps_two_free_blocks_a_row():
+    bm = BlockManager(8, 4)
+    seqs = []
+    for k in range(3):
+        seq = make_seq([1, 2], rid=f"s{k}")
+        bm.grow(seq, 4)
+        seq.num_computed_tokens = 2
+        seqs.append(seq)
+    assert bm.num_free_blocks == 5               # < 2 a row (+ the rows asked): none opened
+    assert not bm.open_early(seqs, rows=3)
+    assert [len(s.block_table) for s in seqs] == [1, 1, 1]

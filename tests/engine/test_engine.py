@@ -215,6 +215,29 @@ def test_stop_token_ids_and_eos_end_generation(smollm2_engine):
     assert out.token_ids == free.token_ids[:3] and out.finish_reason == "stop"
 
 
+def test_pipelined_decoding_caches_the_blocks_it_generates(smollm2_engine):
+    """Blocks that decode steps fill are hashed for the prefix cache off the
+    steps' path (deferred, then hashed while the host waits or a few a step):
+    a follow-up whose prompt is the first turn's prompt and answer finds them,
+    and while requests decode nothing is left unhashed for long."""
+    eng = variant(smollm2_engine, async_scheduling=True, spec="none", num_kv_blocks=256,
+                  block_size=16)
+    prompt = chat(eng, PROMPTS[0])
+    sp = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+    eng.add_request(prompt, sp, request_id="first")
+    backlog = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        backlog.append(eng.block_manager.num_deferred)
+    assert eng.num_pipelined_steps > 40 and max(backlog) <= 1
+    first = eng.generate([prompt], sp)[0]
+    follow = eng.generate([prompt + list(first.token_ids)], SamplingParams(max_tokens=1))[0]
+    # every full block of prompt and answer but the last token's
+    assert follow.metrics.num_cached_prompt_tokens == \
+        (len(prompt) + len(first.token_ids) - 1) // 16 * 16
+    assert eng.block_manager.num_deferred == 0
+
+
 def test_finished_only_steps_give_the_same_final_outputs(smollm2_engine):
     """``step(finished_only=True)`` hands back only finished requests' outputs,
     the same ones plain steps end with; outputs are frozen and equal to the
@@ -471,6 +494,48 @@ def test_freeze_gc_moves_the_heap_out_of_the_collectors_way(smollm2_engine):
         assert gc.get_freeze_count() > before
     finally:
         gc.unfreeze()
+
+
+def test_pause_gc_keeps_the_collector_off_inside_generate_only(smollm2_engine):
+    """``pause_gc`` (default on CUDA only): the cycle collector is off while
+    ``generate`` runs, back on after it, even when it raises; a collector the
+    caller turned off stays off; a CPU engine leaves it alone by default."""
+    import gc
+
+    seen = []
+    prompt = chat(smollm2_engine, PROMPTS[0])
+    sp = SamplingParams(max_tokens=3, temperature=0.0)
+
+    def run(eng, fail=False):
+        def spy(*args, **kwargs):
+            seen.append(gc.isenabled())
+            if fail:
+                raise RuntimeError("spy")
+            return step(*args, **kwargs)
+        step = eng._step
+        eng._step = spy
+        try:
+            return eng.generate([prompt], sp)
+        finally:
+            eng._step = step
+
+    run(variant(smollm2_engine, spec="none"))
+    assert seen and all(seen) and gc.isenabled()
+    paused = variant(smollm2_engine, spec="none", pause_gc=True)
+    seen.clear()
+    out = run(paused)[0]
+    assert seen and not any(seen) and gc.isenabled() and out.finish_reason == "length"
+    seen.clear()
+    with pytest.raises(RuntimeError, match="spy"):
+        run(paused, fail=True)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        seen.clear()
+        run(paused)
+        assert not any(seen) and not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_a_frozen_heap_is_handed_back_at_exit():
