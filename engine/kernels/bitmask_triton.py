@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from formcast.engine.kernels.triton_launch import FastLaunch
+
 BLOCK = 4096
 
 
@@ -103,7 +105,10 @@ def masked_argmax_triton_(out: torch.Tensor, logits: torch.Tensor, bitmask: torc
     if logits.stride(1) != 1 or bitmask.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("logits, bitmask and out rows must be contiguous")
     shared = mask_rows is not None
-    _masked_argmax_kernel[(n,)](logits, logits.stride(0), rows, bitmask, bitmask.stride(0),
-                                bitmask.shape[1], vocab_size, out, out.stride(0), cols, agree,
-                                mask_rows if shared else rows, BLOCK_SIZE=ARGMAX_BLOCK,
-                                SHARED=shared, num_warps=ARGMAX_WARPS)
+    _MASKED_ARGMAX((n,), logits, logits.stride(0), rows, bitmask, bitmask.stride(0),
+                   bitmask.shape[1], vocab_size, out, out.stride(0), cols, agree,
+                   mask_rows if shared else rows, BLOCK_SIZE=ARGMAX_BLOCK, SHARED=shared)
+
+
+# (launched outside the decode graphs at each step with masked rows: see FastLaunch)
+_MASKED_ARGMAX = FastLaunch(_masked_argmax_kernel, num_warps=ARGMAX_WARPS)

@@ -69,3 +69,19 @@ def test_triton_masked_argmax_matches_torch(vocab, mask_vocab, shared, sliced):
     assert all(torch.equal(a, b) for a, b in zip(
         _masked_argmax_case(vocab, mask_vocab, "cpu", "torch", shared, sliced),
         _masked_argmax_case(vocab, mask_vocab, "cuda", "triton", shared, sliced)))
+
+
+def test_masked_argmax_launched_straight_through_its_launcher_matches_torch():
+    """After the first launch of each specialization, the masked-argmax kernel is
+    launched through its compiled kernel's launcher (FastLaunch): the picks of
+    many launches with fresh data, aligned and not, shared masks and not, are
+    the torch reference's."""
+    from formcast.engine.kernels.bitmask_triton import _MASKED_ARGMAX
+
+    before = _MASKED_ARGMAX.direct
+    for vocab, mask_vocab in ((49152, 49152), (50304, 49152), (1000, 999), (49152, 49152)):
+        for shared, sliced in ((False, False), (True, False), (True, True), (False, False)):
+            ref = _masked_argmax_case(vocab, mask_vocab, "cpu", "torch", shared, sliced)
+            got = _masked_argmax_case(vocab, mask_vocab, "cuda", "triton", shared, sliced)
+            assert all(torch.equal(a, b) for a, b in zip(ref, got)), (vocab, shared, sliced)
+    assert _MASKED_ARGMAX.direct - before >= 8
