@@ -97,3 +97,22 @@ def test_this_tritons_launch_is_the_one_fast_launch_copies():
     by the interpreter is launched the ordinary way."""
     pytest.importorskip("triton")
     assert triton_launch._supported()
+
+
+def test_empty_hook_chains_count_as_no_hooks():
+    """Triton keeps its launch hooks as chains, empty unless a profiler adds one."""
+    knobs = pytest.importorskip("triton.knobs")
+    runtime = knobs.runtime
+    assert not triton_launch._hooks_set()
+    def hook(*args) -> None:
+        pass
+
+    chain = runtime.launch_enter_hook
+    if not hasattr(chain, "add"):
+        pytest.skip("this Triton's launch hooks are plain callables")
+    chain.add(hook)
+    try:
+        assert triton_launch._hooks_set()
+    finally:
+        chain.remove(hook)
+    assert not triton_launch._hook_set(None) and triton_launch._hook_set(print)
