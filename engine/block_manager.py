@@ -160,6 +160,11 @@ class BlockManager:
                 s.block_table.append(block_id)
         return self._early_at < n
 
+    def forget_rows(self) -> None:
+        """Let go of the rows :meth:`open_early` went over last (a finished
+        batch's requests are not kept alive here)."""
+        self._early_seqs, self._early_at = None, 0
+
     def _take_free(self, n: int) -> list[int]:
         """``n`` blocks from the head of the free list (least recently freed),
         their cached content evicted, each now held once (the caller checked

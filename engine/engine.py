@@ -473,6 +473,7 @@ class Engine:
         self._forget_premasking()
         self._acceptor.reset()
         self._masked_acceptor.reset()
+        self.block_manager.forget_rows()
         forget = getattr(self.runner, "forget_rows", None)
         if forget is not None:
             forget()

@@ -126,6 +126,8 @@ def test_prefix_caching_off_shares_nothing():
     bm.grow(a, 9)
     a.num_computed_tokens = 9
     bm.commit(a)
+    bm.defer_commits([a])                       # (nothing deferred either)
+    assert bm.num_deferred == 0 and not bm.commit_deferred()
     b = make_seq(list(range(9)), rid="b")
     assert bm.allocate_prefix(b) == 0
 
@@ -192,15 +194,6 @@ def test_deferred_commits_hash_in_limited_batches_and_before_lookups_and_frees()
     assert bm.allocate_prefix(again) == 8
 
 
-def test_deferred_commits_are_dropped_without_prefix_caching():
-    bm = BlockManager(8, 4, enable_prefix_caching=False)
-    a = make_seq(list(range(8)), rid="a")
-    bm.grow(a, 8)
-    a.num_computed_tokens = 8
-    bm.defer_commits([a])
-    assert bm.num_deferred == 0 and not bm.commit_deferred()
-
-
 def test_open_early_gives_rows_their_next_block_round_robin():
     bm = BlockManager(40, 4)
     # rows' next positions (num_computed + 1): 5 (mid block 1), 8 (starts block 2),
@@ -241,3 +234,24 @@ def test_open_early_keeps_two_free_blocks_a_row():
     assert bm.num_free_blocks == 5               # < 2 a row (+ the rows asked): none opened
     assert not bm.open_early(seqs, rows=3)
     assert [len(s.block_table) for s in seqs] == [1, 1, 1]
+
+
+def test_forget_rows_lets_go_of_the_rows_open_early_went_over():
+    import gc
+    import weakref
+
+    bm = BlockManager(40, 4)
+    seqs = [make_seq([1, 2], rid=f"s{k}") for k in range(3)]
+    for seq in seqs:
+        bm.grow(seq, 4)
+        seq.num_computed_tokens = 2
+    bm.open_early(seqs, rows=3)
+    gone = weakref.ref(seqs[0])
+    for seq in seqs:
+        bm.free(seq)
+    del seq, seqs
+    gc.collect()
+    assert gone() is not None                   # (held for the next round)
+    bm.forget_rows()
+    gc.collect()
+    assert gone() is None
