@@ -204,9 +204,9 @@ class BlockManager:
             if i >= end:
                 continue
             parent = hashes[-1] if hashes else None
-            while i < end:  # (chain_hash, inline: this runs for every row a block fills)
+            while i < end:
                 ids = tuple(ids_of[i * bs:(i + 1) * bs])
-                parent = hash((parent, ids))
+                parent = chain_hash(parent, ids)
                 hashes.append(parent)
                 if parent not in by_hash:
                     block_id = table[i]

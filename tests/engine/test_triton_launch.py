@@ -100,19 +100,26 @@ def test_this_tritons_launch_is_the_one_fast_launch_copies():
 
 
 def test_empty_hook_chains_count_as_no_hooks():
-    """Triton keeps its launch hooks as chains, empty unless a profiler adds one."""
+    """Triton keeps its launch hooks as chains, empty unless a profiler adds one
+    (older Tritons: a plain callable or None)."""
     knobs = pytest.importorskip("triton.knobs")
     runtime = knobs.runtime
     assert not triton_launch._hooks_set()
+
     def hook(*args) -> None:
         pass
 
     chain = runtime.launch_enter_hook
-    if not hasattr(chain, "add"):
-        pytest.skip("this Triton's launch hooks are plain callables")
-    chain.add(hook)
+    if hasattr(chain, "add"):
+        chain.add(hook)
+    else:
+        runtime.launch_enter_hook = hook
     try:
         assert triton_launch._hooks_set()
     finally:
-        chain.remove(hook)
+        if hasattr(chain, "remove"):
+            chain.remove(hook)
+        else:
+            runtime.launch_enter_hook = chain
+    assert not triton_launch._hooks_set()
     assert not triton_launch._hook_set(None) and triton_launch._hook_set(print)
