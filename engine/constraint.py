@@ -67,6 +67,13 @@ class LogitsConstraint(Protocol):
 # masked picks are the model's own argmax; the engine does not count an agreement
 # where this is True, which shows nothing of how well the model follows the grammar.
 #
+# Optional: ``narrow_choice() -> bool`` (a method): whether the constraint allows
+# fewer than half of the vocabulary's tokens next (punctuation, a number's digits;
+# forced text among them). When a constraint has it, the engine asks it rather than
+# ``forces_text``: an agreement counts only where the choice is wide (inside a JSON
+# string), since the row's next pick goes unmasked, and where the grammar leaves few
+# tokens that pick is often refused.
+#
 # Optional: ``batch_acceptor(constraints) -> Callable[[list[int]], list[int]]``
 # (static or class method) prepares ``accept_tokens`` for a fixed list of its
 # instances: the engine calls the answer once a step, with that step's tokens, for

@@ -257,6 +257,12 @@ class EndCheckedMatcher(Matcher):
         hook = getattr(self._inner, "forces_text", None)
         return bool(hook()) if hook is not None else False
 
+    def narrow_choice(self) -> bool:
+        """The inner matcher's ``narrow_choice`` (the engine's optional hook), else
+        its ``forces_text``."""
+        hook = getattr(self._inner, "narrow_choice", None)
+        return bool(hook()) if hook is not None else self.forces_text()
+
     def fork(self) -> EndCheckedMatcher:
         return EndCheckedMatcher(self._inner.fork(), self._check, self._token_bytes, self._eos,
                                  list(self._parts))

@@ -9,7 +9,7 @@ from formcast.engine import LogitsConstraint
 from formcast.grammars import Choice, JsonSchema, Regex, fill_bitmasks
 
 from .cases import PERSON
-from .conftest import EOS, PAD_SPECIAL
+from .conftest import EOS, PAD_SPECIAL, allowed_ids
 
 BACKENDS = ["xgrammar", "outlines-core"]
 
@@ -610,6 +610,38 @@ def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, 
     assert type(prepared_for[0]).batch_acceptor([])([]) == []
 
 
+
+
+def test_narrow_choice_says_where_the_grammar_allows_few_tokens(compiler, tiny_vocab):
+    """An xgrammar matcher says whether its state allows fewer than half of the
+    vocabulary's tokens (the opening brace, a key, an integer's digits) or more
+    (inside a string): its mask's count, found once for matchers that took the
+    same kept text and afresh for one that keeps none; a matcher under an end
+    check answers as the one it wraps."""
+    compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    text = '{"name":"Al","age":12'
+    ids = _ids(tiny_vocab, text)
+    walkers = [compiled.matcher() for _ in range(3)]
+    walkers[2]._text = None  # (keeps no text: fills a mask every time)
+    seen = []
+    for k, token in enumerate(ids):
+        allowed = len(allowed_ids(_mask(walkers[0], compiled)[None], 0, tiny_vocab.vocab_size))
+        answers = {m.narrow_choice() for m in walkers}
+        assert answers == {2 * allowed < walkers[0]._size}, (k, allowed)
+        seen.append((tiny_vocab.token_bytes[token], answers.pop()))
+        for m in walkers:
+            assert m.accept(token)
+    assert walkers[0]._origin.narrow_texts  # (the kept texts' answers)
+    assert seen[0][1] is True  # (the opening brace)
+    inside = [narrow for piece, narrow in seen if piece in (b"A", b"l")]
+    assert inside == [False, False]  # (inside the name's string: nearly every token)
+    assert seen[-1][1] is True and walkers[0].narrow_choice() is True  # (the age's digits)
+    checked = compiler.compile(JsonSchema({"type": "array", "items": {"enum": [1, 2]},
+                                           "maxItems": 2, "uniqueItems": True}),
+                               tiny_vocab, backend="xgrammar")
+    m = checked.matcher()
+    assert checked.end_check is not None and m.narrow_choice() is True
+    assert m.narrow_choice() == m._inner.narrow_choice()
 
 
 def test_forces_text_says_where_the_grammar_fixes_the_next_text(compiler, tiny_vocab):
