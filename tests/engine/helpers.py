@@ -14,6 +14,14 @@ def make_seq(ids: list[int], *, rid: str = "r", max_tokens: int = 8, seed: int =
                     torch.Generator().manual_seed(seed), max_len)
 
 
+def packed(tokens: set[int], words: int) -> torch.Tensor:
+    """A bitmask row ``words`` int32 wide allowing ``tokens``."""
+    row = [0] * words
+    for t in tokens:
+        row[t // 32] |= 1 << (t % 32)
+    return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in row], dtype=torch.int32)
+
+
 class AllowOnly:
     """A hand-written LogitsConstraint: only the given token ids are ever allowed,
     and it terminates after ``length`` tokens when ``length`` is set."""
@@ -24,11 +32,7 @@ class AllowOnly:
         self.accepted: list[int] = []
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        words = [0] * bitmask.shape[1]
-        for t in self.allowed:
-            words[t // 32] |= 1 << (t % 32)
-        signed = [w - (1 << 32) if w >= 1 << 31 else w for w in words]
-        bitmask[row] = torch.tensor(signed, dtype=torch.int32)
+        bitmask[row] = packed(self.allowed, bitmask.shape[1])
 
     def accept(self, token_id: int) -> bool:
         if token_id not in self.allowed or self.is_terminated():
@@ -52,6 +56,43 @@ class AllowOnly:
                 break
             n += 1
         return n
+
+
+class Scripted(AllowOnly):
+    """A hand-written LogitsConstraint over output positions: ``sets[p]`` the
+    tokens allowed at position ``p`` (a narrow choice), None for every token (a
+    wide one, as at every position past the script). Never terminates."""
+
+    def __init__(self, sets: list[set[int] | None]):
+        super().__init__(set())
+        self.sets = sets
+
+    def _allowed_at(self, at: int) -> set[int] | None:
+        return self.sets[at] if at < len(self.sets) else None
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        allowed = self._allowed_at(len(self.accepted))
+        bitmask[row] = -1 if allowed is None else packed(allowed, bitmask.shape[1])
+
+    def accept(self, token_id: int) -> bool:
+        allowed = self._allowed_at(len(self.accepted))
+        if allowed is not None and token_id not in allowed:
+            return False
+        self.accepted.append(token_id)
+        return True
+
+    def valid_prefix(self, draft: list[int]) -> int:
+        n = 0
+        for t in draft:
+            allowed = self._allowed_at(len(self.accepted) + n)
+            if allowed is not None and t not in allowed:
+                break
+            n += 1
+        return n
+
+    def narrow_choice(self) -> bool:
+        """(the engine's optional hook)"""
+        return self._allowed_at(len(self.accepted)) is not None
 
 
 def assert_logprobs_match_a_fresh_forward(engine, prompt_ids: list[int], out) -> None:

@@ -15,7 +15,7 @@ import torch
 from formcast.engine import Engine, EngineConfig, SamplingParams
 from formcast.errors import ModelNotFoundError, RequestError
 
-from .helpers import AllowOnly, count_word_risky
+from .helpers import AllowOnly, Scripted, count_word_risky
 
 pytestmark = pytest.mark.slow
 
@@ -739,60 +739,6 @@ def test_agreements_where_the_grammar_leaves_few_tokens_do_not_unmask(smollm2_en
     assert refused_shipped <= refused_ruled
 
 
-class _Scripted:
-    """A hand-written constraint over positions: ``sets[p]`` the tokens allowed at
-    output position ``p`` (a narrow choice), None for every token (a wide one,
-    as all positions past the script)."""
-
-    def __init__(self, sets: list[set[int] | None]):
-        self.sets = sets
-        self.accepted: list[int] = []
-
-    def _allowed(self) -> set[int] | None:
-        at = len(self.accepted)
-        return self.sets[at] if at < len(self.sets) else None
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        allowed = self._allowed()
-        if allowed is None:
-            bitmask[row] = -1
-            return
-        words = [0] * bitmask.shape[1]
-        for t in allowed:
-            words[t // 32] |= 1 << (t % 32)
-        bitmask[row] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words],
-                                    dtype=torch.int32)
-
-    def accept(self, token_id: int) -> bool:
-        allowed = self._allowed()
-        if allowed is not None and token_id not in allowed:
-            return False
-        self.accepted.append(token_id)
-        return True
-
-    def rollback(self, num_tokens: int) -> None:
-        del self.accepted[len(self.accepted) - num_tokens:]
-
-    def is_terminated(self) -> bool:
-        return False
-
-    def forced_tokens(self) -> list[int]:
-        return []
-
-    def valid_prefix(self, draft: list[int]) -> int:
-        n = 0
-        for t in draft:
-            allowed = self.sets[len(self.accepted) + n] \
-                if len(self.accepted) + n < len(self.sets) else None
-            if allowed is not None and t not in allowed:
-                break
-            n += 1
-        return n
-
-    def narrow_choice(self) -> bool:
-        return self._allowed() is not None
-
-
 def test_agreements_where_few_tokens_are_allowed_leave_the_row_masked(smollm2_engine,
                                                                       monkeypatch):
     """A masked row whose pick agrees with its model's argmax where its constraint
@@ -816,7 +762,7 @@ def test_agreements_where_few_tokens_are_allowed_leave_the_row_masked(smollm2_en
         engine = Engine(model, tok, config=EngineConfig(
             max_num_seqs=len(prompts), num_kv_blocks=256, spec="none", **config),
             device=torch.device("cpu"))
-        outs = engine.generate(prompts, greedy, constraints=[_Scripted(s) for s in scripts])
+        outs = engine.generate(prompts, greedy, constraints=[Scripted(s) for s in scripts])
         monkeypatch.undo()
         return [list(o.token_ids) for o in outs], engine
 
