@@ -56,6 +56,7 @@ typedef struct fc_job {
   fc_query_fn query;      /* 0 once the tokens landed, not_ready until then; NULL: landed */
   void *query_arg;
   int32_t not_ready;
+  int32_t poll_pauses;    /* pauses between two queries of the event (0: 32) */
   int8_t *verdicts;       /* n: 1 taken, 0 refused */
   char error[480];
   volatile int32_t state;
@@ -74,12 +75,13 @@ static size_t g_grave_count = 0, g_grave_cap = 0;
 /* released at a time, so that a job waits for a few destructors at most */
 #define FC_RELEASE_BATCH 16
 
-static void relax(long *spins) {
+static void relax(long *spins, int pauses) {
   /* spin hot for the usual wait (a millisecond or so), then let the core go. A
-   * round is 32 pauses, so that a wait on the device's event asks the driver
-   * (whose lock the engine's launches take too) a few times a microsecond at most */
+   * round is ``pauses`` pauses (32: a microsecond or so), so that a wait on the
+   * device's event asks the driver (whose lock the engine's launches take too)
+   * once a round at most */
   if (++*spins < 1000) {
-    for (int i = 0; i < 32; ++i) __builtin_ia32_pause();
+    for (int i = 0; i < pauses; ++i) __builtin_ia32_pause();
   } else {
     struct timespec ts = {0, 20000};
     nanosleep(&ts, NULL);
@@ -111,7 +113,7 @@ static void run(fc_job *job) {
         fail(job, what, NULL);
         return;
       }
-      relax(&spins);
+      relax(&spins, job->poll_pauses > 0 ? job->poll_pauses : 32);
     }
   }
   const int64_t *tokens = job->host, *dead = job->host + job->stride;
@@ -310,6 +312,6 @@ int64_t fc_releases_pending(void) {
 int fc_wait(fc_job *job) {
   long spins = 0;
   int s;
-  while ((s = __atomic_load_n(&job->state, __ATOMIC_ACQUIRE)) == FC_QUEUED) relax(&spins);
+  while ((s = __atomic_load_n(&job->state, __ATOMIC_ACQUIRE)) == FC_QUEUED) relax(&spins, 32);
   return s;
 }

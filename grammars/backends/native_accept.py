@@ -24,6 +24,11 @@ from pathlib import Path
 
 QUEUED, DONE, SLOW, DEAD, ERROR = 1, 2, 3, 4, 5
 
+# pauses between two queries of a job's device event while the worker waits for
+# its tokens to land (each query takes the driver's lock, which the engine's
+# launches on the main thread take too)
+POLL_PAUSES = 32
+
 _SOURCE = Path(__file__).with_name("native_accept.c")
 
 
@@ -42,6 +47,7 @@ class Job(ctypes.Structure):
         ("query", ctypes.c_void_p),
         ("query_arg", ctypes.c_void_p),
         ("not_ready", ctypes.c_int32),
+        ("poll_pauses", ctypes.c_int32),
         ("verdicts", ctypes.c_void_p),
         ("error", ctypes.c_char * 480),
         ("state", ctypes.c_int32),

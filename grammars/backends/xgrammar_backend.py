@@ -435,6 +435,7 @@ class _NativeAccept:
             verdicts=ctypes.addressof(verdicts))
         if query is not None:
             job.query, job.query_arg, job.not_ready = query
+            job.poll_pauses = native_accept.POLL_PAUSES
         # (what the worker reads, alive until it is done)
         self._keep = (col_array, verdicts, special, part.handles)
         self._outcome = None

@@ -115,6 +115,32 @@ def test_a_launched_accept_waits_for_its_poll_and_reports_a_failed_one(compiler,
     assert [m.accept(_byte("2")) for m in batch] == [True] * 4
 
 
+def test_the_poll_interval_is_the_modules_and_a_longer_one_waits_as_well(compiler, tiny_vocab,
+                                                                         monkeypatch):
+    """A launched accept's job takes its pauses between two polls from
+    ``native_accept.POLL_PAUSES`` (a knob for measuring the driver's lock, which
+    each poll takes); with more of them the worker still polls until the
+    tokens land, then takes them."""
+    _worker_or_skip()
+    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    batch = [digits.matcher() for _ in range(3)]
+    accept = type(batch[0]).batch_acceptor(batch)
+    calls = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+    def poll(_arg):
+        calls.append(1)
+        return 600 if len(calls) < 20 else 0
+
+    address = ctypes.cast(poll, ctypes.c_void_p).value
+    for pauses in (native_accept.POLL_PAUSES, 4096):
+        monkeypatch.setattr(native_accept, "POLL_PAUSES", pauses)
+        calls.clear()
+        job = accept.launch(_host([_byte("3")] * 3, [0, 1, 2], 3), [0, 1, 2], (address, 0, 600))
+        assert job.job.poll_pauses == pauses
+        assert job.result() == [1] * 3 and len(calls) == 20
+
+
 def test_a_launch_declines_what_the_worker_cannot_take(compiler, tiny_vocab, monkeypatch):
     """No worker, no columns, or columns that do not match the matchers: None
     (the caller checks the tokens itself). A buffer of another shape or type
