@@ -885,18 +885,11 @@ class XGrammarMatcher(Matcher):
         its masked pick there shows nothing of how well it follows the grammar).
         Matchers of one grammar that took the same kept text share the answer,
         found once (a batch's opening asks it of every row)."""
-        text = self._text
-        known = getattr(self._origin, "forced_texts", None) if text is not None else None
-        if known is None:
-            self._sync()
-            return bool(self._m.find_jump_forward_string())
-        forced = known.get(text)
-        if forced is None:
-            self._sync()
-            if len(known) >= 4096:
-                known.clear()
-            forced = known[text] = bool(self._m.find_jump_forward_string())
-        return forced
+        return self._by_text("forced_texts", self._forces_text_now)
+
+    def _forces_text_now(self) -> bool:
+        self._sync()
+        return bool(self._m.find_jump_forward_string())
 
     def narrow_choice(self) -> bool:
         """Whether the grammar allows fewer than half of the vocabulary's tokens
@@ -906,28 +899,34 @@ class XGrammarMatcher(Matcher):
         there is often refused (a model of random weights writing `88` where the
         schema's integer stops at 120 picks `8` again). Matchers of one grammar
         that took the same kept text share the answer, found once."""
-        origin, text = self._origin, self._text
-        if origin is None:  # (no grammar to size its mask by: forced text alone)
+        if self._origin is None:  # (no grammar to size its mask by: forced text alone)
             return self.forces_text()
-        known = origin.narrow_texts if text is not None else None
-        if known is not None:
-            narrow = known.get(text)
-            if narrow is not None:
-                return narrow
-        width = origin.text_masks.words
+        return self._by_text("narrow_texts", self._narrow_choice_now)
+
+    def _narrow_choice_now(self) -> bool:
+        width = self._origin.text_masks.words
         words = self._known_mask(width)
         if words is None:
             self._sync()
             mask = torch.zeros(1, width, dtype=torch.int32)
             self._m.fill_next_token_bitmask(mask, 0)
             words = mask.numpy()[0]
-        allowed = int.from_bytes(words.tobytes(), "little").bit_count()
-        narrow = 2 * allowed < self._size
-        if known is not None:
+        return 2 * int.from_bytes(words.tobytes(), "little").bit_count() < self._size
+
+    def _by_text(self, cache: str, answer) -> bool:
+        """``answer()``, kept in the grammar's dict ``cache`` under this matcher's
+        kept text (matchers that took the same text are in the same state);
+        asked afresh when it keeps none."""
+        text = self._text
+        known = getattr(self._origin, cache, None) if text is not None else None
+        if known is None:
+            return answer()
+        got = known.get(text)
+        if got is None:
             if len(known) >= 4096:
                 known.clear()
-            known[text] = narrow
-        return narrow
+            got = known[text] = answer()
+        return got
 
     def fork(self) -> XGrammarMatcher:
         self._sync()
