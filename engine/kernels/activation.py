@@ -4,6 +4,13 @@
 is [T, I] in ``x``'s dtype. The torch path is the reference (and the CPU's): silu
 rounds to the dtype, then the product does, as the two unfused ops round. The
 Triton kernel on CUDA rounds the same way in one launch instead of two.
+
+``scale_by`` [T, E] (with ``eps``): each row of ``x`` is first scaled by the
+inverse root mean square of that row of ``scale_by`` and rounded to the dtype,
+as a norm without weight before the projection would have scaled its input.
+That is the layer of a model whose norm weights were folded into the
+projection (see ``LlamaForCausalLM.fold_norms``): the norm's kernel goes, its
+reduction done here, where its row is read anyway.
 """
 
 from __future__ import annotations
@@ -14,11 +21,24 @@ import torch.nn.functional as F
 from formcast.engine.kernels import use_triton
 
 
-def silu_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension, in float32, kept as a
+    size-1 dimension: the factor an RMSNorm scales a row by (before its weight)."""
+    xf = x.float()
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def silu_and_mul(x: torch.Tensor, *, scale_by: torch.Tensor | None = None, eps: float = 0.0,
+                 backend: str = "auto") -> torch.Tensor:
     half = x.shape[-1] // 2
+    if scale_by is not None and scale_by.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"silu_and_mul: rows to scale by {tuple(scale_by.shape)} do not match "
+                         f"the input's {tuple(x.shape)}")
     if use_triton(x, backend) and x.shape[0] > 0:
         from formcast.engine.kernels.activation_triton import silu_and_mul_triton
 
-        return silu_and_mul_triton(x, half)
+        return silu_and_mul_triton(x, half, scale_by, eps)
+    if scale_by is not None:
+        x = (x.float() * inverse_rms(scale_by, eps)).to(x.dtype)
     gate, up = x.split(half, dim=-1)
     return F.silu(gate) * up

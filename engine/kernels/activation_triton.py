@@ -8,24 +8,45 @@ import triton.language as tl
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, half, stride_x, stride_o, BLOCK: tl.constexpr):
+def row_inverse_rms(s_ptr, n, eps, BLOCK_E: tl.constexpr):
+    """``1 / sqrt(mean(row^2) + eps)`` of the ``n`` values at ``s_ptr``, in float32
+    (as the RMSNorm kernel finds it)."""
+    e = tl.arange(0, BLOCK_E)
+    xs = tl.load(s_ptr + e, mask=e < n, other=0.0).to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / n + eps)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, s_ptr, half, stride_x, stride_o, stride_s, n_s, eps,
+                     BLOCK: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_E: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     live = cols < half
     gate = tl.load(x_ptr + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + half + cols, mask=live, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
+    if HAS_SCALE:  # (rounded to the dtype, as the projection's output of a normed row is)
+        r = row_inverse_rms(s_ptr + row * stride_s, n_s, eps, BLOCK_E)
+        gate = (gate * r).to(dtype).to(tl.float32)
+        up = (up * r).to(dtype).to(tl.float32)
     # silu rounds to the output dtype before the product, as torch's two ops do
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (act * up).to(dtype), mask=live)
 
 
-def silu_and_mul_triton(x: torch.Tensor, half: int) -> torch.Tensor:
+def silu_and_mul_triton(x: torch.Tensor, half: int, scale_by: torch.Tensor | None = None,
+                        eps: float = 0.0) -> torch.Tensor:
+    """``scale_by``: see :func:`formcast.engine.kernels.activation.silu_and_mul`."""
     if x.stride(-1) != 1:
         raise ValueError("silu_and_mul: the last dimension must be contiguous")
     x2 = x.reshape(-1, x.shape[-1])
+    s2 = x2 if scale_by is None else scale_by.reshape(-1, scale_by.shape[-1])
+    if s2.stride(-1) != 1:
+        s2 = s2.contiguous()
     out = torch.empty(x2.shape[0], half, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(half))
-    _silu_mul_kernel[(x2.shape[0], triton.cdiv(half, block))](x2, out, half, x2.stride(0),
-                                                              out.stride(0), BLOCK=block)
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(half, block))](
+        x2, out, s2, half, x2.stride(0), out.stride(0), s2.stride(0), s2.shape[1], eps,
+        BLOCK=block, HAS_SCALE=scale_by is not None,
+        BLOCK_E=triton.next_power_of_2(s2.shape[1]) if scale_by is not None else 16)
     return out.view(*x.shape[:-1], half)

@@ -73,7 +73,8 @@ def rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                           positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                          *, backend: str = "auto") -> torch.Tensor:
+                          *, scale_by: torch.Tensor | None = None, eps: float = 0.0,
+                          backend: str = "auto") -> torch.Tensor:
     """Decode rows' attention from their fused projection's output, its new
     token's rotation and cache store included: ``qkv`` ``[B, (H + 2 Hkv) * D]``
     (query heads, key heads, value heads) at ``positions`` [B] (the float32
@@ -82,7 +83,12 @@ def rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     row attends to its first ``context_lens[b]`` tokens (the new one counted).
     Returns ``[B, H, D]`` in ``qkv``'s dtype and leaves ``qkv`` as it is. The
     torch path (the reference) rotates a copy, stores, then runs
-    :func:`paged_decode_attention`; on CUDA one Triton kernel does all three."""
+    :func:`paged_decode_attention`; on CUDA one Triton kernel does all three.
+    ``scale_by`` [B, E] (with ``eps``): each row of ``qkv`` is first scaled by the
+    inverse root mean square of that row of ``scale_by`` and rounded to the
+    dtype: the projection's input norm, its weight folded into the projection
+    (see :func:`formcast.engine.kernels.activation.silu_and_mul`)."""
+    from formcast.engine.kernels.activation import inverse_rms
     from formcast.engine.kernels.rope import apply_rope_, store_kv_
 
     b, d = qkv.shape[0], k_cache.shape[3]
@@ -92,13 +98,19 @@ def rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     if qkv.shape[1] != (h + 2 * hkv) * d:
         raise ValueError(f"rope decode attention: {qkv.shape[1]} columns for {h} + 2 x {hkv} "
                          f"heads of {d}")
+    if scale_by is not None and scale_by.shape[0] != b:
+        raise ValueError(f"rope decode attention: {scale_by.shape[0]} rows to scale by for "
+                         f"{b} rows")
     if b == 0:
         return qkv.new_empty(0, h, d)
     if use_triton(qkv, backend):
         from formcast.engine.kernels.paged_attention_triton import rope_decode_attention_triton
 
         return rope_decode_attention_triton(qkv, h, hkv, positions, cos, sin, k_cache, v_cache,
-                                            slots, block_tables, context_lens, scale)
+                                            slots, block_tables, context_lens, scale,
+                                            scale_by=scale_by, eps=eps)
+    if scale_by is not None:
+        qkv = (qkv.float() * inverse_rms(scale_by, eps)).to(qkv.dtype)
     qk = qkv[:, :(h + hkv) * d].reshape(b, h + hkv, d).clone()
     apply_rope_(qk, positions, cos, sin, backend="torch")
     store_kv_(k_cache, v_cache, qk[:, h:], qkv[:, (h + hkv) * d:].reshape(b, hkv, d), slots)

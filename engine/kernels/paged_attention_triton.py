@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from formcast.engine.kernels.activation_triton import row_inverse_rms
 from formcast.engine.kernels.paged_attention import SPLIT_BELOW
 
 
@@ -205,11 +206,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 @triton.jit
 def _rope_decode_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, tables_ptr,
-                        lens_ptr, out_ptr, lse_ptr, scale, group, num_q, head_dim,
+                        lens_ptr, out_ptr, lse_ptr, s_ptr, scale, group, num_q, head_dim,
                         stride_t, stride_h, table_stride, stride_kb, stride_kt, stride_kh,
-                        stride_vb, stride_vt, stride_vh, stride_tb,
+                        stride_vb, stride_vt, stride_vh, stride_tb, stride_s, n_s, eps,
                         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                        BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, BLOCK_E: tl.constexpr):
     """A decode row's attention with its new token's rotation and cache store:
     the query heads of kv head ``kvh`` and that head's new key rotate at the
     row's position (rounded to the activations' dtype, as the rotation kernel
@@ -218,7 +220,9 @@ def _rope_decode_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ptr, v_p
     context (its first ``length - 1`` tokens, walked as :func:`_decode_kernel`
     walks a context), adds the new token to the online softmax (its scores
     found before the loop, its value read again after it: the loop keeps
-    fewer registers live)."""
+    fewer registers live). ``HAS_SCALE``: the row's projections are first
+    scaled by the inverse root mean square of row ``row`` of ``s_ptr`` and
+    rounded to the dtype (a norm's weight folded into the projection)."""
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -240,16 +244,25 @@ def _rope_decode_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ptr, v_p
     at_q = base + heads[:, None] * stride_h
     x = tl.load(at_q + d[None, :], mask=qmask, other=0.0).to(tl.float32)
     y = tl.load(at_q + partner[None, :], mask=qmask, other=0.0).to(tl.float32)
-    q = tl.fma(x, cs[None, :], y * sn[None, :]).to(dtype)  # (as _rope_kernel rounds)
     at_k = base + (num_q + kvh) * stride_h
     at_v = base + (num_q + tl.num_programs(1) + kvh) * stride_h
     kx = tl.load(at_k + d, mask=live_d, other=0.0).to(tl.float32)
     ky = tl.load(at_k + partner, mask=live_d, other=0.0).to(tl.float32)
+    r = 1.0
+    if HAS_SCALE:
+        r = row_inverse_rms(s_ptr + row * stride_s, n_s, eps, BLOCK_E)
+        x = (x * r).to(dtype).to(tl.float32)
+        y = (y * r).to(dtype).to(tl.float32)
+        kx = (kx * r).to(dtype).to(tl.float32)
+        ky = (ky * r).to(dtype).to(tl.float32)
+    q = tl.fma(x, cs[None, :], y * sn[None, :]).to(dtype)  # (as _rope_kernel rounds)
     k_new = tl.fma(kx, cs, ky * sn).to(k_ptr.dtype.element_ty)
     # the new token's scores now (the loop then holds a number a query head)
     s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
     if split == 0:
         v_new = tl.load(at_v + d, mask=live_d, other=0.0)
+        if HAS_SCALE:
+            v_new = (v_new.to(tl.float32) * r).to(dtype)
         slot = tl.load(slot_ptr + row).to(tl.int64)
         tl.store(k_ptr + (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt
                  + kvh * stride_kh + d, k_new, mask=live_d)
@@ -271,6 +284,8 @@ def _rope_decode_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ptr, v_p
                                      stride_vh, BLOCK_SIZE, IEEE)
     if split == 0:  # the new token (its value read again: not held through the loop)
         v_new = tl.load(at_v + d, mask=live_d, other=0.0)
+        if HAS_SCALE:
+            v_new = (v_new.to(tl.float32) * r).to(dtype)
         m_new = tl.maximum(m, s_new)
         alpha = tl.exp(m - m_new)
         p = tl.exp(s_new - m_new)
@@ -291,6 +306,7 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
                                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slots: torch.Tensor, block_tables: torch.Tensor,
                                  context_lens: torch.Tensor, scale: float, *,
+                                 scale_by: torch.Tensor | None = None, eps: float = 0.0,
                                  config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Decode rows' attention from their fused projection's output ``qkv``
     ``[B, (H + 2 Hkv) * D]`` (queries, keys, values; rows contiguous), each at
@@ -300,7 +316,8 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
     in one launch (two with a split context). ``context_lens`` count the new
     token. Returns ``[B, H, D]``; ``qkv`` is left as it is. ``config`` (keys a
     tile, warps, stages) replaces :func:`decode_config`'s choice (for
-    benchmarks/decode_attention_configs.py)."""
+    benchmarks/decode_attention_configs.py). ``scale_by`` [B, E], ``eps``: see
+    :func:`formcast.engine.kernels.paged_attention.rope_decode_attention`."""
     b = qkv.shape[0]
     d = k_cache.shape[3]
     h, hkv = num_heads, num_kv_heads
@@ -320,14 +337,19 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
     block_n, warps, stages = config or decode_config(splits, qkv.dtype, b * hkv)
     cos = cos.to(device=qkv.device, dtype=torch.float32)
     sin = sin.to(device=qkv.device, dtype=torch.float32)
+    s = qkv if scale_by is None else scale_by
+    if s.stride(-1) != 1:
+        s = s.contiguous()
     _rope_decode_kernel[(b, hkv, splits)](
         qkv, positions, slots, cos, sin, k_cache, v_cache, block_tables, context_lens, part,
-        lse, scale, h // hkv, h, d, qkv.stride(0), d, cos.stride(0), k_cache.stride(0),
+        lse, s, scale, h // hkv, h, d, qkv.stride(0), d, cos.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(2), block_tables.stride(0), s.stride(0), s.shape[1], eps,
         BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
-        IEEE=qkv.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        IEEE=qkv.dtype == torch.float32, HAS_SCALE=scale_by is not None,
+        BLOCK_E=triton.next_power_of_2(s.shape[1]) if scale_by is not None else 16,
+        num_warps=warps, num_stages=stages)
     if splits == 1:
         return part
     out = torch.empty(b, h, d, dtype=qkv.dtype, device=qkv.device)

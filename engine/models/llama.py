@@ -44,20 +44,35 @@ class LlamaAttention(nn.Module):
     # holds 144 at head dim 64, and spills at 128 (kilobytes with split contexts)
     fused_decode = True
 
+    def decodes_fused(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step takes :func:`rope_decode_attention` (see above)."""
+        t = x.shape[0]
+        return x.is_cuda and self.fused_decode and x.dtype != torch.float32 and \
+            self.head_dim <= 64 and t * self.num_kv_heads >= SPLIT_BELOW and \
+            meta.one_token_rows and not meta.prefills and meta.num_decodes == t and \
+            triton_available()
+
+    def fused_decode_attention(self, x: torch.Tensor, positions: torch.Tensor,
+                               rotary: RotaryEmbedding, kv_cache: torch.Tensor,
+                               meta: AttentionMetadata, *, scale_by: torch.Tensor | None = None,
+                               eps: float = 0.0) -> torch.Tensor:
+        """The attention's output before ``o_proj`` [T, H * D] by the fused kernel
+        (``scale_by``: the rows whose inverse RMS scales the projection, when the
+        input norm's weight is folded into it)."""
+        meta.rely_on_one_token_rows()
+        o = rope_decode_attention(self.qkv_proj.forward(x), self.num_heads, self.num_kv_heads,
+                                  positions, *rotary.tables(positions.device), kv_cache[0],
+                                  kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
+                                  meta.decode_lens, self.scale, scale_by=scale_by, eps=eps)
+        return o.reshape(x.shape[0], self.q_size)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
+        if self.decodes_fused(x, meta):
+            return self.o_proj.forward(self.fused_decode_attention(x, positions, rotary,
+                                                                   kv_cache, meta))
         qkv = self.qkv_proj.forward(x)
-        if qkv.is_cuda and self.fused_decode and qkv.dtype != torch.float32 and \
-                self.head_dim <= 64 and t * self.num_kv_heads >= SPLIT_BELOW and \
-                meta.one_token_rows and not meta.prefills and meta.num_decodes == t and \
-                triton_available():
-            meta.rely_on_one_token_rows()
-            o = rope_decode_attention(qkv, self.num_heads, self.num_kv_heads, positions,
-                                      *rotary.tables(positions.device), kv_cache[0],
-                                      kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
-                                      meta.decode_lens, self.scale)
-            return self.o_proj.forward(o.reshape(t, self.q_size))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # q and k rotate together (one set of ops for both): [T, H + Hkv, D]; on CUDA
@@ -84,12 +99,37 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # the norms' weights folded into the projections after them (see
+    # LlamaForCausalLM.fold_norms): the fused decode step then runs no norm kernel
+    folded = False
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+
+    def fold_norms(self) -> bool:
+        """Fold each norm's weight into the projection that reads its output
+        (``W[:, j] *= w[j]``, in float32, rounded once), the norms left with
+        weights of ones: the same layer, up to rounding. New tensors throughout
+        (the weights' first tensors, which a caller may hold, stay as they
+        are). False (nothing changed) where a projection has a bias or is not a
+        plain :class:`Linear` (a bias would be scaled along with the product)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if self.folded or any(type(m) is not Linear or m.bias is not None for m in linears):
+            return self.folded
+        with torch.no_grad():
+            for norm, proj in ((self.input_layernorm, attn.qkv_proj),
+                               (self.post_attention_layernorm, mlp.gate_up_proj)):
+                w = proj.weight
+                proj.weight = nn.Parameter((w.float() * norm.weight.float()).to(w.dtype),
+                                           requires_grad=False)
+                norm.weight = nn.Parameter(torch.ones_like(norm.weight), requires_grad=False)
+        self.folded = True
+        return True
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor | None, positions: torch.Tensor,
                 rotary: RotaryEmbedding, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -106,6 +146,8 @@ class LlamaDecoderLayer(nn.Module):
         # rows; Triton's plain GEMM 0.69-0.96x cuBLAS's at these shapes, gate|up with
         # its gate 1.03-1.13x; whole engine, both norms folded: 0.81x tokens/s at 256
         # rows, 0.74x at 64. cuBLAS and separate norms it is.)
+        if self.folded and self.self_attn.decodes_fused(x, meta):
+            return self._folded_decode(x, pending, positions, rotary, kv_cache, meta)
         if pending is None:
             h = self.input_layernorm.forward(x)
         else:
@@ -113,6 +155,29 @@ class LlamaDecoderLayer(nn.Module):
         attn = self.self_attn.forward(h, positions, rotary, kv_cache, meta)
         x, h = self.post_attention_layernorm.add_forward(x, attn)  # x + attn, its norm
         return x, self.mlp.forward(h)
+
+    def _folded_decode(self, x: torch.Tensor, pending: torch.Tensor | None,
+                       positions: torch.Tensor, rotary: RotaryEmbedding,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata
+                       ) -> tuple[torch.Tensor, None]:
+        """A fused decode step of a folded layer in six kernels rather than eight:
+        the projections after the norms read the residual stream itself, and
+        the kernels after them (attention, gate) scale each row by its inverse
+        RMS, which they find from the stream's row; the residual adds ride on
+        the output projections (cuBLAS's accumulate into the stream, in place).
+        Returns the stream with this layer's MLP output added (nothing pending)."""
+        attn, mlp = self.self_attn, self.mlp
+        if pending is not None:
+            x = x + pending
+        elif x._base is not None or not x.is_contiguous():
+            x = x.contiguous() if not x.is_contiguous() else x.clone()
+        o = attn.fused_decode_attention(x, positions, rotary, kv_cache, meta, scale_by=x,
+                                        eps=self.input_layernorm.eps)
+        x.addmm_(o, attn.o_proj.weight.t())
+        act = silu_and_mul(mlp.gate_up_proj.forward(x), scale_by=x,
+                           eps=self.post_attention_layernorm.eps)
+        x.addmm_(act, mlp.down_proj.weight.t())
+        return x, None
 
 
 class LlamaModel(nn.Module):
@@ -135,6 +200,13 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+    def fold_norms(self) -> bool:
+        """Fold every decoder layer's norm weights into its projections
+        (:meth:`LlamaDecoderLayer.fold_norms`): a CUDA decode step of half
+        precision then runs two kernels a layer fewer. The final norm stays
+        (the head may be the embedding's). True when every layer folded."""
+        return all([layer.fold_norms() for layer in self.model.layers])
 
     def tie_weights(self) -> None:
         """Share the embedding with the head when the config says so (again after

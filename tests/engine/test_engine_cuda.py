@@ -172,6 +172,50 @@ def test_cuda_fused_rope_decode_attention_tracks_the_separate_kernels(weights, t
     assert not calls and eng32.runner.graphs.draft_sizes == set(eng32.runner.graphs.sizes)
 
 
+def test_cuda_folded_norms_track_the_plain_layers(weights, tokenizer, cuda32, monkeypatch):
+    """In half precision the runner folds the norms' weights into the projections
+    (``model_runner.FOLD_NORMS``): decode steps of the fused attention kernel run
+    the folded layer step (no norm kernel), and the tokens' log-probabilities
+    are the plain layers' within bfloat16's rounding (up to a near-tie taken the
+    other way), graphed and eager. float32 engines keep their norms."""
+    from formcast.engine import model_runner
+    from formcast.engine.models import llama
+
+    steps = []
+    original = llama.LlamaDecoderLayer._folded_decode
+
+    def counted(self, *args):
+        steps.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_folded_decode", counted)
+    lp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    batch = [tokenizer.encode(f"Request {i}: " + "tell me about the weather. " * (3 + i % 7))
+             for i in range(48)]
+    got = {}
+    for fold in (True, False):
+        monkeypatch.setattr(model_runner, "FOLD_NORMS", fold)
+        for graphs in (True, False):
+            steps.clear()
+            eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=1024,
+                              max_num_seqs=64, cuda_graphs=graphs)
+            assert all(layer.folded == fold for layer in eng.model.model.layers)
+            got[fold, graphs] = eng.generate(batch, lp)
+            assert bool(steps) == fold
+    compared = total = 0
+    for graphs in (True, False):
+        for a, b in zip(got[True, graphs], got[False, graphs]):
+            total += len(a.logprobs)
+            for x, y in zip(a.logprobs, b.logprobs):
+                if x.token_id != y.token_id:
+                    break  # (a near-tie taken the other way: the rest differ by design)
+                assert x.logprob == pytest.approx(y.logprob, abs=0.05)
+                compared += 1
+    assert compared >= total // 2
+    assert [o.token_ids for o in got[True, True]] == [o.token_ids for o in got[True, False]]
+    assert not any(layer.folded for layer in cuda32.model.model.layers)
+
+
 def test_cuda_prompt_graphs_give_the_eager_outputs(weights, tokenizer):
     """Steps of prompt chunks replayed from graphs (tokens, chunks and the longest
     chunk padded to powers of two; captured the first time a bucket runs) give

@@ -44,6 +44,42 @@ def test_reference_rms_norm_is_llamas_formula_and_the_fused_add_matches():
         rms_norm(x, w, 1e-5, backend="cuda")
 
 
+def test_reference_row_scaling_is_a_weightless_norm_of_another_tensor():
+    """``scale_by``: the gate and the fused attention scale each input row by the
+    inverse RMS of a row of another tensor (a norm's, its weight folded into the
+    projection before them), rounded to the dtype, before what they do."""
+    from formcast.engine.kernels.activation import inverse_rms
+
+    gen = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = (torch.randn(3, 576, generator=gen) * 4).to(dtype)
+        factor = torch.rsqrt(rows.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert torch.equal(inverse_rms(rows, 1e-5), factor)
+        gu = torch.randn(3, 3072, generator=gen).to(dtype)
+        assert torch.equal(silu_and_mul(gu, scale_by=rows, eps=1e-5),
+                           silu_and_mul((gu.float() * factor).to(dtype)))
+        h, hkv, d, bs = 9, 3, 64, 16
+        k_cache, v_cache, tables = _paged_cache(gen, [5, 1, 40], hkv, d, bs, dtype)
+        lens = torch.tensor([5, 1, 40])
+        positions = lens - 1
+        slots = torch.stack([tables[i, p // bs] * bs + p % bs
+                             for i, p in enumerate(positions.tolist())])
+        qkv = torch.randn(3, (h + 2 * hkv) * d, generator=gen).to(dtype)
+        cos, sin = RotaryEmbedding(d, 4096, 10000.0).tables(torch.device("cpu"))
+        outs = []
+        for q, scale_by in ((qkv, rows), ((qkv.float() * factor).to(dtype), None)):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            outs.append((rope_decode_attention(q, h, hkv, positions, cos, sin, kc, vc, slots,
+                                               tables, lens, d ** -0.5, scale_by=scale_by,
+                                               eps=1e-5), kc, vc))
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+    with pytest.raises(ValueError, match="rows to scale by"):
+        silu_and_mul(gu, scale_by=rows[:2])
+    with pytest.raises(ValueError, match="rows to scale by"):
+        rope_decode_attention(qkv, h, hkv, positions, cos, sin, k_cache, v_cache, slots,
+                              tables, lens, 0.125, scale_by=rows[:2])
+
+
 def test_reference_sampling_keeps_the_right_tokens_and_draws_from_them():
     _compare_sampling("cpu", backends=("torch",))
 
@@ -114,6 +150,15 @@ def _compare(backend_device: str) -> None:
             got = silu_and_mul(gu, backend="triton")
             assert got.shape == ref.shape and got.dtype == dtype
             rel = 2.0 ** -6 if dtype == torch.bfloat16 else 1e-5  # an ulp at each rounding
+            assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + 1e-6)
+            # each row scaled first by the inverse RMS of a row of another tensor
+            scale_by = (torch.randn(rows, 576, generator=gen) * 2).to(dtype).to(backend_device)
+            ref = silu_and_mul(gu, scale_by=scale_by, eps=1e-5, backend="torch")
+            got = silu_and_mul(gu, scale_by=scale_by, eps=1e-5, backend="triton")
+            assert got.shape == ref.shape and got.dtype == dtype
+            # (the factors may differ in their last float32 bit, which can move each of
+            # the four roundings by an ulp of the half type)
+            rel = 2.0 ** -5 if dtype == torch.bfloat16 else 1e-5
             assert torch.all((got.float() - ref.float()).abs() <= ref.float().abs() * rel + 1e-6)
 
 
@@ -220,6 +265,17 @@ def _compare_rope_decode(backend_device: str, dtypes=(torch.float32, torch.bfloa
             for a, b in ((kt, k_cache), (vt, v_cache)):  # (and no other slot)
                 a, b = a.cpu().view(-1, hkv, d), b.view(-1, hkv, d)
                 assert torch.equal(a[~written], b[~written])
+            if h == 9 and lens[0] == 1:  # rows scaled by another tensor's inverse RMS
+                scale_by = (torch.randn(len(lens), 200, generator=gen) * 3).to(dtype)
+                sb = scale_by.to(backend_device)
+                outs = [rope_decode_attention(got_q, h, hkv, pos_d, cos_d, sin_d,
+                                              k_cache.to(backend_device),
+                                              v_cache.to(backend_device), slots_d, tables_d,
+                                              lens_d, d ** -0.5, scale_by=sb, eps=1e-5,
+                                              backend=backend) for backend in ("torch", "triton")]
+                err = (outs[0].float() - outs[1].float()).abs().max().item()
+                assert err <= tol, f"{dtype} scaled rows: max error {err}"
+                assert (outs[0].float() - ref.float()).abs().max().item() > 10 * tol
 
 
 def _compare_prefill(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
