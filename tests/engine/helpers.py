@@ -120,3 +120,35 @@ def count_word_risky(monkeypatch, word: int) -> None:
     monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
     monkeypatch.setattr(Engine, "_leaves_string", lambda self, seq, token, appended: True)
     monkeypatch.setattr(Engine, "_ends_string", lambda self, seq, token: False)
+
+
+def count_calls(monkeypatch, owner, name: str) -> list:
+    """Wrap ``owner.name`` (a function or method) so that each call appends to the
+    list returned, then runs as before."""
+    original = getattr(owner, name)
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def logprobs_agree_until_a_tie(outs_a, outs_b, tolerance: float) -> tuple[int, int]:
+    """Two runs' outputs (asked with ``logprobs=0``), row by row: each token's
+    log-probability agrees within ``tolerance`` up to the first token taken
+    differently (a near-tie taken the other way: the rest differ by design).
+    Returns the tokens compared and the tokens in all."""
+    import pytest
+
+    compared = total = 0
+    for a, b in zip(outs_a, outs_b):
+        total += len(a.logprobs)
+        for x, y in zip(a.logprobs, b.logprobs):
+            if x.token_id != y.token_id:
+                break
+            assert x.logprob == pytest.approx(y.logprob, abs=tolerance)
+            compared += 1
+    return compared, total

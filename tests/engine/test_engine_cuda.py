@@ -12,7 +12,8 @@ from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from formcast.engine.engine import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 
-from .helpers import AllowOnly, count_word_risky
+from .helpers import (AllowOnly, count_calls, count_word_risky,
+                      logprobs_agree_until_a_tie)
 
 pytestmark = pytest.mark.cuda
 
@@ -123,14 +124,7 @@ def test_cuda_fused_rope_decode_attention_tracks_the_separate_kernels(weights, t
     from formcast.engine.kernels.paged_attention import SPLIT_BELOW
     from formcast.engine.models import llama
 
-    calls = []
-    fused_call = llama.rope_decode_attention
-
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return fused_call(*args, **kwargs)
-
-    monkeypatch.setattr(llama, "rope_decode_attention", counted)
+    calls = count_calls(monkeypatch, llama, "rope_decode_attention")
     lp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
     # (48 rows: a program a row and kv head, no split contexts, as the fused path
     # asks; contexts of 120-200 tokens: two tiles of keys)
@@ -155,13 +149,8 @@ def test_cuda_fused_rope_decode_attention_tracks_the_separate_kernels(weights, t
     compared = total = 0
     for graphs in (True, False):
         for outs_a, outs_b in zip(got[True, graphs], got[False, graphs]):
-            for a, b in zip(outs_a, outs_b):
-                total += len(a.logprobs)
-                for x, y in zip(a.logprobs, b.logprobs):
-                    if x.token_id != y.token_id:
-                        break  # (a near-tie taken the other way: the rest differ by design)
-                    assert x.logprob == pytest.approx(y.logprob, abs=0.05)
-                    compared += 1
+            done, count = logprobs_agree_until_a_tie(outs_a, outs_b, 0.05)
+            compared, total = compared + done, total + count
     assert compared >= total // 2
     assert [[o.token_ids for o in outs] for outs in got[True, True]] == \
         [[o.token_ids for o in outs] for outs in got[True, False]]
@@ -181,14 +170,7 @@ def test_cuda_folded_norms_track_the_plain_layers(weights, tokenizer, cuda32, mo
     from formcast.engine import model_runner
     from formcast.engine.models import llama
 
-    steps = []
-    original = llama.LlamaDecoderLayer._folded_decode
-
-    def counted(self, *args):
-        steps.append(1)
-        return original(self, *args)
-
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "_folded_decode", counted)
+    steps = count_calls(monkeypatch, llama.LlamaDecoderLayer, "_folded_decode")
     lp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
     batch = [tokenizer.encode(f"Request {i}: " + "tell me about the weather. " * (3 + i % 7))
              for i in range(48)]
@@ -204,13 +186,8 @@ def test_cuda_folded_norms_track_the_plain_layers(weights, tokenizer, cuda32, mo
             assert bool(steps) == fold
     compared = total = 0
     for graphs in (True, False):
-        for a, b in zip(got[True, graphs], got[False, graphs]):
-            total += len(a.logprobs)
-            for x, y in zip(a.logprobs, b.logprobs):
-                if x.token_id != y.token_id:
-                    break  # (a near-tie taken the other way: the rest differ by design)
-                assert x.logprob == pytest.approx(y.logprob, abs=0.05)
-                compared += 1
+        done, count = logprobs_agree_until_a_tie(got[True, graphs], got[False, graphs], 0.05)
+        compared, total = compared + done, total + count
     assert compared >= total // 2
     assert [o.token_ids for o in got[True, True]] == [o.token_ids for o in got[True, False]]
     assert not any(layer.folded for layer in cuda32.model.model.layers)
