@@ -145,7 +145,10 @@ class LlamaDecoderLayer(nn.Module):
         # 0.73-0.85x the speed of the norm kernel + cuBLAS + the gate kernel at 1-256
         # rows; Triton's plain GEMM 0.69-0.96x cuBLAS's at these shapes, gate|up with
         # its gate 1.03-1.13x; whole engine, both norms folded: 0.81x tokens/s at 256
-        # rows, 0.74x at 64. cuBLAS and separate norms it is.)
+        # rows, 0.74x at 64. cuBLAS and separate norms it is. What a folded layer's
+        # fused decode step does is another thing: the norm's weight goes into
+        # cuBLAS's projection, its row scale into the Triton kernel after it; see
+        # _folded_decode.)
         if self.folded and self.self_attn.decodes_fused(x, meta):
             return self._folded_decode(x, pending, positions, rotary, kv_cache, meta)
         if pending is None:
@@ -169,8 +172,8 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if pending is not None:
             x = x + pending
-        elif x._base is not None or not x.is_contiguous():
-            x = x.contiguous() if not x.is_contiguous() else x.clone()
+        elif x._base is not None or not x.is_contiguous():  # (written in place below)
+            x = x.clone(memory_format=torch.contiguous_format)
         o = attn.fused_decode_attention(x, positions, rotary, kv_cache, meta, scale_by=x,
                                         eps=self.input_layernorm.eps)
         x.addmm_(o, attn.o_proj.weight.t())
