@@ -12,4 +12,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site &&
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
     --target /tmp/fc . &&
-export PYTHONPATH=/tmp/fc:/tmp/site FORMCAST_TOKENIZER_DIR=$PWD/.devcarry/tok PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/fc:/tmp/site FORMCAST_TOKENIZER_DIR=$PWD/.devcarry/tok PYTHONUNBUFFERED=1 \
+    PATH=/tmp/site/bin:$PATH

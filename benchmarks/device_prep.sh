@@ -4,7 +4,8 @@
 #
 #   .whl        cp312 wheels of formcast's dependencies missing there (xgrammar,
 #               pydantic, ...), each at the version this checkout's .venv holds,
-#               and of setuptools, which builds formcast there
+#               of setuptools, which builds formcast there, and of py-spy (for
+#               benchmarks/host_profile.py; device_env.sh puts it on PATH)
 #   .devcarry/tok  our tokenizer's files (the model's GGUF is too large to travel)
 #
 # Then each device call begins with `. benchmarks/device_env.sh &&` (see there).
@@ -31,6 +32,9 @@ for pin in $pins; do  # (one at a time: a platform tag that fits one need not fi
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform manylinux1_x86_64 -d .whl "$pin"
 done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_17_x86_64 --platform manylinux1_x86_64 \
+    -d .whl "py-spy==0.4.3"
 "$PY" -c "
 from formcast.engine.hub import resolve_model
 from formcast.engine.tokenizer import Tokenizer
