@@ -238,8 +238,13 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy transformers-named weights in, fusing q|k|v and gate|up.
 
-        Raises ``ValueError`` naming missing, unexpected or misshaped tensors.
+        Raises ``ValueError`` naming missing, unexpected or misshaped tensors, and
+        on a model whose norms were folded (:meth:`fold_norms`: its projections
+        are no longer the file's).
         """
+        if any(layer.folded for layer in self.model.layers):
+            raise ValueError("this model's norm weights are folded into its projections "
+                             "(fold_norms): load weights into a model built afresh")
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         params = dict(self.named_parameters())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams
@@ -50,6 +51,8 @@ def test_folded_norms_give_the_same_model(smollm2_engine):
     assert not torch.equal(layer.self_attn.qkv_proj.weight,
                            plain.model.layers[0].self_attn.qkv_proj.weight)
     assert all(torch.equal(weights[k], v) for k, v in kept.items())  # (the caller's tensors)
+    with pytest.raises(ValueError, match="folded"):  # (its projections are not the file's)
+        folded.load_weights(weights)
     a, b = _engine(plain, tok), _engine(folded, tok)
     for ids in PROMPTS:
         assert (a.forward_logits(ids) - b.forward_logits(ids)).abs().max().item() <= 1e-4
