@@ -64,9 +64,9 @@ class StepLayout:
         return not self.prefills and len(self.sample_rows) == len(self.tokens)
 
 
-# On CUDA in half precision, a Llama model's norm weights are folded into the
-# projections after them (LlamaForCausalLM.fold_norms) before graphs are captured:
-# a decode step of the fused attention kernel then runs 6 kernels a layer, not 8
+# On CUDA in bfloat16, a Llama model's norm weights are folded into the projections
+# after them (LlamaForCausalLM.fold_norms) before graphs are captured: a decode
+# step of the fused attention kernel then runs 6 kernels a layer, not 8
 FOLD_NORMS = True
 
 
@@ -82,9 +82,13 @@ class ModelRunner:
         ``max_prefill_tokens``, ``max_prefill_chunks``: the largest prompt step that
         graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs)."""
         self.model = model
-        if FOLD_NORMS and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) \
-                and hasattr(model, "fold_norms"):
+        # (bfloat16 only: the folded projections work on the raw residual stream,
+        # rms(x) times larger, which float16's range may not hold; and never a model
+        # another runner holds, whose captured graphs read its weights' memory)
+        if FOLD_NORMS and device.type == "cuda" and dtype == torch.bfloat16 and \
+                hasattr(model, "fold_norms") and not getattr(model, "_run", False):
             model.fold_norms()
+        model._run = True
         self.device = device
         self.dtype = dtype
         self.block_size = block_size

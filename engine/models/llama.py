@@ -206,8 +206,8 @@ class LlamaForCausalLM(nn.Module):
 
     def fold_norms(self) -> bool:
         """Fold every decoder layer's norm weights into its projections
-        (:meth:`LlamaDecoderLayer.fold_norms`): a CUDA decode step of half
-        precision then runs two kernels a layer fewer. The final norm stays
+        (:meth:`LlamaDecoderLayer.fold_norms`): a CUDA decode step in
+        bfloat16 then runs two kernels a layer fewer. The final norm stays
         (the head may be the embedding's). True when every layer folded."""
         return all([layer.fold_norms() for layer in self.model.layers])
 

@@ -162,14 +162,19 @@ def test_cuda_fused_rope_decode_attention_tracks_the_separate_kernels(weights, t
 
 
 def test_cuda_folded_norms_track_the_plain_layers(weights, tokenizer, cuda32, monkeypatch):
-    """In half precision the runner folds the norms' weights into the projections
-    (``model_runner.FOLD_NORMS``): decode steps of the fused attention kernel run
-    the folded layer step (no norm kernel), and the tokens' log-probabilities
-    are the plain layers' within bfloat16's rounding (up to a near-tie taken the
-    other way), graphed and eager. float32 engines keep their norms."""
+    """In bfloat16 the runner folds the norms' weights (random here, as a real
+    model's are) into the projections (``model_runner.FOLD_NORMS``): decode
+    steps of the fused attention kernel run the folded layer step (no norm
+    kernel), and the tokens' log-probabilities are the plain layers' within
+    bfloat16's rounding (up to a near-tie taken the other way), graphed and
+    eager. float32 and float16 engines keep their norms, and so does a model
+    another engine ran already (its graphs read the weights it had)."""
     from formcast.engine import model_runner
     from formcast.engine.models import llama
 
+    gen = torch.Generator().manual_seed(4)
+    weights = {name: torch.rand(w.shape, generator=gen) + 0.5
+               if name.endswith("layernorm.weight") else w for name, w in weights.items()}
     steps = count_calls(monkeypatch, llama.LlamaDecoderLayer, "_folded_decode")
     lp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
     batch = [tokenizer.encode(f"Request {i}: " + "tell me about the weather. " * (3 + i % 7))
@@ -191,6 +196,13 @@ def test_cuda_folded_norms_track_the_plain_layers(weights, tokenizer, cuda32, mo
     assert compared >= total // 2
     assert [o.token_ids for o in got[True, True]] == [o.token_ids for o in got[True, False]]
     assert not any(layer.folded for layer in cuda32.model.model.layers)
+    monkeypatch.setattr(model_runner, "FOLD_NORMS", True)
+    half = make_engine(weights, tokenizer, "cuda", torch.float16, num_kv_blocks=64)
+    assert not any(layer.folded for layer in half.model.model.layers)
+    # (the last engine's model, plain, which its runner's graphs captured)
+    again = Engine(eng.model, tokenizer, config=EngineConfig(num_kv_blocks=64),
+                   device=torch.device("cuda"))
+    assert not any(layer.folded for layer in again.model.model.layers)
 
 
 def test_cuda_prompt_graphs_give_the_eager_outputs(weights, tokenizer):

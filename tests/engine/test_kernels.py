@@ -211,6 +211,12 @@ def _compare_paged(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) 
             assert (one.float() - ref[:1].float()).abs().max().item() <= tol
 
 
+def _fresh(t: torch.Tensor, device: str) -> torch.Tensor:
+    """A copy of ``t`` on ``device`` (``.to`` alone hands back ``t`` itself when it
+    is there already: runs on the CPU would write into one cache)."""
+    return t.to(device, copy=True)
+
+
 def _compare_rope_decode(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:
     """The Triton decode attention that rotates its rows' new tokens and stores
     their keys and values itself, against the torch path (rotation, store,
@@ -239,7 +245,7 @@ def _compare_rope_decode(backend_device: str, dtypes=(torch.float32, torch.bfloa
             got_q, pos_d, cos_d, sin_d, slots_d, tables_d, lens_d = dev
             kv = {}
             for backend in ("torch", "triton"):
-                kc, vc = k_cache.to(backend_device), v_cache.to(backend_device)
+                kc, vc = _fresh(k_cache, backend_device), _fresh(v_cache, backend_device)
                 out = rope_decode_attention(got_q, h, hkv, pos_d, cos_d, sin_d, kc, vc, slots_d,
                                             tables_d, lens_d, d ** -0.5, backend=backend)
                 kv[backend] = (out, kc, vc)
@@ -251,7 +257,7 @@ def _compare_rope_decode(backend_device: str, dtypes=(torch.float32, torch.bfloa
             # the cache as the rotation kernel leaves it (it rounds once, as this one
             # does; the torch path rounds after each operation), to the last bit but
             # one (the compiler may fuse a product into an addition either way)
-            kc, vc = k_cache.to(backend_device), v_cache.to(backend_device)
+            kc, vc = _fresh(k_cache, backend_device), _fresh(v_cache, backend_device)
             b_ = len(lens)
             apply_rope_and_store_kv_(got_q[:, :(h + hkv) * d].reshape(b_, h + hkv, d).clone(),
                                      got_q[:, (h + hkv) * d:].reshape(b_, hkv, d), pos_d,
@@ -268,14 +274,21 @@ def _compare_rope_decode(backend_device: str, dtypes=(torch.float32, torch.bfloa
             if h == 9 and lens[0] == 1:  # rows scaled by another tensor's inverse RMS
                 scale_by = (torch.randn(len(lens), 200, generator=gen) * 3).to(dtype)
                 sb = scale_by.to(backend_device)
-                outs = [rope_decode_attention(got_q, h, hkv, pos_d, cos_d, sin_d,
-                                              k_cache.to(backend_device),
-                                              v_cache.to(backend_device), slots_d, tables_d,
-                                              lens_d, d ** -0.5, scale_by=sb, eps=1e-5,
-                                              backend=backend) for backend in ("torch", "triton")]
-                err = (outs[0].float() - outs[1].float()).abs().max().item()
+                outs = []
+                for backend in ("torch", "triton"):
+                    kc, vc = _fresh(k_cache, backend_device), _fresh(v_cache, backend_device)
+                    outs.append((rope_decode_attention(got_q, h, hkv, pos_d, cos_d, sin_d, kc, vc,
+                                                       slots_d, tables_d, lens_d, d ** -0.5,
+                                                       scale_by=sb, eps=1e-5, backend=backend),
+                                 kc, vc))
+                err = (outs[0][0].float() - outs[1][0].float()).abs().max().item()
                 assert err <= tol, f"{dtype} scaled rows: max error {err}"
-                assert (outs[0].float() - ref.float()).abs().max().item() > 10 * tol
+                assert (outs[0][0].float() - ref.float()).abs().max().item() > 10 * tol
+                for a, b in zip(outs[0][1:], outs[1][1:]):  # the scaled keys and values stored
+                    a, b = a.float(), b.float()
+                    assert ((a - b).abs() <= b.abs() * ulp * 2 + 1e-6).all()
+                stored = outs[1][2].cpu().view(-1, hkv, d)[slots]   # (scaled: not the values
+                assert not torch.equal(stored, qkv[:, (h + hkv) * d:].view(-1, hkv, d))  # as given)
 
 
 def _compare_prefill(backend_device: str, dtypes=(torch.float32, torch.bfloat16)) -> None:

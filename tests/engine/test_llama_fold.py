@@ -1,5 +1,5 @@
 """Folding a Llama model's norm weights into its projections
-(``LlamaForCausalLM.fold_norms``, done on CUDA in half precision): the same
+(``LlamaForCausalLM.fold_norms``, done on CUDA in bfloat16): the same
 model up to rounding, on the ordinary path and on the folded decode step (six
 kernels a layer on CUDA), which runs here on the CPU through the kernels' torch
 references."""
