@@ -19,13 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from formcast.engine.kernels import use_triton
-
-
-def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension, in float32, kept as a
-    size-1 dimension: the factor an RMSNorm scales a row by (before its weight)."""
-    xf = x.float()
-    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+from formcast.engine.kernels.rmsnorm import scale_rows
 
 
 def silu_and_mul(x: torch.Tensor, *, scale_by: torch.Tensor | None = None, eps: float = 0.0,
@@ -39,6 +33,6 @@ def silu_and_mul(x: torch.Tensor, *, scale_by: torch.Tensor | None = None, eps: 
 
         return silu_and_mul_triton(x, half, scale_by, eps)
     if scale_by is not None:
-        x = (x.float() * inverse_rms(scale_by, eps)).to(x.dtype)
+        x = scale_rows(x, scale_by, eps)
     gate, up = x.split(half, dim=-1)
     return F.silu(gate) * up

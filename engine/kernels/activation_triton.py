@@ -6,14 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def row_inverse_rms(s_ptr, n, eps, BLOCK_E: tl.constexpr):
-    """``1 / sqrt(mean(row^2) + eps)`` of the ``n`` values at ``s_ptr``, in float32
-    (as the RMSNorm kernel finds it)."""
-    e = tl.arange(0, BLOCK_E)
-    xs = tl.load(s_ptr + e, mask=e < n, other=0.0).to(tl.float32)
-    return 1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / n + eps)
+from formcast.engine.kernels.rmsnorm_triton import row_inverse_rms
 
 
 @triton.jit

@@ -88,7 +88,7 @@ def rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
     inverse root mean square of that row of ``scale_by`` and rounded to the
     dtype: the projection's input norm, its weight folded into the projection
     (see :func:`formcast.engine.kernels.activation.silu_and_mul`)."""
-    from formcast.engine.kernels.activation import inverse_rms
+    from formcast.engine.kernels.rmsnorm import scale_rows
     from formcast.engine.kernels.rope import apply_rope_, store_kv_
 
     b, d = qkv.shape[0], k_cache.shape[3]
@@ -110,7 +110,7 @@ def rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                                             slots, block_tables, context_lens, scale,
                                             scale_by=scale_by, eps=eps)
     if scale_by is not None:
-        qkv = (qkv.float() * inverse_rms(scale_by, eps)).to(qkv.dtype)
+        qkv = scale_rows(qkv, scale_by, eps)
     qk = qkv[:, :(h + hkv) * d].reshape(b, h + hkv, d).clone()
     apply_rope_(qk, positions, cos, sin, backend="torch")
     store_kv_(k_cache, v_cache, qk[:, h:], qkv[:, (h + hkv) * d:].reshape(b, hkv, d), slots)

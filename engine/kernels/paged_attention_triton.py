@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from formcast.engine.kernels.activation_triton import row_inverse_rms
 from formcast.engine.kernels.paged_attention import SPLIT_BELOW
+from formcast.engine.kernels.rmsnorm_triton import row_inverse_rms
 
 
 @triton.jit

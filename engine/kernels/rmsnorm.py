@@ -26,10 +26,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
         # torch's fused op: the same arithmetic as below (bitwise), in one kernel
         return F.rms_norm(x, weight.shape, weight, eps)
-    dtype = x.dtype
+    return weight * scale_rows(x, x, eps)
+
+
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension, in float32, kept as a
+    size-1 dimension: the factor an RMSNorm scales a row by (before its weight)."""
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def scale_rows(x: torch.Tensor, by: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of ``x`` times the :func:`inverse_rms` of that row of ``by``, in
+    float32, rounded to ``x``'s dtype: a weightless norm of ``by`` applied to ``x``
+    (``by`` is ``x`` for the norm itself; a norm whose weight was folded into the
+    projection after it scales that projection's output so)."""
+    xf = x.float()
+    return (xf * inverse_rms(xf if by is x else by, eps)).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, addend: torch.Tensor, weight: torch.Tensor, eps: float, *,

@@ -10,6 +10,19 @@ import triton.language as tl
 
 
 @triton.jit
+def inverse_rms(xf, n, eps):
+    """``1 / sqrt(mean(xf^2) + eps)`` of a float32 row ``xf`` of ``n`` values (zeros past them)."""
+    return 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+
+
+@triton.jit
+def row_inverse_rms(s_ptr, n, eps, BLOCK_E: tl.constexpr):
+    """:func:`inverse_rms` of the ``n`` values at ``s_ptr``."""
+    e = tl.arange(0, BLOCK_E)
+    return inverse_rms(tl.load(s_ptr + e, mask=e < n, other=0.0).to(tl.float32), n, eps)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, sum_ptr, n_cols, x_stride, add_stride,
                      out_stride, sum_stride, eps, HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -21,7 +34,7 @@ def _rms_norm_kernel(x_ptr, add_ptr, w_ptr, out_ptr, sum_ptr, n_cols, x_stride, 
         x = (x.to(tl.float32) + a.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * sum_stride + cols, x, mask=live)
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    rstd = inverse_rms(xf, n_cols, eps)
     y = (xf * rstd).to(x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=live, other=0.0)
     out = (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty)

@@ -48,7 +48,7 @@ def test_reference_row_scaling_is_a_weightless_norm_of_another_tensor():
     """``scale_by``: the gate and the fused attention scale each input row by the
     inverse RMS of a row of another tensor (a norm's, its weight folded into the
     projection before them), rounded to the dtype, before what they do."""
-    from formcast.engine.kernels.activation import inverse_rms
+    from formcast.engine.kernels.rmsnorm import inverse_rms
 
     gen = torch.Generator().manual_seed(2)
     for dtype in (torch.float32, torch.bfloat16):
