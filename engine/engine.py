@@ -1032,12 +1032,17 @@ class Engine:
             return greedy, unchecked, [], None, free, masked
         if masked_only:
             cols, at, subset, mask_rows = next(index), next(index), next(index), next(index)
+            source = None
             if greedy is None:
                 out = torch.empty(2, len(live), dtype=torch.long, device=dev)
+            elif gather:
+                out = greedy
+            elif _PICKS_WHOLE_ROW:  # (the kernel copies the unmasked picks: no clone launched)
+                out, source = torch.empty(greedy.shape, dtype=greedy.dtype, device=dev), greedy
             else:
-                out = greedy if gather else greedy.clone()
+                out = greedy.clone()
             agree = self.sampler.greedy_masked_(out, logits, at, cols, masks, mask_rows,
-                                                pinned=pinned)
+                                                pinned=pinned, source=source)
             if len(watch) < len(drawn):
                 agree = agree[subset] if watch else None
             return out, unchecked, watched, agree, free, masked
@@ -2054,6 +2059,11 @@ _COMMIT_QUOTA_ROWS = 32
 # Rows whose next KV block opens before they reach it, at a time, while the host
 # waits for the device (Engine._open_while)
 _OPEN_CHORE_ROWS = 32
+# A step's masked greedy picks go into a fresh row of picks that their kernel fills
+# whole, the unmasked picks copied from the graph's output (which the next replay
+# overwrites), rather than into a clone of that output: a launch fewer a step
+_PICKS_WHOLE_ROW = True
+
 # Premasking (see Engine._premask_landed) is on while a moving average (weight
 # _PREMASK_EMA a pick) of how often the pick after a risky token broke the
 # grammar is at least _PREMASK_AFTER (above 1: never)

@@ -148,23 +148,26 @@ class Sampler:
 
     def greedy_masked_(self, out: torch.Tensor, logits: torch.Tensor, rows: torch.Tensor,
                        cols: torch.Tensor, filled: FilledMasks,
-                       mask_rows: torch.Tensor | None = None, *, pinned: bool = False
-                       ) -> torch.Tensor:
+                       mask_rows: torch.Tensor | None = None, *, pinned: bool = False,
+                       source: torch.Tensor | None = None) -> torch.Tensor:
         """Greedy picks under the masks ``filled`` holds (all of its rows
         constrained: ``filled.rows[j]``'s mask is pick ``j``'s), from
         ``logits[rows]`` as they are, into ``out[:, cols]`` (tokens, dead-end
         flags) in one kernel. ``mask_rows``: ``filled.mask_rows`` on the device
         already (read only when ``filled.shared`` is set). ``pinned``: ``rows``,
         ``cols`` and ``mask_rows`` lie in pinned host memory (:meth:`pinned_ints`),
-        and the kernel reads them and the masks there. Returns, on the device,
-        whether each pick equals the token ``out`` held there before."""
+        and the kernel reads them and the masks there. ``source``: the picks
+        ``out`` starts from, ``out`` then written whole (see
+        :func:`masked_argmax_`). Returns, on the device, whether each pick
+        equals the token ``out`` (or ``source``) held there before."""
         agree = torch.empty(len(filled.rows), dtype=torch.bool, device=logits.device)
         if filled.shared is None:
             mask_rows = None
         elif mask_rows is None:
             mask_rows = filled.mask_rows(logits.device)
         masked_argmax_(out, logits, filled.bitmask, rows, cols, agree,
-                       vocab_size=self.valid_vocab_size, mask_rows=mask_rows, pinned=pinned)
+                       vocab_size=self.valid_vocab_size, mask_rows=mask_rows, pinned=pinned,
+                       source=source)
         if filled.ring_slot is not None:  # on the stream that copies the mask
             self._ring_used[filled.ring_slot].record(current_stream(logits.device))
         return agree

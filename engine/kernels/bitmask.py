@@ -66,7 +66,8 @@ def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor,
 def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
                    rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor, *,
                    vocab_size: int, mask_rows: torch.Tensor | None = None,
-                   pinned: bool = False, backend: str = "auto") -> None:
+                   pinned: bool = False, source: torch.Tensor | None = None,
+                   backend: str = "auto") -> None:
     """Greedy picks under bitmasks, written into ``out`` in place; ``logits`` are
     left as they are.
 
@@ -99,18 +100,30 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
         pinned host memory, which the Triton kernel reads in place (unified
         addressing), with no copy to launch (a few rows' picks: on the H200's
         host 57 us of host time a call against 113-134 with the two copies).
+    source : torch.Tensor | None
+        long ``[2, B]``: the picks ``out`` starts from, ``out`` then written
+        whole (its other columns ``source``'s) rather than in place, and
+        ``agree`` compared with ``source``: on CUDA one launch rather than a copy
+        and the picks (a step's few masked rows over the graph's unmasked picks).
     """
     if backend not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown bitmask backend {backend!r}: use 'auto', 'torch' or 'triton'")
+    if source is not None and source.shape != out.shape:
+        raise ValueError(f"masked argmax: source of shape {tuple(source.shape)} for out of "
+                         f"{tuple(out.shape)}")
     vocab_size = min(vocab_size, logits.shape[1])
     if rows.numel() == 0:
+        if source is not None:
+            out.copy_(source)
         return
     if backend == "triton" or (backend == "auto" and logits.is_cuda and triton_available()):
         from formcast.engine.kernels.bitmask_triton import masked_argmax_triton_
 
         masked_argmax_triton_(out, logits, bitmask, rows, cols, agree, vocab_size, mask_rows,
-                              pinned=pinned)
+                              pinned=pinned, source=source)
         return
+    if source is not None:
+        out.copy_(source)
     bitmask = bitmask.to(logits.device, non_blocking=True)
     if logits.device.type == "cpu" and (mask_rows is not None or rows.numel() <= _FEW_MASKS):
         _masked_argmax_by_mask(out, logits, bitmask, rows, cols, agree, vocab_size, mask_rows)

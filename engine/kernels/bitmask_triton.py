@@ -65,10 +65,48 @@ def fold_first_max(x, offs, best, best_idx, none):
 
 
 @triton.jit
+def _copy_unpicked(out_ptr, out_stride, src_ptr, src_stride, cols_ptr, n_picks, n_cols,
+                   block, COPY_BLOCK: tl.constexpr, SCAN: tl.constexpr):
+    """Columns ``block`` of ``src`` [2, n_cols] into ``out``, but those among the
+    ``n_picks`` picked columns ``cols`` (their programs write them)."""
+    c = block * COPY_BLOCK + tl.arange(0, COPY_BLOCK)
+    picked = c < 0
+    for start in range(0, n_picks, SCAN):
+        k = start + tl.arange(0, SCAN)
+        at = tl.load(cols_ptr + k, mask=k < n_picks, other=-1)
+        picked = picked | (tl.max((c[:, None] == at[None, :]).to(tl.int32), axis=1) > 0)
+    keep = (c < n_cols) & ~picked
+    tl.store(out_ptr + c, tl.load(src_ptr + c, mask=keep), mask=keep)
+    tl.store(out_ptr + out_stride + c, tl.load(src_ptr + src_stride + c, mask=keep), mask=keep)
+
+
+@triton.jit
 def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitmask_stride,
                           num_words, vocab_size, out_ptr, out_stride, cols_ptr, agree_ptr,
-                          mask_rows_ptr, BLOCK_SIZE: tl.constexpr, SHARED: tl.constexpr):
+                          mask_rows_ptr, src_ptr, src_stride, n_picks, n_cols,
+                          BLOCK_SIZE: tl.constexpr, SHARED: tl.constexpr, COPY: tl.constexpr,
+                          COPY_BLOCK: tl.constexpr, SCAN: tl.constexpr):
     i = tl.program_id(0)
+    if COPY:
+        if i >= n_picks:  # (the programs past the picks copy the other columns)
+            _copy_unpicked(out_ptr, out_stride, src_ptr, src_stride, cols_ptr, n_picks, n_cols,
+                           i - n_picks, COPY_BLOCK, SCAN)
+        else:
+            _masked_pick(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitmask_stride,
+                         num_words, vocab_size, out_ptr, out_stride, cols_ptr, agree_ptr,
+                         mask_rows_ptr, src_ptr, i, BLOCK_SIZE, SHARED)
+    else:
+        _masked_pick(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitmask_stride,
+                     num_words, vocab_size, out_ptr, out_stride, cols_ptr, agree_ptr,
+                     mask_rows_ptr, out_ptr, i, BLOCK_SIZE, SHARED)
+
+
+@triton.jit
+def _masked_pick(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitmask_stride,
+                 num_words, vocab_size, out_ptr, out_stride, cols_ptr, agree_ptr,
+                 mask_rows_ptr, before_ptr, i, BLOCK_SIZE: tl.constexpr, SHARED: tl.constexpr):
+    """Pick ``i``: its masked argmax into ``out[:, cols[i]]``, and whether it is
+    the token ``before_ptr[cols[i]]`` into ``agree[i]``."""
     row = tl.load(rows_ptr + i).to(tl.int64)
     col = tl.load(cols_ptr + i).to(tl.int64)
     if SHARED:  # rows in one grammar state read one mask row
@@ -87,7 +125,7 @@ def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitm
         x = tl.load(logits_ptr + row * logits_stride + offs, mask=in_vocab & allowed,
                     other=float("-inf")).to(tl.float32)
         best, best_idx = fold_first_max(x, offs, best, best_idx, vocab_size)
-    before = tl.load(out_ptr + col)
+    before = tl.load(before_ptr + col)
     tl.store(out_ptr + col, best_idx.to(tl.int64))
     tl.store(out_ptr + out_stride + col, (best == float("-inf")).to(tl.int64))
     tl.store(agree_ptr + i, best_idx.to(tl.int64) == before)
@@ -96,18 +134,30 @@ def _masked_argmax_kernel(logits_ptr, logits_stride, rows_ptr, bitmask_ptr, bitm
 def masked_argmax_triton_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
                           rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor,
                           vocab_size: int, mask_rows: torch.Tensor | None = None, *,
-                          pinned: bool = False) -> None:
+                          pinned: bool = False, source: torch.Tensor | None = None) -> None:
     """See :func:`formcast.engine.kernels.bitmask.masked_argmax_` (CUDA tensors;
     with ``pinned``, the masks and index tensors may be in pinned host memory)."""
     n = rows.shape[0]
     if not pinned:
         bitmask = bitmask.to(logits.device, non_blocking=True)
-    if logits.stride(1) != 1 or bitmask.stride(1) != 1 or out.stride(1) != 1:
-        raise ValueError("logits, bitmask and out rows must be contiguous")
+    if logits.stride(1) != 1 or bitmask.stride(1) != 1 or out.stride(1) != 1 or \
+            (source is not None and source.stride(1) != 1):
+        raise ValueError("logits, bitmask, out and source rows must be contiguous")
     shared = mask_rows is not None
-    _MASKED_ARGMAX((n,), logits, logits.stride(0), rows, bitmask, bitmask.stride(0),
+    copy = source is not None
+    width = out.shape[1]
+    grid = n + (triton.cdiv(width, COPY_BLOCK) if copy else 0)
+    _MASKED_ARGMAX((grid,), logits, logits.stride(0), rows, bitmask, bitmask.stride(0),
                    bitmask.shape[1], vocab_size, out, out.stride(0), cols, agree,
-                   mask_rows if shared else rows, BLOCK_SIZE=ARGMAX_BLOCK, SHARED=shared)
+                   mask_rows if shared else rows, source if copy else out,
+                   source.stride(0) if copy else out.stride(0), n, width,
+                   BLOCK_SIZE=ARGMAX_BLOCK, SHARED=shared, COPY=copy, COPY_BLOCK=COPY_BLOCK,
+                   SCAN=SCAN)
+
+
+# the columns a copying program takes, and the picked columns it compares them with at once
+COPY_BLOCK = 512
+SCAN = 32
 
 
 # (launched outside the decode graphs at each step with masked rows: see FastLaunch)

@@ -38,8 +38,28 @@ def test_auto_backend_uses_triton_on_cuda_and_masks_padded_vocab():
 
 
 def _masked_argmax_case(vocab: int, mask_vocab: int, device: str, backend: str,
-                        shared: bool = False, sliced: bool = False):
+                        shared: bool = False, sliced: bool = False, copied: int = 0):
+    """``copied``: the picks go into a fresh output that many columns wide (junk
+    in it), the other columns from a ``source`` (``sliced``: a wider tensor's)."""
     from formcast.engine.kernels.bitmask import masked_argmax_
+
+    if copied:
+        gen = torch.Generator().manual_seed(vocab + copied)
+        logits = torch.randn(7, vocab, generator=gen).round(decimals=1)
+        bitmask = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(mask_vocab)),
+                                generator=gen, dtype=torch.int64).to(torch.int32)
+        bitmask[1] = 0
+        rows, cols = torch.tensor([6, 0, 2, 4, 4]), torch.tensor([3, 0, copied - 1, 1, 6])
+        wide = torch.stack((torch.arange(copied + 3) * 3, torch.full((copied + 3,), 9)))
+        source = (wide[:, :copied] if sliced else wide[:, :copied].clone()).to(device)
+        out = torch.full((2, copied), -5, dtype=torch.long, device=device)
+        agree = torch.zeros(5, dtype=torch.bool, device=device)
+        masked_argmax_(out, logits.to(device), bitmask.to(device), rows.to(device),
+                       cols.to(device), agree, vocab_size=vocab - 1, backend=backend,
+                       source=source, mask_rows=torch.tensor([3, 3, 0, 1, 3]).to(device)
+                       if shared else None)
+        assert torch.equal(source.cpu(), wide[:, :copied])  # (left as it was)
+        return out.cpu(), agree.cpu()
 
     gen = torch.Generator().manual_seed(vocab + mask_vocab)
     logits = torch.randn(7, vocab, generator=gen).round(decimals=1)  # ties
@@ -69,6 +89,17 @@ def test_triton_masked_argmax_matches_torch(vocab, mask_vocab, shared, sliced):
     assert all(torch.equal(a, b) for a, b in zip(
         _masked_argmax_case(vocab, mask_vocab, "cpu", "torch", shared, sliced),
         _masked_argmax_case(vocab, mask_vocab, "cuda", "triton", shared, sliced)))
+
+
+@pytest.mark.parametrize("copied", [7, 600, 1100])
+@pytest.mark.parametrize("shared, sliced", [(False, False), (True, True)])
+def test_triton_masked_argmax_into_a_fresh_output_matches_torch(copied, shared, sliced):
+    """With ``source``: every column written, the unpicked ones from it, in one
+    launch (more columns than one copying program takes among them)."""
+    ref = _masked_argmax_case(49152, 49152, "cpu", "torch", shared, sliced, copied)
+    got = _masked_argmax_case(49152, 49152, "cuda", "triton", shared, sliced, copied)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert not (ref[0] == -5).any()
 
 
 def test_masked_argmax_launched_straight_through_its_launcher_matches_torch():

@@ -468,6 +468,10 @@ def test_triton_kernels_match_the_reference_in_the_interpreter():
             ref = _masked_argmax_case(vocab, mask_vocab, "cpu", "torch", True, sliced)
             got = _masked_argmax_case(vocab, mask_vocab, "cpu", "triton", True, sliced)
             assert all(torch.equal(a, b) for a, b in zip(ref, got))
+        for copied, shared in ((7, False), (1100, True)):  # (into a fresh output)
+            ref = _masked_argmax_case(1000, 999, "cpu", "torch", shared, True, copied)
+            got = _masked_argmax_case(1000, 999, "cpu", "triton", shared, True, copied)
+            assert all(torch.equal(a, b) for a, b in zip(ref, got))
     """)]
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     runs = [subprocess.Popen([sys.executable, "-c", head + part + "print('ok')"], env=env,
