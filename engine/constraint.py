@@ -79,6 +79,11 @@ class LogitsConstraint(Protocol):
 # instances: the engine calls the answer once a step, with that step's tokens, for
 # as many steps as the same rows run (the steady state of a large batch), so the
 # per-instance preparation is paid once. Verdicts and failures as ``accept_tokens``.
+#
+# Optional: ``prepare(constraints)`` (static or class method) readies several of its
+# instances for their first step (xgrammar's matchers fork their grammar's start
+# state then, not when made). The engine calls it for the step that launches their
+# requests' prefill, once that step is on its way to the device.
 
 
 def bitmask_words(vocab_size: int) -> int:

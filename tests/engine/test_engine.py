@@ -1653,3 +1653,40 @@ def test_the_hosts_idle_waits_detokenize_deferred_tokens_in_turn(smollm2_engine,
     for seq in seqs:
         n = chore - 1 if seq is short else chore + 3
         assert seq.text == tok.decode(ids[:n], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_constraint_class_is_offered_its_new_instances_once_at_their_prefill(
+        smollm2_engine, async_scheduling):
+    """A constraint class's optional ``prepare`` hook gets, once, the instances
+    of the requests whose prefill a step launches, before any of them took a
+    token; a request that arrives later has its own call; a hook that raises
+    fails nothing (the constraints report errors where they are used)."""
+    calls: list[tuple[list, list[int]]] = []
+
+    class Prepared(AllowOnly):
+        @staticmethod
+        def prepare(constraints):
+            calls.append((list(constraints), [len(c.accepted) for c in constraints]))
+
+    class Raises(AllowOnly):
+        @staticmethod
+        def prepare(constraints):
+            raise RuntimeError("not today")
+
+    every = set(range(smollm2_engine.tokenizer.vocab_size))
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine = variant(smollm2_engine, async_scheduling=async_scheduling, spec="none")
+    first = [Prepared(every) for _ in range(3)]
+    for c, text in zip(first, ("Say hi.", "Name a fruit.", "Count.")):
+        engine.add_request(chat(engine, text), greedy, constraint=c)
+    engine.add_request(chat(engine, "Hello."), greedy, constraint=Raises(every))
+    engine.step()
+    assert calls == [(first, [0, 0, 0])]
+    late = Prepared(every)
+    engine.add_request(chat(engine, "Bye."), greedy, constraint=late)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert calls[1:] == [([late], [0])]
+    assert len(outs) == 5 and all(len(o.token_ids) == 6 and o.error is None for o in outs)

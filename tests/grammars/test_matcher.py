@@ -671,3 +671,37 @@ def test_forces_text_says_where_the_grammar_fixes_the_next_text(compiler, tiny_v
     m = checked.matcher()
     assert checked.end_check is not None and m.forces_text() is True  # (the opening bracket)
     assert m.accept(_ids(tiny_vocab, "[")[0]) and m.forces_text() is False  # (1 or 2)
+
+
+def test_xgrammar_matchers_fork_their_start_when_first_used(compiler, tiny_vocab):
+    """A grammar's new matcher holds no xgrammar matcher until it is used, or
+    offered to ``prepare`` (the engine does, during the prefill); a fork of
+    one still at the start waits the same way; each behaves as one forked at
+    once."""
+    from formcast.grammars.backends.xgrammar_backend import XGrammarMatcher
+
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    used, prepared = person.matcher(), person.matcher()
+    assert isinstance(used, XGrammarMatcher)
+    assert used._xm is None and prepared._xm is None
+    start = _mask(used, person)  # (a known mask of the start may serve without a fork)
+    assert not used.is_completed()  # (reads xgrammar's state: forks it)
+    assert used._xm is not None and prepared._xm is None
+    XGrammarMatcher.prepare([used, prepared])
+    assert prepared._xm is not None and prepared._xm is not used._xm
+    assert torch.equal(_mask(prepared, person), start)
+    lazy = person.matcher().fork()
+    assert lazy._xm is None
+    for m in (used, prepared, lazy):
+        for t in _ids(tiny_vocab, '{"name":"Al","age":3}'):
+            assert m.accept(t)
+        assert m.is_completed()
+    assert lazy._xm is not None
+    # a fork of a matcher that moved copies its state, not the start
+    moving = person.matcher()
+    for t in _ids(tiny_vocab, '{"name":"B'):
+        assert moving.accept(t)
+    copy = moving.fork()
+    assert copy._xm is not None and torch.equal(_mask(copy, person), _mask(moving, person))
+    with pytest.raises(ValueError, match="start to fork"):
+        XGrammarMatcher(None, frozenset(), 1, frozenset())
