@@ -712,8 +712,7 @@ class XGrammarGrammar(BackendGrammar):
             start = self._start = xgr.GrammarMatcher(self.compiled)
         backend = self.backend
         return XGrammarMatcher(None, backend.blocked, backend.vocab.tokenizer_size,
-                               backend.stops, token_bytes=backend.vocab.token_bytes, origin=self,
-                               start=start)
+                               backend.stops, token_bytes=backend.vocab.token_bytes, origin=self)
 
 
 class XGrammarMatcher(Matcher):
@@ -735,8 +734,8 @@ class XGrammarMatcher(Matcher):
     (``_pending``: the number of that batch, see :class:`_Unsettled`): every
     method that reads xgrammar's state waits for it first (:meth:`_sync`).
 
-    A matcher made by its grammar (``start``: the grammar's start state) forks
-    its xgrammar matcher from that state on first use (``_m``, ``_accept``,
+    A matcher made with none (``matcher`` None) forks its xgrammar matcher
+    from its grammar's (``origin``) start state on first use (``_m``, ``_accept``,
     ``_handle``), or when the engine offers a batch's new matchers to
     :meth:`prepare` while the device runs their prefill. (``gpu_throughput.py``
     makes a batch's 256 matchers before its engine starts, the device idle:
@@ -746,16 +745,15 @@ class XGrammarMatcher(Matcher):
 
     # (slots: a batch's opening reads every row's text each step, its objects cold)
     __slots__ = ("_xm", "_blocked", "_size", "_stops", "_moved", "_token_bytes", "_origin",
-                 "_text", "_xaccept", "_xhandle", "_start", "_pending", "_broken", "_recipe")
+                 "_text", "_xaccept", "_xhandle", "_pending", "_broken", "_recipe")
 
     def __init__(self, matcher: xgr.GrammarMatcher | None, blocked: frozenset[int], size: int,
                  stops: frozenset[int], *, token_bytes: tuple[bytes, ...] | None = None,
-                 origin: object = None, text: bytes | None = b"",
-                 start: xgr.GrammarMatcher | None = None) -> None:
-        if (matcher is None) == (start is None):
-            raise ValueError("XGrammarMatcher needs an xgrammar matcher or a start to fork")
+                 origin: object = None, text: bytes | None = b"") -> None:
+        if matcher is None and getattr(origin, "_start", None) is None:
+            raise ValueError("XGrammarMatcher needs an xgrammar matcher or a grammar's start "
+                             "to fork")
         self._xm = self._xaccept = self._xhandle = None
-        self._start = start  # (None once forked)
         if matcher is not None:
             self._own(matcher)
         self._blocked = blocked
@@ -775,14 +773,16 @@ class XGrammarMatcher(Matcher):
         self._xaccept = matcher.accept_token
         self._xhandle = getattr(matcher, "_handle", None)  # (for the native batch accept)
         self._xm = matcher  # (last: a thread that sees it sees the others)
-        self._start = None
+
+    def _fork_unlocked(self) -> None:
+        if self._xm is None:
+            self._own(self._origin._start.fork())
 
     def _fork(self) -> xgr.GrammarMatcher:
         """Its xgrammar matcher, forked from its grammar's start now if not yet
         (under a lock: the engine's mask thread may want it at the same time)."""
         with _FORK_LOCK:
-            if self._xm is None:
-                self._own(self._start.fork())
+            self._fork_unlocked()
         return self._xm
 
     @staticmethod
@@ -792,8 +792,7 @@ class XGrammarMatcher(Matcher):
         device runs their prefill)."""
         with _FORK_LOCK:
             for m in matchers:
-                if m._xm is None:
-                    m._own(m._start.fork())
+                m._fork_unlocked()
 
     @property
     def _m(self) -> xgr.GrammarMatcher:
@@ -984,13 +983,11 @@ class XGrammarMatcher(Matcher):
         return got
 
     def fork(self) -> XGrammarMatcher:
-        start = self._start
-        if start is not None and self._xm is None:  # (still at the start: forked when used)
-            return XGrammarMatcher(None, self._blocked, self._size, self._stops,
-                                   token_bytes=self._token_bytes, origin=self._origin,
-                                   text=self._text, start=start)
-        self._sync()
-        return XGrammarMatcher(self._m.fork(), self._blocked, self._size, self._stops,
+        matcher = None  # (still at its grammar's start, never forked: the copy forks when used)
+        if self._xm is not None:
+            self._sync()
+            matcher = self._xm.fork()
+        return XGrammarMatcher(matcher, self._blocked, self._size, self._stops,
                                token_bytes=self._token_bytes, origin=self._origin,
                                text=self._text)
 
