@@ -990,7 +990,8 @@ class Engine:
                                       masked_only))
         dev = logits.device
         seqs = live if not plain else [live[j] for j in drawn]
-        watched = [drawn[k] for k in watch]
+        # (every drawn row watched: a batch's masked opening)
+        watched = list(drawn) if len(watch) == len(drawn) else [drawn[k] for k in watch]
         masks = None
         if masked_only:
             masks = self._masks_for(seqs)
@@ -1011,7 +1012,7 @@ class Engine:
         index = iter(())
         pinned = False
         if any(lists):
-            values = [v for part in lists for v in part]
+            values = list(itertools.chain.from_iterable(lists))
             flat = None
             if masked_only and not gather and len(drawn) <= _PINNED_ROWS and \
                     (not watch or len(watch) == len(drawn)) and dev.type == "cuda":
@@ -1243,7 +1244,11 @@ class Engine:
         seqs = prev.seqs
         if prev.watched:
             premasked = self._premasked
-            for i, agreed in zip(prev.watched, prev.agree.tolist()):
+            agrees = prev.agree.tolist()
+            if not premasked and not any(agrees):  # (a batch's opening: none met its argmax)
+                Sequence.masked_picks_missed(map(seqs.__getitem__, prev.watched))
+                agrees = ()
+            for i, agreed in zip(prev.watched, agrees):
                 seq = seqs[i]
                 if premasked and seq in premasked:  # (its first masked pick since premasked)
                     del premasked[seq]

@@ -10,6 +10,7 @@ its noise keyed by the request's seed and the position sampled.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from formcast.engine.sequence import Sequence, TokenLogprob
 
 
 _RING_SPARE_ROWS = 2  # rows of a pinned mask buffer past its masks (see pinned_ints)
+_CONSTRAINT = operator.attrgetter("constraint")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -275,7 +277,12 @@ class Sampler:
         read, not changed). Safe on a worker thread while the model runs: it touches
         only the constraints and its buffer (``buffer(n)`` gives one; else, on CUDA,
         the next of two pinned buffers used in turn, else a fresh tensor)."""
-        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
+        constraints = list(map(_CONSTRAINT, seqs))
+        if None in constraints:
+            rows = [i for i, c in enumerate(constraints) if c is not None]
+            constraints = [constraints[i] for i in rows]
+        else:  # (the usual batch: every row constrained)
+            rows = list(range(len(seqs)))
         slot = None
         if buffer is not None:
             bitmask = buffer(len(rows))
@@ -286,7 +293,6 @@ class Sampler:
         errors: dict[int, str] = {}
         single = list(range(len(rows)))  # mask rows filled one by one
         if self.batch_fill and len(rows) > 1:
-            constraints = [seqs[i].constraint for i in rows]
             kinds = set(map(type, constraints))
             kind = kinds.pop() if len(kinds) == 1 else None
             distinct = getattr(kind, "fill_distinct_bitmasks", None)

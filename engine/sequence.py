@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -201,6 +202,20 @@ class Sequence:
                 self.masked = False
                 Sequence.sampling_epoch += 1
 
+    @staticmethod
+    def masked_picks_missed(seqs: Iterable[Sequence]) -> None:
+        """Masks serve each of ``seqs`` until 1 << min(refusals in a row, 4)
+        masked picks in a row are its unmasked argmax: :meth:`masked_pick_seen`
+        of picks that were not, in one loop (a batch's opening: 256 rows masked
+        while the grammar fixes the text, every step)."""
+        changed = False
+        for s in seqs:
+            if not s.masked:
+                s.masked = changed = True
+            s.agreements_due = 1 << min(s.refusal_streak, 4)
+        if changed:
+            Sequence.sampling_epoch += 1
+
     def premask(self) -> None:
         """Masked from its next pick on, before any pick of it was refused (the
         engine's premasking: its model tends to break the grammar here), until a
@@ -209,12 +224,8 @@ class Sequence:
         self._mask_until_agreed()
 
     def _mask_until_agreed(self) -> None:
-        """Masks serve it until 1 << min(refusals in a row, 4) masked picks in a
-        row are its unmasked argmax."""
-        if not self.masked:
-            self.masked = True
-            Sequence.sampling_epoch += 1
-        self.agreements_due = 1 << min(self.refusal_streak, 4)
+        """Its own :meth:`masked_picks_missed`."""
+        Sequence.masked_picks_missed((self,))
 
     def ban(self, position: int, token_id: int) -> None:
         """The sampler must not pick ``token_id`` at ``position`` (a dead end

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import array
 import ctypes
+import itertools
+import operator
 import os
 import re
 import threading
@@ -270,17 +272,25 @@ class _PreparedAccept:
             else None
         if worker is None:
             return None
-        get = masks.slots.get
-        slots = numpy.fromiter([get(m._text, -1) for m in matchers], numpy.int64,
-                               len(matchers))
-        known = slots >= 0
-        if not known.any():
-            return None
-        n = len(matchers)
+        get, n = masks.slots.get, len(matchers)
+        kept = list(map(_TEXT, matchers))
+        # (rows in step, a batch's opening: one text, compared by identity first)
+        in_step = kept.count(kept[0]) == n
+        if in_step:
+            slot = get(kept[0], -1)
+            if slot < 0:
+                return None
+            slots = numpy.full(n, slot, numpy.int64)
+            known = None
+        else:
+            slots = numpy.fromiter(map(get, kept, itertools.repeat(-1, n)), numpy.int64, n)
+            known = slots >= 0
+            if not known.any():
+                return None
         host = array.array("q", tokens)  # (the worker's, with no dead-end flags: see _Pending)
         host.frombytes(bytes(8 * n))
         toks = numpy.frombuffer(host, dtype=numpy.int64, count=n)
-        every = bool(known.all())
+        every = in_step or bool(known.all())
         if not every:
             slots, offered = slots[known], toks[known]
         else:
@@ -302,9 +312,14 @@ class _PreparedAccept:
         rows_taken = numpy.flatnonzero(took) if every else known_rows[took]
         whole = len(rows_taken) == n
         size = self.size
-        pairs = (slots * size + offered if whole else slots[took] * size + offered[took]).tolist()
         first: dict[int, int] = {}
-        back = [first.setdefault(pair, len(first)) for pair in pairs]
+        if whole and in_step and tokens.count(tokens[0]) == n:  # (one text, one token)
+            first[int(slots[0]) * size + tokens[0]] = 0
+            back = None
+        else:
+            pairs = (slots * size + offered if whole else
+                     slots[took] * size + offered[took]).tolist()
+            back = [first.setdefault(pair, len(first)) for pair in pairs]
         grown, token_bytes, texts = [], matchers[0]._token_bytes, masks.texts
         for pair in first:
             text = texts[pair // size] + token_bytes[pair % size]
@@ -317,9 +332,15 @@ class _PreparedAccept:
             host.frombytes(bytes(8 * len(taken)))
         seq = unsettled.submit(worker, self.handles if whole else _handle_array(taken), taken,
                                host)
-        for m, at in zip(taken, back):
-            m._text = grown[at]
-            m._pending = seq
+        if len(grown) == 1:
+            text = grown[0]
+            for m in taken:
+                m._text = text
+                m._pending = seq
+        else:
+            for m, at in zip(taken, back):
+                m._text = grown[at]
+                m._pending = seq
         if None in grown:  # (a matcher that lets go of its text never keeps one again)
             self.texts = [i for i in self.texts if matchers[i]._text is not None]
         return verdicts
@@ -411,6 +432,7 @@ class _PreparedAccept:
 
 
 _SPECIAL_BITS: dict[tuple[int, int, int], tuple] = {}
+_TEXT, _ORIGIN = operator.attrgetter("_text"), operator.attrgetter("_origin")
 
 
 class _NativeAccept:
@@ -1133,11 +1155,12 @@ def _distinct_states(matchers: list[XGrammarMatcher]
     text), and each matcher's place among them; None when every matcher is its
     own (the matchers to fill are then ``matchers``)."""
     first: dict = {}
-    texts = [m._text for m in matchers]
-    origin = matchers[0]._origin
-    if None not in texts and all(m._origin is origin for m in matchers):
+    texts = list(map(_TEXT, matchers))
+    if None not in texts and len(set(map(_ORIGIN, matchers))) == 1:
         # (the usual batch, one grammar's matchers that all keep their texts:
         # grouped by text alone, in C-level loops)
+        if texts.count(texts[0]) == len(texts):  # (rows in step: one text, compared by identity first)
+            return matchers[:1], [0] * len(texts)
         index = [first.setdefault(text, len(first)) for text in texts]
         if len(first) == len(matchers):
             return matchers, None

@@ -362,6 +362,14 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab, m
     assert kinds.fill_distinct_bitmasks(matchers, got) == index and filled == [[2]]
     for j, at in enumerate(index):
         assert torch.equal(got[at], expected[j]), j
+    # rows in step (one text) read one state; one text in two grammars is two states
+    filled.clear()
+    got.fill_(-1)
+    assert kinds.fill_distinct_bitmasks([split, whole, offered], got) == [0, 0, 0]
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], torch.full_like(got[1], -1))
+    assert kinds.fill_distinct_bitmasks([fresh, n1, fresh2, n2], got) == [0, 1, 0, 1]
+    assert torch.equal(got[0], expected[3]) and torch.equal(got[1], expected[8])
+    assert filled == []
     # a long text is not kept
     long = digits.matcher()
     assert long.accept_text("1" * xb.TEXT_KEY_LIMIT) and long._text is not None

@@ -183,3 +183,30 @@ def test_tidy_lets_go_of_the_batches_the_worker_is_through_with(person, monkeypa
     kind.tidy()
     assert not xb._UNSETTLED.queue and xb._UNSETTLED.settled == xb._UNSETTLED.last
     assert all(torch.equal(_mask(m, person), _mask(ref, person)) for m in rows)
+
+
+@pytest.mark.parametrize("token", ['"', "x"])
+def test_rows_in_step_offered_one_token_are_judged_once_as_xgrammar_judges(person, monkeypatch,
+                                                                            token):
+    """A batch's opening: every row at one text, every row offered one token. The
+    verdicts, texts and states are xgrammar's, the token taken (or refused) by
+    all alike."""
+    seen = known_mask_calls(monkeypatch)
+    ref = _at(person, "{")
+    _mask(ref, person)
+    rows = [_at(person, "{") for _ in range(5)]
+    want = int(ref.fork().accept(byte(token)))
+    kind = type(ref)
+    assert kind.accept_tokens(rows, [byte(token)] * len(rows)) == [want] * len(rows)
+    assert seen == [True]
+    fork = ref.fork()
+    if want:
+        assert fork.accept(byte(token))
+    assert {m._text for m in rows} == {fork._text}
+    # an unknown text in step: xgrammar judges the rows
+    unknown = [_at(person, '{"nam') for _ in range(3)]
+    assert kind.accept_tokens(unknown, [byte("e")] * 3) == [1, 1, 1]
+    assert seen[-1] is False and {m._text for m in unknown} == {b'{"name'}
+    monkeypatch.setattr(xb, "TEXT_MASKS", False)  # (xgrammar's own fills: the states)
+    for m in rows:
+        assert torch.equal(_mask(m, person), _mask(fork, person))
