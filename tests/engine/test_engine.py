@@ -706,7 +706,8 @@ def test_agreements_where_the_grammar_leaves_few_tokens_do_not_unmask(smollm2_en
     # (the rule for a string's closing quote left out: the next test's)
     monkeypatch.setattr(engine_module.Engine, "_ends_string", lambda self, seq, token: False)
     narrow = engine_module._narrow_choice
-    refused, seen = Sequence.pick_refused, Sequence.masked_pick_seen
+    refused, seen, missed = (Sequence.pick_refused, Sequence.masked_pick_seen,
+                             Sequence.masked_picks_missed)
     asked = []
 
     def refused_once(seq):  # (one agreement due after any refusal)
@@ -718,12 +719,20 @@ def test_agreements_where_the_grammar_leaves_few_tokens_do_not_unmask(smollm2_en
         if not agreed:
             seq.agreements_due = 1
 
+    def missed_once(seqs):  # (a step's misses counted in one loop)
+        seqs = list(seqs)
+        missed(seqs)
+        for seq in seqs:
+            seq.agreements_due = 1
+
     def run(rule: bool, once: bool = False, **config):
         monkeypatch.setattr(engine_module, "_narrow_choice",
                             (lambda seq: asked.append(seq) or narrow(seq)) if rule
                             else (lambda seq: False))
         monkeypatch.setattr(Sequence, "pick_refused", refused_once if once else refused)
         monkeypatch.setattr(Sequence, "masked_pick_seen", seen_once if once else seen)
+        monkeypatch.setattr(Sequence, "masked_picks_missed",
+                            staticmethod(missed_once if once else missed))
         return _run_records(model, tok, compiled, prompts, greedy, **config)
 
     masked, _, _ = run(True, async_scheduling=False, unmasked_greedy=False)

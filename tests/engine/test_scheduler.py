@@ -137,3 +137,13 @@ def test_a_refused_pick_masks_its_request_until_more_agreements_as_refusals_repe
     assert seq.masked and Sequence.sampling_epoch == epoch
     seq.masked_pick_seen(True)
     assert not seq.masked and Sequence.sampling_epoch == epoch + 1
+    # a step's misses in one loop: as one by one, the epoch moved once if any changed
+    rows = [make_seq([1, 2, 3]) for _ in range(3)]
+    rows[1].masked_pick_seen(False)
+    rows[2].refusal_streak = 3
+    epoch = Sequence.sampling_epoch
+    Sequence.masked_picks_missed(iter(rows))
+    assert [(s.masked, s.agreements_due) for s in rows] == [(True, 1), (True, 1), (True, 8)]
+    assert Sequence.sampling_epoch == epoch + 1
+    Sequence.masked_picks_missed(rows)
+    assert Sequence.sampling_epoch == epoch + 1  # (no way changed)
