@@ -1359,8 +1359,9 @@ class Engine:
                             self._finish(seq, "abort")
                         outputs.append(seq)
                     rows, tokens = _without(rows, odd), _without(tokens, odd)
-                for seq in rows:
-                    seq.refusal_streak = 0  # a pick taken ends the streak of refusals
+                if any(map(_STREAK, rows)):  # (found in C: most steps no row has one)
+                    for seq in rows:
+                        seq.refusal_streak = 0  # a pick taken ends the streak of refusals
                 self._append_taken(rows, tokens, quiet=taking.quiet)
                 outputs += rows
                 ok.update(rows)
@@ -2161,6 +2162,7 @@ def _narrow_choice(seq: Sequence) -> bool:
 
 
 _IS_MASKED = operator.attrgetter("masked")
+_STREAK = operator.attrgetter("refusal_streak")
 
 
 def _without(items: SequenceABC, drop: list[int]) -> list:
