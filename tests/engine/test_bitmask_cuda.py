@@ -49,7 +49,9 @@ def _masked_argmax_case(vocab: int, mask_vocab: int, device: str, backend: str,
         bitmask = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(mask_vocab)),
                                 generator=gen, dtype=torch.int64).to(torch.int32)
         bitmask[1] = 0
-        rows, cols = torch.tensor([6, 0, 2, 4, 4]), torch.tensor([3, 0, copied - 1, 1, 6])
+        # (each pick its own column: the engine's are distinct, and two picks into one
+        # column land in either order on the device)
+        rows, cols = torch.tensor([6, 0, 2, 4, 4]), torch.tensor([3, 0, copied - 1, 1, 5])
         wide = torch.stack((torch.arange(copied + 3) * 3, torch.full((copied + 3,), 9)))
         source = (wide[:, :copied] if sliced else wide[:, :copied].clone()).to(device)
         out = torch.full((2, copied), -5, dtype=torch.long, device=device)
