@@ -178,6 +178,10 @@ class Engine:
         self._quotes: list[int] | None = None  # each token's unescaped double quotes
         self._premask_rate = 0.0
         self._premasked: dict[Sequence, None] = {}
+        # the constraints of ended requests, kept (on CUDA) until the host waits for
+        # the device: see _finish and _bury_while
+        self._graves: list[LogitsConstraint] = []
+        self._keep_graves = self.device.type == "cuda"
         self._risky_after: list[Sequence] = []
         self._premask_wait = None
         self.num_premasked_picks = 0  # picks made under a mask by premasking
@@ -1233,6 +1237,7 @@ class Engine:
                     self._commit_while(busy)
                     self._open_while(prev.seqs, busy)
                     self._tidy_constraints(prev.seqs)
+                    self._bury_while(busy)
                     if _DETOK_CHORE_TOKENS:
                         self._detokenize_while(prev.seqs, busy)
                 wait_event(prev.ready)
@@ -1521,6 +1526,16 @@ class Engine:
                 hook()
             except Exception:  # (the constraints report it where they are used)
                 pass
+
+    def _bury_while(self, busy) -> None:
+        """Drop the constraints of ended requests that :meth:`_finish` kept, a
+        few at a time while ``busy()`` (the device runs a step). Their last
+        references are often the caller's, let go as ``generate`` returns: a
+        batch of 256 xgrammar matchers took 1.5-2.4 ms to destroy on the H200's
+        host there, on the path of the caller and of the next batch's opening."""
+        graves = self._graves
+        while graves and busy():
+            del graves[-_GRAVES_AT_ONCE:]
 
     @staticmethod
     def _prepare_constraints(scheduled) -> None:
@@ -1907,6 +1922,10 @@ class Engine:
             self.scheduler.finish(seq, reason)
         self.runner.release(seq)
         self._seqs.pop(seq.request_id, None)
+        if seq.constraint is not None and self._keep_graves:
+            self._graves.append(seq.constraint)
+            if len(self._graves) > _GRAVES_KEPT:  # (no device time to drop them in)
+                del self._graves[:_GRAVES_KEPT // 2]
         # (a batch's rows ending at once each detokenize their whole output here,
         # 4.3 ms for 252 rows on the H200's host, while rows set back a step by a
         # refused pick wait to go on. Making the text when the output is read
@@ -2162,6 +2181,9 @@ def _narrow_choice(seq: Sequence) -> bool:
 
 
 _IS_MASKED = operator.attrgetter("masked")
+# ended requests' constraints dropped at once while the device is busy, and kept at
+# most (see Engine._bury_while)
+_GRAVES_AT_ONCE, _GRAVES_KEPT = 32, 2048
 _STREAK = operator.attrgetter("refusal_streak")
 
 

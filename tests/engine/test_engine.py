@@ -1699,3 +1699,40 @@ def test_a_constraint_class_is_offered_its_new_instances_once_at_their_prefill(
         outs += [o for o in engine.step() if o.finished]
     assert calls[1:] == [([late], [0])]
     assert len(outs) == 5 and all(len(o.token_ids) == 6 and o.error is None for o in outs)
+
+
+def test_ended_requests_constraints_are_kept_until_the_device_is_busy(smollm2_engine,
+                                                                      monkeypatch):
+    """On CUDA the engine keeps the constraints of ended requests (ended any way:
+    length, abort) and drops them a few at a time while the host waits for the
+    device, so their destructors run off the caller's path; never more than
+    ``_GRAVES_KEPT`` of them. On the CPU (no device time to drop them in) none
+    are kept."""
+    import formcast.engine.engine as engine_module
+
+    every = set(range(smollm2_engine.tokenizer.vocab_size))
+    greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine = variant(smollm2_engine, spec="none")
+    assert not engine._keep_graves and engine.device.type == "cpu"
+    engine.generate([chat(engine, "Say hi.")], greedy, constraints=[AllowOnly(every)])
+    assert engine._graves == []
+    engine._keep_graves = True  # (as on CUDA)
+    kept = [AllowOnly(every) for _ in range(3)]
+    engine.generate([chat(engine, t) for t in ("Say hi.", "Name a fruit.", "Count.")],
+                    greedy, constraints=kept)
+    rid = engine.add_request(chat(engine, "Bye."), greedy, constraint=AllowOnly(every))
+    assert engine.abort_request(rid)
+    assert sorted(map(id, engine._graves[:3])) == sorted(map(id, kept))
+    assert len(engine._graves) == 4
+    engine._bury_while(lambda: False)  # (the device idle: nothing dropped)
+    assert len(engine._graves) == 4
+    monkeypatch.setattr(engine_module, "_GRAVES_AT_ONCE", 3)
+    busy = iter([True, False])
+    engine._bury_while(lambda: next(busy))  # (busy for one drop)
+    assert len(engine._graves) == 1
+    engine._bury_while(lambda: True)
+    assert engine._graves == []
+    monkeypatch.setattr(engine_module, "_GRAVES_KEPT", 4)
+    engine.generate([chat(engine, "Count.")] * 5, greedy,
+                    constraints=[AllowOnly(every) for _ in range(5)])
+    assert len(engine._graves) == 3  # (the fifth trimmed the oldest two)
