@@ -7,9 +7,10 @@ sides alternating) and times each ``step`` call on the host, the device
 synchronized at the ends of each run only. For the fastest run of each side it
 prints
 
-- the total, and the time of the first ``--opening`` steps (the prefill, then the
-  steps whose rows are masked while the schema forces the text of an answer's
-  opening, '{"records":[{"name":"');
+- the total, and the time of the first ``--opening`` steps (the prefill, then
+  the first steps of the rows' answers; with ``--no-jump-forward``, steps
+  whose rows are masked while the schema forces the text of an answer's opening,
+  '{"records":[{"name":"', which jump-forward takes in the prefill);
 - the median step after those;
 - the first steps one by one, each with its number of masked rows
   (``step us/masked``): refusals in bulk show up there as masked rows again;
@@ -205,12 +206,15 @@ def main() -> None:
                     help="run on this many host cores (a slower host)")
     ap.add_argument("--parts", action="store_true",
                     help="where each step's time goes: host parts, device idle (see above)")
+    ap.add_argument("--no-jump-forward", action="store_true",
+                    help="decode the schema's opening one step each (jump_forward=False)")
     args = ap.parse_args()
     limit_host_cores(args.host_cores)
     gpu_throughput.DEVICE = torch.device(args.device)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    eng = make_engine(args.shape, tok, max(sizes))
+    eng = make_engine(args.shape, tok, max(sizes),
+                      **({"jump_forward": False} if args.no_jump_forward else {}))
     parts = StepParts(eng) if args.parts else None
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)

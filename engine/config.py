@@ -144,6 +144,22 @@ class EngineConfig:
         accept thread checks a large batch's unmasked greedy picks, the
         interpreter's GIL switch interval (process-wide) is at most 0.2 ms; the
         process's own comes back when that ends.
+    jump_forward : bool | None
+        A constrained request whose grammar fixes the start of its output (a JSON
+        Schema's ``{"records":[{"name":"``) has those tokens appended to its prompt's
+        prefill as it is queued (the constraint's ``take_forced_tokens``, else its
+        ``forced_tokens``), rather than decoded one step each under masks that
+        allow nothing else. They are output tokens all the same (counted against
+        ``max_tokens``, one at least left to sample; ``num_forced_tokens``). The text
+        is the grammar's; the tokens are the longest ones that spell it, which
+        masked decoding may have split otherwise, and their KV comes from the
+        prefill, which in reduced precision rounds differently from one token a
+        step (as a preempted request's recompute does). Not for requests with stop
+        strings or logprobs, nor where a taken token is an end or stop token.
+        None: on CUDA, where each of those tokens would cost a decode step of the
+        whole batch (at 256 rows of the GPU benchmark's JSON, 7 steps, masked).
+        On the CPU, speculative decoding ("auto") verifies them several to a
+        forward instead, keeping the tokens of greedy decoding.
     freeze_gc : bool | None
         Once the engine is built, collect garbage and then move every object alive
         to the garbage collector's permanent generation (``gc.freeze()``,
@@ -178,6 +194,7 @@ class EngineConfig:
     native_accept: bool | None = None
     cuda_graphs: bool = True
     async_scheduling: bool | None = None
+    jump_forward: bool | None = None
     freeze_gc: bool | None = None
     pause_gc: bool | None = None
     spec: Any = None  # SpecConfig after __post_init__

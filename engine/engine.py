@@ -326,6 +326,48 @@ class Engine:
         self._seqs[seq.request_id] = seq
         seq.detok = IncrementalDetokenizer(self.tokenizer, skip_special_tokens=True)
         self.scheduler.add(seq)
+        if seq.constraint is not None:
+            jump = self.config.jump_forward
+            if jump or jump is None and self.device.type == "cuda":
+                self._jump_forward(seq)
+
+    def _jump_forward(self, seq: Sequence) -> None:
+        """Append the tokens ``seq``'s constraint fixes at its start to its prompt's
+        prefill (:attr:`EngineConfig.jump_forward`); a constraint that fails here
+        ends the request with its error."""
+        params = seq.params
+        limit = seq.max_total_len - len(seq.token_ids) - 1  # (one left to sample)
+        if limit <= 0 or params.stop or seq.logprobs is not None or \
+                len(seq.token_ids) > seq.num_prompt_tokens:
+            return
+        constraint = seq.constraint
+        take = getattr(constraint, "take_forced_tokens", None)
+        try:
+            if take is not None:
+                tokens = list(take(limit))
+            else:
+                tokens = []
+                for token in constraint.forced_tokens()[:limit]:
+                    if not constraint.accept(token):
+                        break
+                    tokens.append(token)
+            if len(tokens) > limit:
+                raise ValueError(f"take_forced_tokens({limit}) took {len(tokens)} tokens")
+            ends = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                ends.update(self.eos_token_ids)
+            if ends.intersection(tokens):  # (grammars force none: a caller's stop token)
+                constraint.rollback(len(tokens))
+                return
+        except Exception as exc:
+            seq.error = f"constraint failed: {type(exc).__name__}: {exc}"
+            self._finish(seq, "abort")
+            self._aborted.append(seq)  # (its output comes with the next step)
+            return
+        for token in tokens:
+            seq.token_ids.append(token)
+            seq.defer_text(token)
+        seq.num_forced_tokens += len(tokens)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request; its output (finish_reason "abort") comes with the next step.

@@ -95,6 +95,17 @@ class Matcher(ABC):
         The caller may accept and prefill them without sampling. May be empty.
         """
 
+    def take_forced_tokens(self, limit: int) -> list[int]:
+        """Take the tokens the grammar fixes from here, at most ``limit`` of
+        them, and return those taken (the engine's jump-forward at a request's
+        start: it appends them to the prompt's prefill)."""
+        taken: list[int] = []
+        for token in self.forced_tokens()[:max(limit, 0)]:
+            if not self.accept(token):
+                break
+            taken.append(token)
+        return taken
+
     @abstractmethod
     def fork(self) -> Matcher:
         """An independent copy of this matcher with the same state."""
@@ -250,6 +261,16 @@ class EndCheckedMatcher(Matcher):
 
     def forced_tokens(self) -> list[int]:
         return [t for t in self._inner.forced_tokens() if t not in self._eos]
+
+    def take_forced_tokens(self, limit: int) -> list[int]:
+        """The inner matcher's (its own shortcuts kept), the text kept here."""
+        if self._parts:  # (forced tokens hold no end token: only a fresh one's are taken)
+            return super().take_forced_tokens(limit)
+        taken = self._inner.take_forced_tokens(limit)
+        if taken:
+            self._parts.extend(self._token_bytes[t] for t in taken)
+            self._version += 1
+        return taken
 
     def forces_text(self) -> bool:
         """The inner matcher's ``forces_text`` (the engine's optional hook), False

@@ -723,10 +723,29 @@ class XGrammarGrammar(BackendGrammar):
         self.narrow_texts: dict[bytes, bool] = {}
         # kept text -> the mask of the state it leads to (see _TextMasks)
         self.text_masks = _TextMasks((backend.tokenizer_info.vocab_size + 31) // 32)
+        # the tokens the grammar fixes at its start, a matcher that took them
+        # (forks of it are new matchers that took them too) and their text
+        self._opening: tuple[tuple[int, ...], xgr.GrammarMatcher, bytes] | None = None
 
     @property
     def memory_bytes(self) -> int:
         return int(self.compiled.memory_size_bytes) + self.text_masks.memory_bytes
+
+    def opening(self) -> tuple[tuple[int, ...], xgr.GrammarMatcher, bytes]:
+        """The tokens the grammar fixes at its start (xgrammar's jump-forward
+        tokens there), a matcher that took them, and their text; found once."""
+        got = self._opening
+        if got is None:
+            with _FORK_LOCK:
+                m = self._start.fork()
+            taken: list[int] = []
+            for token in m.find_jump_forward_tokens():
+                if not m.accept_token(token):
+                    break
+                taken.append(token)
+            data = self.backend.vocab.token_bytes
+            got = self._opening = (tuple(taken), m, b"".join(data[t] for t in taken))
+        return got
 
     def matcher(self) -> XGrammarMatcher:
         start = self._start
@@ -767,7 +786,7 @@ class XGrammarMatcher(Matcher):
 
     # (slots: a batch's opening reads every row's text each step, its objects cold)
     __slots__ = ("_xm", "_blocked", "_size", "_stops", "_moved", "_token_bytes", "_origin",
-                 "_text", "_xaccept", "_xhandle", "_pending", "_broken", "_recipe")
+                 "_text", "_xaccept", "_xhandle", "_pending", "_broken", "_recipe", "_source")
 
     def __init__(self, matcher: xgr.GrammarMatcher | None, blocked: frozenset[int], size: int,
                  stops: frozenset[int], *, token_bytes: tuple[bytes, ...] | None = None,
@@ -787,6 +806,7 @@ class XGrammarMatcher(Matcher):
         self._text = text if token_bytes is not None and origin is not None else None
         self._pending = 0     # the last batch of tokens it takes on the worker (_Unsettled)
         self._broken = None   # why its state is not its text's (see _Pending)
+        self._source = None   # what it forks from when not its grammar's start
 
     def __del__(self, _release=_release_later) -> None:  # (bound: the module may be gone)
         _release(getattr(self, "_xhandle", None))  # (xgrammar's matcher dies on the worker)
@@ -798,7 +818,8 @@ class XGrammarMatcher(Matcher):
 
     def _fork_unlocked(self) -> None:
         if self._xm is None:
-            self._own(self._origin._start.fork())
+            source = self._source
+            self._own((source if source is not None else self._origin._start).fork())
 
     def _fork(self) -> xgr.GrammarMatcher:
         """Its xgrammar matcher, forked from its grammar's start now if not yet
@@ -954,6 +975,23 @@ class XGrammarMatcher(Matcher):
     def forced_tokens(self) -> list[int]:
         self._sync()
         return self._m.find_jump_forward_tokens()
+
+    def take_forced_tokens(self, limit: int) -> list[int]:
+        """A new matcher not forked yet takes the tokens its grammar fixes at
+        its start by pointing its fork at a matcher that took them (see
+        :meth:`XGrammarGrammar.opening`): no xgrammar call for a batch's 256
+        requests as they are queued. Otherwise as :meth:`Matcher.take_forced_tokens`."""
+        origin = self._origin
+        if self._xm is None and not self._moved and origin is not None:
+            tokens, source, data = origin.opening()
+            if len(tokens) <= limit:
+                if tokens:
+                    self._moved = True
+                    self._source = source
+                    if self._text is not None:
+                        self._grow_text(data)
+                return list(tokens)
+        return super().take_forced_tokens(limit)
 
     def forces_text(self) -> bool:
         """Whether the grammar fixes the next bytes of text, whatever the model

@@ -269,6 +269,55 @@ def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer,
     assert results[True] == results[False]
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_jump_forward_takes_the_opening_in_the_prefill(weights, tokenizer, graphs,
+                                                            monkeypatch):
+    """On CUDA by default a JSON batch's opening, which the schema fixes, is
+    appended to its prompts' prefill: every row's output starts with its tokens,
+    the batch takes that many steps fewer, its pipelined steps (a large batch's
+    way, picks checked on the native worker or the accept thread) give the
+    synchronous outputs, and every output is valid."""
+    import json
+
+    import formcast.engine.engine as engine_module
+
+    grammars = pytest.importorskip("formcast.grammars")
+    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer"}}}
+    ps = prompts(tokenizer, 16)
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    results = {}
+    for jump, asynchronous in ((None, True), (None, False), (False, True)):
+        eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
+                          max_num_seqs=16, cuda_graphs=graphs, async_scheduling=asynchronous,
+                          jump_forward=jump)
+        compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
+                                    vocab_size=eng.model.config.vocab_size)
+        forced = compiled.matcher().forced_tokens()
+        assert tokenizer.decode(forced) == '{"name":"'
+        ids = [eng.add_request(p, params, constraint=compiled.matcher()) for p in ps]
+        done, steps = {}, 0
+        while eng.has_unfinished_requests():
+            steps += 1
+            done.update((o.request_id, o) for o in eng.step() if o.finished)
+        outs = [done[i] for i in ids]
+        for o in outs:
+            assert o.finish_reason in ("stop", "length")
+            if o.finish_reason == "stop":
+                assert set(json.loads(o.text)) == {"name", "age"}
+            assert o.metrics.num_forced_tokens == (0 if jump is False else len(forced))
+            if jump is None:
+                assert list(o.token_ids[:len(forced)]) == forced
+        results[jump, asynchronous] = [o.token_ids for o in outs], steps
+        assert (eng.num_pipelined_steps > 0) == asynchronous
+    assert results[None, True][0] == results[None, False][0]
+    longest = max(len(ids) for ids in results[None, True][0])
+    assert results[None, True][1] <= longest - len(forced) + 3
+    assert results[None, True][1] < results[False, True][1]
+
+
 def test_cuda_texts_made_while_the_device_runs_are_the_texts_made_at_the_end(
         weights, tokenizer, monkeypatch):
     """With the host's waits for the device detokenizing rows' deferred tokens
@@ -334,7 +383,8 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
         eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
                           max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
-                          unmasked_greedy=unmasked, native_accept=native)
+                          unmasked_greedy=unmasked, native_accept=native,
+                          jump_forward=False)  # (the opening's refusals taken too)
         compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
                                     vocab_size=eng.model.config.vocab_size)
         pinned, pinned_ints = [], eng.sampler.pinned_ints
@@ -400,7 +450,7 @@ def test_cuda_premasked_picks_give_the_masked_outputs(tokenizer, graphs, monkeyp
         monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
         eng = Engine(model, tokenizer, config=EngineConfig(
             num_kv_blocks=256, max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
-            unmasked_greedy=unmasked, native_accept=native, spec="none"),
+            unmasked_greedy=unmasked, native_accept=native, spec="none", jump_forward=False),
             device=torch.device("cuda"))
         compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
                                     vocab_size=cfg.vocab_size)

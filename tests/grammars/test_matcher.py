@@ -143,6 +143,56 @@ def test_forced_tokens_of_a_json_object(compiler, tiny_vocab):
     assert all(m.accept(t) for t in forced)
 
 
+@pytest.mark.parametrize("backend, constraint, rest", [
+    ("xgrammar", JsonSchema(PERSON), 'Ann","age":3}'),
+    ("xgrammar", Choice(["<|im_start|>yes", "<|im_start|>no"]), "yes")])
+def test_taking_forced_tokens_leaves_the_state_accepting_them_does(backend, constraint, rest,
+                                                                    compiler, tiny_vocab):
+    """``take_forced_tokens`` (the engine's jump-forward) of a new matcher, its
+    shortcut for xgrammar's included, equals accepting ``forced_tokens`` one by
+    one: the same tokens, masks and verdicts after, and a second matcher of the
+    grammar unaffected; at most ``limit`` are taken (the shortcut then leaves it
+    to :meth:`Matcher.take_forced_tokens`, which any backend has)."""
+    compiled = compiler.compile(constraint, tiny_vocab, backend=backend)
+    by_hand = compiled.matcher()
+    forced = by_hand.forced_tokens()
+    assert forced and all(by_hand.accept(t) for t in forced)
+    opened = _mask(by_hand, compiled)
+    taken, other = compiled.matcher(), compiled.matcher()
+    assert taken.take_forced_tokens(100) == forced
+    assert taken.forced_tokens() == [] and other.forced_tokens() == forced
+    assert torch.equal(_mask(taken, compiled), opened)
+    assert not torch.equal(_mask(other, compiled), opened)
+    for t in _ids(tiny_vocab, rest):
+        assert taken.accept(t) and by_hand.accept(t)
+    assert taken.is_completed() and taken.accept(EOS) and taken.is_terminated()
+    again = compiled.matcher()  # (xgrammar: the grammar's opening is found once)
+    assert again.take_forced_tokens(len(forced)) == forced
+    assert torch.equal(_mask(again, compiled), opened)
+    if len(forced) > 1:
+        short = compiled.matcher()
+        assert short.take_forced_tokens(1) == forced[:1]
+        assert short.take_forced_tokens(0) == []
+        assert short.forced_tokens() == forced[1:]
+
+
+def test_an_end_checked_matcher_keeps_the_text_of_the_forced_tokens_it_takes(compiler,
+                                                                             tiny_vocab):
+    schema = {"type": "object", "required": ["tags"], "additionalProperties": False,
+              "properties": {"tags": {"type": "array", "items": {"enum": [1, 2]},
+                                      "uniqueItems": True}}}
+    compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    assert compiled.end_check is not None
+    m = compiled.matcher()
+    opening = b"".join(tiny_vocab.token_bytes[t] for t in m.take_forced_tokens(100))
+    assert opening.startswith(b'{"tags"') and b'{"tags":['.startswith(opening)
+    for t in _ids(tiny_vocab, '{"tags":[1,1]}'[len(opening):]):
+        assert m.accept(t)
+    assert not m.accept(EOS) and "non-unique" in (m.last_violation or "")
+    m.rollback(3)  # back to '{"tags":[1,'
+    assert all(m.accept(t) for t in _ids(tiny_vocab, "2]}")) and m.accept(EOS)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_accept_text_is_one_step(backend, compiler, tiny_vocab):
     compiled = compiler.compile(Regex(r"(ab)+c"), tiny_vocab, backend=backend)
