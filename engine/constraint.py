@@ -86,6 +86,31 @@ class LogitsConstraint(Protocol):
 # requests' prefill, once that step is on its way to the device.
 
 
+# Optional: ``take_forced_tokens(limit) -> list[int]`` (a method) accepts the tokens
+# the constraint fixes from here, at most ``limit``, and returns them (the engine's
+# jump-forward at a request's start, ``EngineConfig.jump_forward``): a class may take
+# them faster than :func:`accept_forced_tokens` does (xgrammar's new matchers fork a
+# matcher that took their grammar's opening).
+
+
+def take_forced_tokens(constraint: LogitsConstraint, limit: int) -> list[int]:
+    """The tokens ``constraint`` fixes from here, at most ``limit``, accepted into
+    it: its ``take_forced_tokens`` hook's, else :func:`accept_forced_tokens`."""
+    hook = getattr(constraint, "take_forced_tokens", None)
+    return list(hook(limit)) if hook is not None else accept_forced_tokens(constraint, limit)
+
+
+def accept_forced_tokens(constraint: LogitsConstraint, limit: int) -> list[int]:
+    """``constraint.forced_tokens()``, at most ``limit``, accepted one by one up to
+    the first it refuses: those accepted."""
+    taken: list[int] = []
+    for token in constraint.forced_tokens()[:max(limit, 0)]:
+        if not constraint.accept(token):
+            break
+        taken.append(token)
+    return taken
+
+
 def bitmask_words(vocab_size: int) -> int:
     """Number of int32 words of one bitmask row for ``vocab_size`` tokens."""
     return (vocab_size + 31) // 32

@@ -24,7 +24,7 @@ import torch
 
 from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
-from formcast.engine.constraint import LogitsConstraint
+from formcast.engine.constraint import LogitsConstraint, take_forced_tokens
 from formcast.engine.cuda_graph import graph_ladder
 from formcast.engine.kernels import current_stream, event_poll, to_device, wait_event
 from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
@@ -341,16 +341,8 @@ class Engine:
                 len(seq.token_ids) > seq.num_prompt_tokens:
             return
         constraint = seq.constraint
-        take = getattr(constraint, "take_forced_tokens", None)
         try:
-            if take is not None:
-                tokens = list(take(limit))
-            else:
-                tokens = []
-                for token in constraint.forced_tokens()[:limit]:
-                    if not constraint.accept(token):
-                        break
-                    tokens.append(token)
+            tokens = take_forced_tokens(constraint, limit)
             if len(tokens) > limit:
                 raise ValueError(f"take_forced_tokens({limit}) took {len(tokens)} tokens")
             ends = set(params.stop_token_ids)

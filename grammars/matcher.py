@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from formcast.engine.constraint import bitmask_words
+from formcast.engine.constraint import accept_forced_tokens, bitmask_words
 
 
 class Matcher(ABC):
@@ -99,12 +99,7 @@ class Matcher(ABC):
         """Take the tokens the grammar fixes from here, at most ``limit`` of
         them, and return those taken (the engine's jump-forward at a request's
         start: it appends them to the prompt's prefill)."""
-        taken: list[int] = []
-        for token in self.forced_tokens()[:max(limit, 0)]:
-            if not self.accept(token):
-                break
-            taken.append(token)
-        return taken
+        return accept_forced_tokens(self, limit)
 
     @abstractmethod
     def fork(self) -> Matcher:

@@ -274,8 +274,7 @@ class _PreparedAccept:
             return None
         get, n = masks.slots.get, len(matchers)
         kept = list(map(_TEXT, matchers))
-        # (rows in step, a batch's opening: one text, compared by identity first)
-        in_step = kept.count(kept[0]) == n
+        in_step = _all_alike(kept)  # (rows in step, a batch's opening)
         if in_step:
             slot = get(kept[0], -1)
             if slot < 0:
@@ -313,7 +312,7 @@ class _PreparedAccept:
         whole = len(rows_taken) == n
         size = self.size
         first: dict[int, int] = {}
-        if whole and in_step and tokens.count(tokens[0]) == n:  # (one text, one token)
+        if whole and in_step and _all_alike(tokens):  # (one text, one token)
             first[int(slots[0]) * size + tokens[0]] = 0
             back = None
         else:
@@ -433,6 +432,13 @@ class _PreparedAccept:
 
 _SPECIAL_BITS: dict[tuple[int, int, int], tuple] = {}
 _TEXT, _ORIGIN = operator.attrgetter("_text"), operator.attrgetter("_origin")
+
+
+def _all_alike(items: list) -> bool:
+    """Whether every one of ``items`` (not empty) equals the first: one C-level
+    count, which compares by identity first (a batch's rows in step share the
+    very text object)."""
+    return items.count(items[0]) == len(items)
 
 
 class _NativeAccept:
@@ -1197,7 +1203,7 @@ def _distinct_states(matchers: list[XGrammarMatcher]
     if None not in texts and len(set(map(_ORIGIN, matchers))) == 1:
         # (the usual batch, one grammar's matchers that all keep their texts:
         # grouped by text alone, in C-level loops)
-        if texts.count(texts[0]) == len(texts):  # (rows in step: one text, compared by identity first)
+        if _all_alike(texts):  # (rows in step: one text)
             return matchers[:1], [0] * len(texts)
         index = [first.setdefault(text, len(first)) for text in texts]
         if len(first) == len(matchers):
