@@ -20,7 +20,7 @@ import jinja2.ext
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from formcast.errors import CorruptModelError, RequestError
+from formcast.engine.errors import CorruptModelError, RequestError
 
 
 def _raise_exception(message: str) -> NoReturn:

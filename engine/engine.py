@@ -44,7 +44,7 @@ from formcast.engine.spec.mtp import MTPProposer
 from formcast.engine.spec.proposers import DraftMemory, fill_draft_masks
 from formcast.engine.spec.schedule import StepCostModel, choose_lengths
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
-from formcast.errors import EngineError, RequestError
+from formcast.engine.errors import EngineError, RequestError
 
 FINISHED = SequenceStatus.FINISHED
 

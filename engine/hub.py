@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from formcast.errors import ModelFetchError, ModelNotFoundError
+from formcast.engine.errors import ModelFetchError, ModelNotFoundError
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from formcast.errors import RequestError
+from formcast.engine.errors import RequestError
 
 
 @dataclass(frozen=True, kw_only=True)

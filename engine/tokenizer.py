@@ -39,7 +39,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 from formcast.engine.chat_template import ChatTemplate
-from formcast.errors import (CorruptModelError, ModelNotFoundError, RequestError,
+from formcast.engine.errors import (CorruptModelError, ModelNotFoundError, RequestError,
                              UnsupportedModelError)
 
 # Special tokens that close a chat turn in common templates. One that is in the vocabulary

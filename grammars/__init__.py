@@ -11,45 +11,48 @@ into an immutable :class:`CompiledGrammar`; each request gets a cheap
     tok = load_tokenizer("smollm2")
     compiled = grammars.compile(grammars.from_type(Person), tok)
     matcher = compiled.matcher()          # hand to Engine.generate(..., constraints=[...])
+
+Names are imported on first use, so that ``formcast.grammars.errors`` loads no torch.
 """
 
-from formcast.grammars.bitmask import allocate_bitmask, apply_bitmask, fill_bitmasks
-from formcast.grammars.compiler import (
-    BACKENDS,
-    CompiledGrammar,
-    GrammarCompiler,
-    compile,
-    default_compiler,
-)
-from formcast.grammars.constraints import Choice, Constraint, Ebnf, JsonSchema, Lark, Regex
-from formcast.grammars.matcher import EndCheckedMatcher, EndViolation, Matcher
-from formcast.grammars.python_types import from_type, type_schema
-from formcast.grammars.schema_coverage import KeywordCoverage, SchemaCoverage
-from formcast.grammars.schema_prepare import explain
-from formcast.grammars.vocab import Vocabulary
+import importlib
 
-__all__ = [
-    "BACKENDS",
-    "Choice",
-    "CompiledGrammar",
-    "Constraint",
-    "Ebnf",
-    "EndCheckedMatcher",
-    "EndViolation",
-    "GrammarCompiler",
-    "JsonSchema",
-    "KeywordCoverage",
-    "Lark",
-    "Matcher",
-    "Regex",
-    "SchemaCoverage",
-    "Vocabulary",
-    "allocate_bitmask",
-    "apply_bitmask",
-    "compile",
-    "default_compiler",
-    "explain",
-    "fill_bitmasks",
-    "from_type",
-    "type_schema",
-]
+_EXPORTS = {
+    "BACKENDS": "formcast.grammars.compiler",
+    "Choice": "formcast.grammars.constraints",
+    "CompiledGrammar": "formcast.grammars.compiler",
+    "Constraint": "formcast.grammars.constraints",
+    "ConstraintError": "formcast.grammars.errors",
+    "Ebnf": "formcast.grammars.constraints",
+    "EndCheckedMatcher": "formcast.grammars.matcher",
+    "EndViolation": "formcast.grammars.matcher",
+    "GrammarCompiler": "formcast.grammars.compiler",
+    "JsonSchema": "formcast.grammars.constraints",
+    "KeywordCoverage": "formcast.grammars.schema_coverage",
+    "Lark": "formcast.grammars.constraints",
+    "Matcher": "formcast.grammars.matcher",
+    "Regex": "formcast.grammars.constraints",
+    "SchemaCoverage": "formcast.grammars.schema_coverage",
+    "Vocabulary": "formcast.grammars.vocab",
+    "allocate_bitmask": "formcast.grammars.bitmask",
+    "apply_bitmask": "formcast.grammars.bitmask",
+    "compile": "formcast.grammars.compiler",
+    "default_compiler": "formcast.grammars.compiler",
+    "explain": "formcast.grammars.schema_prepare",
+    "fill_bitmasks": "formcast.grammars.bitmask",
+    "from_type": "formcast.grammars.python_types",
+    "type_schema": "formcast.grammars.python_types",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'formcast.grammars' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = sorted(_EXPORTS)

@@ -18,7 +18,7 @@ from functools import cache
 
 import torch
 
-from formcast.errors import ConstraintError
+from formcast.grammars.errors import ConstraintError
 from formcast.grammars import regex_dialect
 from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSource
 from formcast.grammars.bitmask import allocate_bitmask

@@ -22,7 +22,7 @@ import re._constants as sre_c
 import re._parser as sre_parse
 from functools import lru_cache
 
-from formcast.errors import ConstraintError
+from formcast.grammars.errors import ConstraintError
 
 _MAX_CODE_POINT = 0x10FFFF
 _SURROGATES = (0xD800, 0xDFFF)

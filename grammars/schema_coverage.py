@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import jsonschema
 
-from formcast.errors import ConstraintError
+from formcast.grammars.errors import ConstraintError
 from formcast.grammars import regex_dialect
 
 Status = Literal["mask", "end", "annotation", "unsupported"]

@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 from jsonschema.exceptions import best_match
 
-from formcast.errors import ConstraintError
+from formcast.grammars.errors import ConstraintError
 from formcast.grammars import regex_dialect
 from formcast.grammars.constraints import JsonSchema
 from formcast.grammars.json_spans import value_span

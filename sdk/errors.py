@@ -1,4 +1,7 @@
-"""The formcast error hierarchy.
+"""The formcast error hierarchy, all in one place for callers.
+
+The base class and the engine's errors live in ``formcast.engine.errors``, the
+constraint error in ``formcast.grammars.errors``; the SDK's own errors are here.
 
 Every error formcast raises on purpose derives from :class:`FormcastError`, so a
 caller can catch the family with one clause. Errors about a caller's arguments
@@ -8,37 +11,17 @@ library's conventions keeps working.
 
 from __future__ import annotations
 
-
-class FormcastError(Exception):
-    """Base class of every error formcast raises on purpose."""
-
-
-class ModelError(FormcastError):
-    """A model could not be found, fetched or loaded."""
-
-
-class ModelNotFoundError(ModelError):
-    """The name or path given does not resolve to a model formcast can load."""
-
-
-class ModelFetchError(ModelError):
-    """Fetching a registry model failed (network, pip, checksum)."""
-
-
-class CorruptModelError(ModelError):
-    """A model file exists but is truncated, damaged or inconsistent."""
-
-
-class UnsupportedModelError(ModelError):
-    """A well-formed model file of an architecture or format formcast does not run."""
-
-
-class RequestError(FormcastError, ValueError):
-    """A request was rejected before any work was queued (bad prompt or parameters)."""
-
-
-class ConstraintError(FormcastError, ValueError):
-    """A constraint (schema, regex, grammar, choices) is invalid, unsatisfiable or too costly."""
+from formcast.engine.errors import (
+    CorruptModelError,
+    EngineError,
+    FormcastError,
+    ModelError,
+    ModelFetchError,
+    ModelNotFoundError,
+    RequestError,
+    UnsupportedModelError,
+)
+from formcast.grammars.errors import ConstraintError
 
 
 class IncompleteOutputError(FormcastError):
@@ -70,10 +53,6 @@ class OutputValidationError(FormcastError):
         super().__init__(message)
         self.text = text
         self.error = error
-
-
-class EngineError(FormcastError):
-    """The engine failed while running (not caused by one request's input)."""
 
 
 class DatasetError(FormcastError):

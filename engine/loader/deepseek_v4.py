@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from formcast.engine.config import DeepseekV4Config
 from formcast.engine.loader.blockquant import FP8_BLOCK, dequantize_fp4, dequantize_fp8
 from formcast.engine.loader.hf import _weight_files
-from formcast.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from formcast.engine.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 
 _COMPRESSOR_LEAVES = {"wkv.weight": "kv_proj.weight", "wgate.weight": "gate_proj.weight",
                       "ape": "position_bias", "norm.weight": "kv_norm.weight"}

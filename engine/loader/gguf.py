@@ -1,7 +1,7 @@
 """Load a Llama GGUF file into transformers-named float32 weights, with an on-disk cache.
 
 Parsing is ``gguf.GGUFReader``; anything it trips over becomes a
-:class:`~formcast.errors.CorruptModelError` naming the file. Dequantized weights are
+:class:`~formcast.engine.errors.CorruptModelError` naming the file. Dequantized weights are
 cached next to the GGUF as ``<file>.formcast-f32.safetensors`` so a second load is
 a plain safetensors read instead of a parse (~2 s for SmolLM2, mostly the 49k
 tokenizer strings) plus dequantization (~1 s).
@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from formcast.engine.config import LlamaConfig
 from formcast.engine.loader.dequant import SUPPORTED_TYPES, dequantize, nbytes_of
 from formcast.engine.loader.hf import check_weights, expected_shapes
-from formcast.errors import CorruptModelError, ModelError, ModelNotFoundError, UnsupportedModelError
+from formcast.engine.errors import CorruptModelError, ModelError, ModelNotFoundError, UnsupportedModelError
 
 _log = logging.getLogger(__name__)
 

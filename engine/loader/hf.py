@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from formcast.engine.config import LlamaConfig
-from formcast.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from formcast.engine.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"

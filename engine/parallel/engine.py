@@ -26,7 +26,7 @@ from formcast.engine.parallel.config import ParallelConfig
 from formcast.engine.parallel.placement import default_placement, plan_placement
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.sequence import Request, RequestOutput
-from formcast.errors import EngineError, RequestError
+from formcast.engine.errors import EngineError, RequestError
 
 
 def _free_port() -> int:

@@ -98,7 +98,7 @@ def worker_main(rank: int, world: int, init_method: str, backend: str, source: s
 
 def serve(engine, conn) -> None:
     """Answer the caller's commands until "stop" (or the pipe closes)."""
-    from formcast.errors import RequestError
+    from formcast.engine.errors import RequestError
 
     lockstep = getattr(engine.model, "lockstep", None)
     while True:

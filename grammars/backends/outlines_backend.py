@@ -20,7 +20,7 @@ import outlines_core
 import torch
 from outlines_core.json_schema import build_regex_from_schema
 
-from formcast.errors import ConstraintError
+from formcast.grammars.errors import ConstraintError
 from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSource
 from formcast.grammars.matcher import Matcher, check_bitmask
 from formcast.grammars.vocab import Vocabulary

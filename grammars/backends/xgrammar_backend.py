@@ -15,7 +15,7 @@ import numpy
 import torch
 import xgrammar as xgr
 
-from formcast.errors import ConstraintError
+from formcast.grammars.errors import ConstraintError
 from formcast.grammars.backends import native_accept
 from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSource
 from formcast.grammars.matcher import Matcher
