@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import queue
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSour
 from formcast.grammars.bitmask import allocate_bitmask
 from formcast.grammars.cache import ByteBoundedLRU, Failure
 from formcast.grammars.constraints import Choice, Constraint, Ebnf, JsonSchema, Lark, Regex
+from formcast.grammars.grammar_check import check_grammar
 from formcast.grammars.matcher import EndCheckedMatcher, EndViolation, Matcher
+from formcast.grammars.native_log import native_log
 from formcast.grammars.schema_coverage import SchemaCoverage
 from formcast.grammars.schema_prepare import prepare
 from formcast.grammars.vocab import TokenizerLike, Vocabulary
@@ -106,6 +109,10 @@ class CompiledGrammar:
     coverage : SchemaCoverage or None
         For JSON Schemas: how each keyword is enforced (see :func:`explain`).
     compile_seconds : float
+    warnings : tuple of str
+        What compiling noticed but did not refuse: rules that can never be used, and
+        the mask library's own warnings (also issued with ``warnings.warn`` when the
+        grammar is compiled).
     """
 
     constraint: Constraint
@@ -116,6 +123,7 @@ class CompiledGrammar:
     grammar: BackendGrammar
     # Validates the finished document when part of a JSON Schema is checked at the end.
     end_check: EndCheck | None = None
+    warnings: tuple[str, ...] = ()
 
     @property
     def memory_bytes(self) -> int:
@@ -158,8 +166,8 @@ def grammar_source(constraint: Constraint, backend: str
         return GrammarSource(kind="ebnf", text=constraint.text, root=constraint.root), None, None
     if isinstance(constraint, Lark):
         return GrammarSource(kind="lark", text=constraint.text), None, None
-    raise TypeError(f"not a formcast constraint: {type(constraint).__name__} "
-                    "(use Regex, JsonSchema, Ebnf, Lark, Choice or from_type)")
+    raise ConstraintError(f"not a formcast constraint: {type(constraint).__name__} "
+                          "(use Regex, JsonSchema, Ebnf, Lark, Choice or from_type)")
 
 
 class GrammarCompiler:
@@ -244,7 +252,8 @@ class GrammarCompiler:
             Unknown backend or a vocab_size smaller than the tokenizer.
         """
         if not isinstance(constraint, Constraint):
-            raise TypeError(f"not a formcast constraint: {type(constraint).__name__}")
+            raise ConstraintError(f"not a formcast constraint: {type(constraint).__name__} "
+                                  "(use Regex, JsonSchema, Ebnf, Lark, Choice or from_type)")
         name = "xgrammar" if backend == "auto" else backend
         cls = _backend_class(name)
         if not cls.supports("regex" if constraint.kind == "choice" else constraint.kind):
@@ -264,13 +273,17 @@ class GrammarCompiler:
                                                                  constraint, vocab, name)
         deadline = self.timeout_s if timeout_s is None else timeout_s
         try:
-            return future.result(timeout=deadline)
+            compiled = future.result(timeout=deadline)
         except cf.TimeoutError:
             message = (f"compiling the {constraint.kind} constraint took longer than "
                        f"{deadline:g} s; simplify it or raise the deadline")
             if self.cache.get(key) is None:
                 self.cache.put(key, Failure(message), _FAILURE_BYTES)
             raise ConstraintError(message) from None
+        # on the caller's thread, once per compile (a cache hit above repeats none)
+        for note in compiled.warnings:
+            warnings.warn(note, UserWarning, stacklevel=2)
+        return compiled
 
     def _compile_job(self, key: tuple, constraint: Constraint, vocab: Vocabulary,
                      name: str) -> CompiledGrammar:
@@ -310,11 +323,16 @@ class GrammarCompiler:
 
     def _build(self, constraint: Constraint, vocab: Vocabulary, name: str) -> CompiledGrammar:
         start = time.perf_counter()
-        source, coverage, end_check = grammar_source(constraint, name)
-        grammar = self._backend(name, vocab).compile(source)
+        # the library logs onto descriptor 2; its lines become this grammar's warnings
+        with native_log().capture() as logged:
+            source, coverage, end_check = grammar_source(constraint, name)
+            found = () if source.kind == "json_schema" else check_grammar(source)
+            grammar = self._backend(name, vocab).compile(source)
+        # (a source parsed twice, checked then compiled, logs its warnings twice)
+        notes = tuple(dict.fromkeys((*found, *(f"{name}: {line}" for line in logged))))
         return CompiledGrammar(constraint=constraint, backend=name, vocab=vocab,
                                coverage=coverage, compile_seconds=time.perf_counter() - start,
-                               grammar=grammar, end_check=end_check)
+                               grammar=grammar, end_check=end_check, warnings=notes)
 
     def close(self) -> None:
         """Let the worker threads end once the queued compiles are done."""

@@ -4,6 +4,7 @@ Each constraint is an immutable value with a ``kind`` and a ``canonical_text``; 
 pair (with the tokenizer's fingerprint) keys the compile cache, so two equal
 constraints compile once. Validation here covers only the arguments' shapes; the
 content (regex syntax, schema semantics, grammar rules) is checked when compiling.
+Either way a problem raises :class:`~formcast.grammars.errors.ConstraintError`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from formcast.grammars.errors import ConstraintError
 
 Whitespace = Literal["compact", "flexible"]
 
@@ -49,7 +52,8 @@ class Regex(Constraint):
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str):
-            raise ValueError(f"Regex pattern must be a str, got {type(self.pattern).__name__}")
+            raise ConstraintError("Regex pattern must be a str, "
+                                  f"got {type(self.pattern).__name__}")
 
     @property
     def kind(self) -> str:
@@ -83,17 +87,18 @@ class JsonSchema(Constraint):
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, (Mapping, str, bool)):
-            raise ValueError("JsonSchema schema must be a dict, a bool or JSON text, "
-                             f"got {type(self.schema).__name__}")
+            raise ConstraintError("JsonSchema schema must be a dict, a bool or JSON text, "
+                                  f"got {type(self.schema).__name__}")
         if self.whitespace not in ("compact", "flexible"):
-            raise ValueError(f"whitespace must be 'compact' or 'flexible', got {self.whitespace!r}")
+            raise ConstraintError("whitespace must be 'compact' or 'flexible', "
+                                  f"got {self.whitespace!r}")
         if self.max_whitespace is not None:
             if self.whitespace != "flexible":
-                raise ValueError("max_whitespace only applies to whitespace='flexible'")
+                raise ConstraintError("max_whitespace only applies to whitespace='flexible'")
             if (not isinstance(self.max_whitespace, int) or isinstance(self.max_whitespace, bool)
                     or not 1 <= self.max_whitespace <= MAX_WHITESPACE_LIMIT):
-                raise ValueError(f"max_whitespace must be an int in 1..{MAX_WHITESPACE_LIMIT}, "
-                                 f"got {self.max_whitespace!r}")
+                raise ConstraintError("max_whitespace must be an int in "
+                                      f"1..{MAX_WHITESPACE_LIMIT}, got {self.max_whitespace!r}")
 
     @property
     def whitespace_bound(self) -> int:
@@ -114,8 +119,7 @@ class JsonSchema(Constraint):
         try:
             return json.dumps(self.schema, ensure_ascii=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
-            # Reported as a ConstraintError by the compiler, which owns content checks.
-            raise ValueError(f"schema is not JSON-serialisable: {exc}") from exc
+            raise ConstraintError(f"schema is not JSON-serialisable: {exc}") from exc
 
     @property
     def canonical_text(self) -> str:
@@ -139,7 +143,7 @@ class Ebnf(Constraint):
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str) or not isinstance(self.root, str) or not self.root:
-            raise ValueError("Ebnf needs grammar text (str) and a non-empty root rule name")
+            raise ConstraintError("Ebnf needs grammar text (str) and a non-empty root rule name")
 
     @property
     def kind(self) -> str:
@@ -165,7 +169,7 @@ class Lark(Constraint):
 
     def __post_init__(self) -> None:
         if not isinstance(self.text, str):
-            raise ValueError(f"Lark text must be a str, got {type(self.text).__name__}")
+            raise ConstraintError(f"Lark text must be a str, got {type(self.text).__name__}")
 
     @property
     def kind(self) -> str:
@@ -190,16 +194,20 @@ class Choice(Constraint):
 
     def __init__(self, options: Sequence[str]) -> None:
         if isinstance(options, str) or not isinstance(options, Sequence):
-            raise ValueError("Choice options must be a sequence of strings, "
-                             f"got {type(options).__name__}")
+            raise ConstraintError("Choice options must be a sequence of strings, "
+                                  f"got {type(options).__name__}")
         opts = tuple(options)
         if not opts:
-            raise ValueError("Choice needs at least one option")
+            raise ConstraintError("Choice needs at least one option")
         for i, o in enumerate(opts):
             if not isinstance(o, str) or not o:
-                raise ValueError(f"Choice option {i} must be a non-empty str, got {o!r}")
-        if len(set(opts)) != len(opts):
-            raise ValueError("Choice options must be distinct")
+                raise ConstraintError(f"Choice option {i} must be a non-empty str, got {o!r}")
+        seen: set[str] = set()
+        for i, o in enumerate(opts):
+            if o in seen:
+                raise ConstraintError(f"Choice option {i} ({o!r}) repeats an earlier option; "
+                                      "options must be distinct")
+            seen.add(o)
         object.__setattr__(self, "options", opts)
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -84,8 +84,11 @@ class LLM:
             return prompt, True
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
-        else:
+        elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
             messages = list(prompt)
+        else:
+            raise RequestError("prompt must be a str or a list of chat messages (dicts with "
+                               f"'role' and 'content'), got {type(prompt).__name__}")
         if system is not None:
             messages = [{"role": "system", "content": system}] + messages
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True), False
@@ -121,10 +124,9 @@ class LLM:
 
         Raises
         ------
-        ValueError
-            More than one constraint given.
         ConstraintError
-            The constraint is invalid (raised before generation).
+            The constraint is invalid, or more than one was given (raised before
+            generation).
         RequestError
             Bad prompt or sampling parameters.
         """
@@ -151,7 +153,17 @@ class LLM:
         Same parameters as :meth:`generate`; with a ``seed``, prompt ``i`` uses
         ``seed + i``, or ``seed[i]`` when a sequence of one seed per prompt is given. Returns one entry per prompt, in order: a :class:`Completion`,
         or the :class:`FormcastError` that item failed with (the others still run).
+
+        Raises
+        ------
+        RequestError
+            ``prompts`` is not a list of prompts.
+        ConstraintError
+            The constraint is invalid, or more than one was given.
         """
+        if isinstance(prompts, (str, Mapping)) or not isinstance(prompts, Sequence):
+            raise RequestError("prompts must be a list of prompts (str or chat messages), "
+                               f"got {type(prompts).__name__}")
         spec = output_spec(regex=regex, json_schema=json_schema, grammar=grammar, lark=lark,
                            choices=choices, output_type=output_type)
         params = _sampling(len(prompts), max_tokens=max_tokens, temperature=temperature,
@@ -280,12 +292,14 @@ class LLM:
 
         Raises
         ------
+        ConstraintError
+            Neither ``output_type`` nor ``json_schema`` given, or the constraint is invalid.
         IncompleteOutputError
             ``max_tokens`` ran out before the value was complete.
         """
         if output_type is None and json_schema is None:
-            raise ValueError("stream() needs output_type= or json_schema=; "
-                             "use stream_text() for free text")
+            raise ConstraintError("stream() needs output_type= or json_schema=; "
+                                  "use stream_text() for free text")
         kwargs.update(output_type=output_type, json_schema=json_schema)
         spec = _pop_spec(kwargs)
         last, final = None, None

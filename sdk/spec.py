@@ -9,11 +9,11 @@ independent validator: jsonschema or pydantic).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from formcast.errors import OutputValidationError
+from formcast.errors import ConstraintError, OutputValidationError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,14 +28,14 @@ class OutputSpec:
         The ``formcast.grammars`` constraint (None for free text).
     parser : callable | None
         text -> value; raises :class:`OutputValidationError`. None: no value.
-    json_schema : dict | None
+    json_schema : dict | bool | None
         The JSON Schema, for JSON outputs.
     """
 
     kind: str
     constraint: Any = None
     parser: Callable[[str], Any] | None = None
-    json_schema: dict | None = None
+    json_schema: dict | bool | None = None
 
     @property
     def parses(self) -> bool:
@@ -57,12 +57,19 @@ class OutputSpec:
 def output_spec(*, regex: str | None = None, json_schema: dict | str | None = None,
                 grammar: str | None = None, lark: str | None = None,
                 choices: Sequence[str] | None = None, output_type: Any = None) -> OutputSpec:
-    """Build the spec for at most one constraint argument (else ``ValueError``)."""
+    """Build the spec for at most one constraint argument.
+
+    Raises
+    ------
+    ConstraintError
+        More than one constraint given, or one that is malformed (JSON Schema text
+        that does not parse, choices that are not distinct strings, ...).
+    """
     given = {k: v for k, v in dict(regex=regex, json_schema=json_schema, grammar=grammar,
                                    lark=lark, choices=choices, output_type=output_type).items()
              if v is not None}
     if len(given) > 1:
-        raise ValueError(f"give at most one constraint, got {sorted(given)}")
+        raise ConstraintError(f"give at most one constraint, got {sorted(given)}")
     if not given:
         return OutputSpec(kind="text")
     from formcast import grammars
@@ -75,14 +82,38 @@ def output_spec(*, regex: str | None = None, json_schema: dict | str | None = No
     if key == "lark":
         return OutputSpec(kind="lark", constraint=grammars.Lark(value))
     if key == "choices":
-        options = list(value)
+        options = value if isinstance(value, (str, Sequence)) else _listed(value)
         return OutputSpec(kind="choice", constraint=grammars.Choice(options),
                           parser=lambda text: _check_choice(text, options))
     if key == "json_schema":
-        schema = json.loads(value) if isinstance(value, str) else dict(value)
+        schema = _schema_value(value)
         return OutputSpec(kind="json", constraint=grammars.JsonSchema(schema),
                           parser=lambda text: parse_json(text, schema), json_schema=schema)
     return type_spec(value)
+
+
+def _schema_value(value: Any) -> Any:
+    """A ``json_schema=`` argument as a dict or bool (JSON text parsed)."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConstraintError(f"json_schema is not valid JSON: {exc.msg} at line "
+                                  f"{exc.lineno}:{exc.colno}") from None
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, bool):
+        return value
+    raise ConstraintError("json_schema must be a dict, a bool or JSON text, "
+                          f"got {type(value).__name__}")
+
+
+def _listed(value: Any) -> Any:
+    """Choices given as any iterable, as a list (a non-iterable is left for Choice to refuse)."""
+    try:
+        return list(value)
+    except TypeError:
+        return value
 
 
 def type_spec(tp: Any) -> OutputSpec:

@@ -102,16 +102,34 @@ def test_failures_are_cached_and_fail_fast(compiler, tiny_vocab):
     assert str(again.value) == str(first.value)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: Choice([]), lambda: Choice(["a", "a"]), lambda: Choice(["a", ""]),
-    lambda: Choice("ab"), lambda: JsonSchema({}, max_whitespace=3),
-    lambda: JsonSchema({}, whitespace="flexible", max_whitespace=0),
-    lambda: JsonSchema({}, whitespace="pretty"), lambda: JsonSchema(3),
-    lambda: Regex(b"a"), lambda: Ebnf("root ::= a", root=""),
+@pytest.mark.parametrize("make,expect", [
+    (lambda: Choice([]), "at least one option"),
+    (lambda: Choice(["a", "b", "a"]), "option 2 ('a') repeats an earlier option"),
+    (lambda: Choice(["a", ""]), "option 1 must be a non-empty str"),
+    (lambda: Choice("ab"), "sequence of strings, got str"),
+    (lambda: Choice(None), "sequence of strings, got NoneType"),
+    (lambda: JsonSchema({}, max_whitespace=3), "only applies to whitespace='flexible'"),
+    (lambda: JsonSchema({}, whitespace="flexible", max_whitespace=0), "1..64, got 0"),
+    (lambda: JsonSchema({}, whitespace="pretty"), "got 'pretty'"),
+    (lambda: JsonSchema(42), "dict, a bool or JSON text, got int"),
+    (lambda: JsonSchema(None), "got NoneType"),
+    (lambda: JsonSchema({"a": {1, 2}}).canonical_text, "not JSON-serialisable"),
+    (lambda: Regex(b"a"), "must be a str, got bytes"),
+    (lambda: Regex(None), "must be a str, got NoneType"),
+    (lambda: Ebnf("root ::= a", root=""), "non-empty root rule name"),
+    (lambda: Lark(None), "must be a str, got NoneType"),
 ])
-def test_malformed_arguments_raise_value_error(make):
-    with pytest.raises(ValueError):
+def test_malformed_arguments_raise_constraint_error(make, expect):
+    with pytest.raises(ConstraintError) as info:
         make()
+    assert expect in str(info.value)
+    assert isinstance(info.value, ValueError)   # except ValueError code keeps working
+
+
+@pytest.mark.parametrize("thing", [None, "a+", {"type": "string"}])
+def test_compiling_what_is_not_a_constraint_is_a_constraint_error(thing, compiler, tiny_vocab):
+    with pytest.raises(ConstraintError, match="not a formcast constraint"):
+        compiler.compile(thing, tiny_vocab)
 
 
 def test_unknown_backend_and_vocab_size(compiler, tiny_vocab, smollm2_tokenizer):

@@ -150,7 +150,7 @@ def test_stream_yields_growing_partials_then_the_instance(llm):
     partials = items[:-1]
     assert partials and all(isinstance(p, dict) for p in partials)
     assert len(partials[-1]) >= len(partials[0])
-    with pytest.raises(ValueError, match="stream_text"):
+    with pytest.raises(ConstraintError, match="stream_text"):
         next(llm.stream("hi"))
 
 

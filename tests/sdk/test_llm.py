@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import formcast
-from formcast import Completion, FormcastError, RequestError
+from formcast import Completion, ConstraintError, FormcastError, RequestError
 
 pytestmark = pytest.mark.slow
 
@@ -88,9 +88,30 @@ def test_choose_picks_the_likeliest_answer(llm):
         llm.score("hi", [])
 
 
-def test_more_than_one_constraint_is_a_value_error(llm):
-    with pytest.raises(ValueError, match="at most one constraint"):
-        llm.generate("hi", regex="a+", choices=["a", "b"])
+@pytest.mark.parametrize("prompt,kwargs,error,expect", [
+    ("hi", dict(regex="a+", choices=["a", "b"]), ConstraintError,
+     "at most one constraint, got ['choices', 'regex']"),
+    ("hi", dict(json_schema='{"type": "object",'), ConstraintError,
+     "json_schema is not valid JSON: Expecting property name enclosed in double quotes at "
+     "line 1:19"),
+    ("hi", dict(json_schema=42), ConstraintError, "json_schema must be a dict"),
+    ("hi", dict(choices=["yes", "no", "yes"]), ConstraintError, "option 2 ('yes') repeats"),
+    ("hi", dict(choices=[]), ConstraintError, "at least one option"),
+    ("hi", dict(choices=3), ConstraintError, "sequence of strings, got int"),
+    (None, {}, RequestError, "prompt must be a str or a list of chat messages (dicts with "
+     "'role' and 'content'), got NoneType"),
+    (42, dict(regex="a"), RequestError, "got int"),
+])
+def test_bad_arguments_are_typed_errors_naming_the_argument(llm, prompt, kwargs, error, expect):
+    with pytest.raises(error) as info:
+        llm.generate(prompt, max_tokens=4, **kwargs)
+    assert expect in str(info.value)
+    assert isinstance(info.value, ValueError)   # except ValueError code keeps working
+
+
+def test_generate_batch_refuses_what_is_not_a_list_of_prompts(llm):
+    with pytest.raises(RequestError, match="list of prompts"):
+        llm.generate_batch(None)
 
 
 def test_bad_sampling_parameters_are_typed_errors(llm):
