@@ -76,12 +76,11 @@ class JsonSchema(Constraint):
         Bound for flexible mode (default 4, at most 64); only valid with
         ``whitespace="flexible"``.
     strict : bool
-        ``True`` (default): generation keeps objects closed: an object schema without
-        ``additionalProperties`` generates only its listed properties, and an array
-        with ``prefixItems`` but no ``items`` only its listed items. This narrows the
-        spec (valid documents with extra members are not generated) on purpose: a
-        model asked for an object should not invent keys. ``False``: the spec's
-        defaults, so unlisted properties and items are allowed.
+        ``True`` (default): generation keeps objects closed: an object schema that
+        lists ``properties`` but has no ``additionalProperties`` generates only the
+        listed properties. This narrows the spec (valid documents with extra keys are
+        not generated) on purpose: a model asked for an object should not invent
+        keys. ``False``: the spec's default, unlisted properties are allowed.
     """
 
     schema: Mapping[str, Any] | bool | str

@@ -55,6 +55,8 @@ def load_schema(constraint: JsonSchema) -> Normalised:
         text = constraint.schema_text
     except ValueError as exc:
         raise ConstraintError(str(exc)) from None
+    except RecursionError:
+        raise ConstraintError("the schema is nested too deeply to read") from None
     if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
         raise ConstraintError(f"the schema is {len(text)} characters; at most "
                               f"{MAX_SCHEMA_BYTES} bytes are accepted")

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import re
+
 import jsonschema
 
 from formcast.grammars import regex_dialect
@@ -38,6 +40,7 @@ BY_TYPE = {
                "dependentSchemas", "unevaluatedProperties"),
 }
 ALL_TYPES = ["null", "boolean", "number", "string", "array", "object"]
+_ESCAPED = re.compile(r'["\\\x00-\x1f\x7f]')    # characters JSON writes as escapes
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 _MERGE_CHILD = ("items", "contains", "propertyNames", "additionalProperties")
 
@@ -51,6 +54,7 @@ class Rewriter:
     strict: bool
     profile: BackendProfile
     lossy: dict[tuple[str, str], str] = field(default_factory=dict)
+    _validator: Any = None                # validates enum values in the root's context
 
     def run(self) -> Any:
         """The rewritten schema (new objects; the root is not changed)."""
@@ -78,6 +82,7 @@ class Rewriter:
             if merged is None:
                 self.widen(pointer, "allOf", "not merged into its parent: checked at the end")
                 node.pop("allOf")
+                _open(node)
             else:
                 node = merged
         if "oneOf" in node:
@@ -111,7 +116,7 @@ class Rewriter:
             merged = self.merge_all_of({"allOf": [rest, branch]}, pointer)
             if merged is None:
                 self.widen(pointer, "anyOf", "its siblings are checked at the end")
-                merged = branch
+                merged = _open(dict(branch)) if isinstance(branch, dict) else branch
             branches.append(self.node(merged, where))
         out: dict[str, Any] = {"anyOf": branches or [{}]}
         for k in ("$defs", "definitions"):
@@ -127,11 +132,21 @@ class Rewriter:
         rest = {k: v for k, v in node.items() if k not in ("enum", "const", "$defs",
                                                            "definitions")}
         if not is_trivial(rest):
-            base = jsonschema.Draft202012Validator(self.root if isinstance(self.root, dict)
-                                                   else {})
-            check = base.evolve(schema=rest, format_checker=base.FORMAT_CHECKER)
+            if self._validator is None:
+                root = self.root if isinstance(self.root, dict) else {}
+                self._validator = jsonschema.Draft202012Validator(
+                    root, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+            check = self._validator.evolve(schema=rest)
             values = [v for v in values if check.is_valid(v)]
+        # 1.0 is the integer 1: let both spellings through.
+        values += [float(v) for v in values if type(v) is int and abs(v) < 2 ** 53]
+        nested = [v for v in values if isinstance(v, (dict, list))]
         out: dict[str, Any] = {"enum": values}
+        if nested:
+            # The backend writes enum literals compactly; as schemas they take whitespace.
+            scalars = [v for v in values if not isinstance(v, (dict, list))]
+            out = {"anyOf": [_literal(v) for v in nested] + ([{"enum": scalars}] if scalars
+                                                             else [])}
         for k in ("$defs", "definitions"):
             if k in node:
                 out[k] = self.defs(node[k], join(pointer, k))
@@ -217,12 +232,16 @@ class Rewriter:
             kept = {}
             for name, sub in props.items():
                 if sub is False or not (sub is True or self.analysis.types(sub)):
-                    if extra not in (None, False) or patterns:
+                    if extra is not False or patterns:
                         self.widen(pointer, "properties", f"property {name!r} admits no value; "
                                                           "its absence is checked at the end")
                     continue
+                if _ESCAPED.search(name):
+                    self.widen(pointer, "properties", f"the name {name!r} needs escapes in JSON; "
+                                                      "its value is checked at the end")
                 kept[name] = self.node(sub, join(pointer, "properties", name))
             node["properties"] = props = kept
+            listed = bool(kept)
         for name in node.get("required") or ():
             props = node.setdefault("properties", {}) if props is None else props
             if name not in props:
@@ -265,10 +284,7 @@ class Rewriter:
             node["items"] = self.node(items, join(pointer, "items")) if self.analysis.types(
                 items) else False
         elif items is None:
-            closed_ok = self.strict and prefix and node.get("minItems", 0) <= len(
-                node.get("prefixItems") or [])
-            if not closed_ok:
-                node["items"] = True
+            node["items"] = True
 
     def merge_all_of(self, node: dict, pointer: str) -> dict | None:
         """``node`` with its ``allOf`` folded in, or None when that would change the meaning."""
@@ -310,8 +326,9 @@ def _merge(a: dict, b: dict) -> dict | None:
     for side, other in ((a, b), (b, a)):
         # additionalProperties and friends see only their own schema's properties;
         # items after prefixItems only the items the prefix does not cover.
+        # (unevaluatedProperties sees them all: the end check decides it.)
         if "properties" in other and any(k in side for k in (
-                "additionalProperties", "patternProperties", "unevaluatedProperties")):
+                "additionalProperties", "patternProperties")):
             return None
         if "prefixItems" in side and ("items" in other or "prefixItems" in other) and (
                 side.get("prefixItems") != other.get("prefixItems")
@@ -349,6 +366,25 @@ def _merge(a: dict, b: dict) -> dict | None:
     return out
 
 
+def _literal(value: Any) -> Any:
+    """A schema whose only instance is ``value`` (up to whitespace)."""
+    if isinstance(value, dict):
+        return {"type": "object", "properties": {k: _literal(v) for k, v in value.items()},
+                "required": list(value), "additionalProperties": False}
+    if isinstance(value, list):
+        return {"type": "array", "prefixItems": [_literal(v) for v in value], "items": False,
+                "minItems": len(value)}
+    return {"enum": [value]}
+
+
+def _open(node: dict) -> dict:
+    """Widen ``node`` to the spec's open objects and arrays (for a mask that must not be
+    narrower than a schema it could not keep)."""
+    node.setdefault("additionalProperties", True)
+    node.setdefault("items", True)
+    return node
+
+
 def _same(a: Any, b: Any) -> bool:
     """JSON equality (``1 == 1.0`` but ``1 != true``)."""
     if type_of(a) != type_of(b):
@@ -369,7 +405,6 @@ def _pattern(pattern: str, where: str) -> str:
 
 
 def _search(pattern: str, text: str) -> bool:
-    import re
     try:
         return re.search(pattern, text) is not None
     except re.error:

@@ -26,6 +26,8 @@ _TYPES = {"null": {"null"}, "boolean": {"boolean"}, "integer": {"integer"},
 _NO_CONSTRAINT = frozenset({"title", "description", "default", "examples", "$comment", "$id",
                             "$anchor", "$schema", "deprecated", "readOnly", "writeOnly", "$defs",
                             "definitions", "$dynamicAnchor", "$vocabulary"})
+_LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
+_UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
 Types = frozenset[str]
 Reason = Callable[[str], None]
 
@@ -56,6 +58,7 @@ class Inhabitation:
         self._validator = jsonschema.Draft202012Validator(root if isinstance(root, dict) else {})
         self._types: dict[int, Types] = {}
         self._known: set[int] = set()
+        self._fits: dict[tuple[int, str], set[str]] = {}
         order: list[Any] = []
         stack: list[Any] = [root]
         seen: set[int] = set()
@@ -126,16 +129,23 @@ class Inhabitation:
                 cut(set().union(*(self._sub(b) for b in node[kw])), kw)
         if isinstance(node.get("$ref"), str):
             cut(self._sub(_target(self.root, node["$ref"])), "$ref")
-        if "string" in admitted and node.get("minLength", 0) > node.get("maxLength", math.inf):
+        view = _bounds(node)
+        if "string" in admitted and view.get("minLength", 0) > view.get("maxLength", math.inf):
             cut(admitted - {"string"}, "minLength")
-        self._numbers(node, admitted, cut)
-        if "array" in admitted and not self._array_fits(node):
+        self._numbers(view, admitted, cut)
+        if "array" in admitted and not self._array_fits(view):
             cut(admitted - {"array"}, "minItems")
-        if "object" in admitted and (missing := self._object_misfit(node)):
+        if "object" in admitted and (missing := self._object_misfit(view)):
             cut(admitted - {"object"}, missing)
         return frozenset(admitted)
 
     def _value_types(self, node: dict, kw: str) -> set[str]:
+        key = (id(node), kw)
+        if key not in self._fits:       # fixed by the values: computed once per node
+            self._fits[key] = self._fitting(node, kw)
+        return self._fits[key]
+
+    def _fitting(self, node: dict, kw: str) -> set[str]:
         values = node["enum"] if kw == "enum" else [node["const"]]
         rest = {k: v for k, v in node.items() if k not in ("enum", "const")}
         if is_trivial(rest):
@@ -237,6 +247,21 @@ class Inhabitation:
         if kw in ("anyOf", "oneOf") and len(node[kw]) == 1:
             return node[kw][0], join(pointer, kw, 0)
         return None
+
+
+def _bounds(node: dict) -> dict:
+    """``node`` with the bounds of its ``allOf`` branches folded in (tightest wins)."""
+    branches = [b for b in node.get("allOf") or () if isinstance(b, dict)]
+    if not branches:
+        return node
+    view = dict(node)
+    for branch in branches:
+        for kw, value in _bounds(branch).items():
+            if kw in _LOWER and isinstance(value, (int, float)) and not isinstance(value, bool):
+                view[kw] = max(view.get(kw, value), value)
+            elif kw in _UPPER and isinstance(value, (int, float)) and not isinstance(value, bool):
+                view[kw] = min(view.get(kw, value), value)
+    return view
 
 
 def check_root(root: Any, analysis: Inhabitation) -> None:
