@@ -79,11 +79,18 @@ class JsonSchema(Constraint):
     max_whitespace : int or None
         Bound for flexible mode (default 4, at most 64); only valid with
         ``whitespace="flexible"``.
+    strict : bool
+        ``True`` (default): generation keeps objects closed: an object schema that
+        lists ``properties`` but has no ``additionalProperties`` generates only the
+        listed properties. This narrows the spec (valid documents with extra keys are
+        not generated) on purpose: a model asked for an object should not invent
+        keys. ``False``: the spec's default, unlisted properties are allowed.
     """
 
     schema: Mapping[str, Any] | bool | str
     whitespace: Whitespace = field(default="compact", kw_only=True)
     max_whitespace: int | None = field(default=None, kw_only=True)
+    strict: bool = field(default=True, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.schema, (Mapping, str, bool)):
@@ -123,7 +130,8 @@ class JsonSchema(Constraint):
 
     @property
     def canonical_text(self) -> str:
-        return f"ws={self.whitespace_bound};{self.schema_text}"
+        strict = "" if self.strict else "open;"
+        return f"ws={self.whitespace_bound};{strict}{self.schema_text}"
 
 
 @dataclass(frozen=True)

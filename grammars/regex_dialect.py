@@ -39,9 +39,11 @@ _META = set(".^$|?*+()[]{}\\/-\"")
 _CLASS_META = set("\\]-[^")
 
 Ranges = list[tuple[int, int]]
+_BEGIN = (sre_c.AT_BEGINNING, sre_c.AT_BEGINNING_STRING)
+_END = (sre_c.AT_END, sre_c.AT_END_STRING)
 
 
-def translate(pattern: str, *, where: str = "regex") -> str:
+def translate(pattern: str, *, where: str = "regex", search: bool = False) -> str:
     """Re-emit a Python regex as a portable one with the same ``fullmatch`` language.
 
     Does not change state. Anchors at the very start/end are dropped (full matching
@@ -53,6 +55,10 @@ def translate(pattern: str, *, where: str = "regex") -> str:
         The Python regular expression.
     where : str
         How errors name the pattern's origin (e.g. a JSON pointer).
+    search : bool
+        Emit the language of ``re.search`` instead (JSON Schema's ``pattern``): any
+        text may come before a match not anchored at the start, and after one not
+        anchored at the end.
 
     Returns
     -------
@@ -72,7 +78,7 @@ def translate(pattern: str, *, where: str = "regex") -> str:
     flags = parsed.state.flags
     ascii_only = bool(flags & sre_c.SRE_FLAG_ASCII)
     _check_flags(flags & ~sre_c.SRE_FLAG_ASCII, pattern, where)
-    emitter = _Emitter(pattern, where, ascii_only)
+    emitter = _Emitter(pattern, where, ascii_only, search)
     return emitter.sequence(list(parsed), at_start=True, at_end=True)
 
 
@@ -90,8 +96,9 @@ def _check_flags(flags: int, pattern: str, where: str) -> None:
 
 
 class _Emitter:
-    def __init__(self, pattern: str, where: str, ascii_only: bool) -> None:
+    def __init__(self, pattern: str, where: str, ascii_only: bool, search: bool = False) -> None:
         self.pattern, self.where, self.ascii_only = pattern, where, ascii_only
+        self.search = search
 
     def fail(self, construct: str) -> ConstraintError:
         return ConstraintError(f"{self.where} {self.pattern!r} uses {construct}, which token "
@@ -104,7 +111,24 @@ class _Emitter:
             leading = at_start and all(o is sre_c.AT for o, _ in items[:i])
             trailing = at_end and all(o is sre_c.AT for o, _ in items[i + 1:])
             out.append(self.node(op, av, at_start=leading, at_end=trailing and i <= last))
+        if self.search:
+            # re.search: free text before/after unless an anchor (or a group that
+            # handles its own ends) sits there.
+            if at_start and not self._anchored(items, _BEGIN):
+                out.insert(0, _ANY_TEXT)
+            if at_end and not self._anchored(items[::-1], _END):
+                out.append(_ANY_TEXT)
         return "".join(out)
+
+    @staticmethod
+    def _anchored(items: list, anchors: tuple) -> bool:
+        for op, av in items:
+            if op is sre_c.AT:
+                if av in anchors:
+                    return True
+                continue
+            return op in (sre_c.BRANCH, sre_c.SUBPATTERN)
+        return False
 
     def node(self, op, av, *, at_start: bool, at_end: bool) -> str:
         if op is sre_c.LITERAL:
@@ -257,3 +281,6 @@ def _category(name: str, ascii_only: bool) -> Ranges:
                          if not _SURROGATES[0] <= c <= _SURROGATES[1])
     hits = sorted(ord(c) for c in re.findall(_CATEGORY_PATTERNS[name], everything))
     return _merge([(c, c) for c in hits])
+
+
+_ANY_TEXT = "(" + _class([(0, _MAX_CODE_POINT)]) + ")*"

@@ -35,7 +35,7 @@ Status = Literal["mask", "end", "annotation", "unsupported"]
 ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$comment", "$schema", "$id", "$anchor",
     "deprecated", "readOnly", "writeOnly", "contentMediaType", "contentEncoding",
-    "contentSchema", "discriminator", "$defs", "definitions",
+    "contentSchema", "discriminator", "$defs", "definitions", "$dynamicAnchor", "$vocabulary",
 })
 # Keywords whose value holds subschemas: one schema, a list, or a name -> schema map.
 SUB_ONE = ("additionalProperties", "items", "contains", "propertyNames", "not", "if", "then",
@@ -45,7 +45,7 @@ SUB_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependent
 # Keywords formcast can only check on the finished document, whatever the backend.
 END_ONLY = frozenset({
     "oneOf", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
-    "uniqueItems", "contains", "minContains", "maxContains", "patternProperties",
+    "uniqueItems", "contains", "minContains", "maxContains",
     "propertyNames", "unevaluatedItems", "unevaluatedProperties",
 })
 FORMAT_CHECKER = jsonschema.Draft202012Validator.FORMAT_CHECKER
@@ -66,6 +66,10 @@ class BackendProfile:
     object_size: bool             # minProperties / maxProperties
     int64_bounds_only: bool
     exact_formats: frozenset[str] = frozenset()   # the mask implies jsonschema's check
+    # String length bounds up to this are masked exactly (as a bounded character class);
+    # larger ones use the backend's own length bound, which compiles in constant time
+    # but admits raw control characters (refused by the end check).
+    exact_length_limit: int | None = None
 
 
 _COMMON_MASK = frozenset({"type", "enum", "const", "properties", "required",
@@ -74,13 +78,16 @@ _COMMON_MASK = frozenset({"type", "enum", "const", "properties", "required",
                           "allOf"})
 PROFILES = {
     "xgrammar": BackendProfile(
-        name="xgrammar", mask=_COMMON_MASK, numeric_bounds=True, integer_multiple_of=True,
+        name="xgrammar", mask=_COMMON_MASK | {
+            "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+            "minProperties", "maxProperties", "patternProperties"},
+        numeric_bounds=True, integer_multiple_of=True,
         prefix_items_with_bounds=True, object_size=True, int64_bounds_only=True,
         formats=frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4",
                            "ipv6", "uri", "uri-reference", "uri-template", "json-pointer",
                            "relative-json-pointer", "uuid"}),
         # Not ipv4/ipv6 (the mask allows leading zeros), nor date (it allows 11-31).
-        exact_formats=frozenset({"email", "uuid"})),
+        exact_formats=frozenset({"email", "uuid"}), exact_length_limit=64),
     "outlines-core": BackendProfile(
         name="outlines-core", mask=_COMMON_MASK, numeric_bounds=False,
         integer_multiple_of=False, prefix_items_with_bounds=False, object_size=False,
@@ -131,23 +138,6 @@ def pointer_join(pointer: str, *parts: object) -> str:
     return pointer
 
 
-def resolve_ref(root: Any, ref: str, pointer: str) -> Any:
-    """The subschema a local ``$ref`` names; ConstraintError if it is not local or missing."""
-    if not ref.startswith("#"):
-        raise ConstraintError(f"{pointer}/$ref: {ref!r} is not local; only '#/...' references "
-                              "are supported (inline the referenced schema)")
-    node = root
-    for raw in ref[1:].split("/")[1:]:
-        key = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and key in node:
-            node = node[key]
-        elif isinstance(node, list) and key.isdigit() and int(key) < len(node):
-            node = node[int(key)]
-        else:
-            raise ConstraintError(f"{pointer}/$ref: {ref!r} does not resolve")
-    return node
-
-
 def subschemas(node: dict, pointer: str) -> Iterator[tuple[Any, str]]:
     """(subschema, pointer) for each schema directly inside ``node``."""
     for kw in SUB_ONE:
@@ -161,8 +151,9 @@ def subschemas(node: dict, pointer: str) -> Iterator[tuple[Any, str]]:
             yield sub, pointer_join(pointer, kw, name)
 
 
-def analyze(root: Any, backend: str) -> SchemaCoverage:
-    """Classify every keyword of a metaschema-valid schema; raise on unsatisfiable parts."""
+def analyze(root: Any, backend: str, *, strict: bool = True) -> SchemaCoverage:
+    """Classify every keyword of a metaschema-valid draft-2020-12 schema; raise on
+    unsatisfiable parts. ``strict``: objects without additionalProperties are closed."""
     profile = PROFILES[backend]
     items: list[KeywordCoverage] = []
     if root is False:
@@ -176,7 +167,7 @@ def analyze(root: Any, backend: str) -> SchemaCoverage:
         for kw, value in node.items():
             status, note = classify(kw, value, node, profile)
             items.append(KeywordCoverage(pointer=pointer, keyword=kw, status=status, note=note))
-        if "properties" in node and not any(k in node for k in (
+        if strict and "properties" in node and not any(k in node for k in (
                 "additionalProperties", "patternProperties", "unevaluatedProperties")):
             items.append(KeywordCoverage(
                 pointer=pointer, keyword="additionalProperties", status="mask",
@@ -189,9 +180,8 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
     """The status of keyword ``kw`` inside ``node`` for backend profile ``p``."""
     if kw in ANNOTATIONS or kw.startswith("x-"):
         return "annotation", ""
-    if kw in ("$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor",
-              "$vocabulary", "additionalItems", "dependencies"):
-        return "unsupported", "not a draft 2020-12 keyword formcast can enforce"
+    if kw == "$dynamicRef":
+        return "mask", "resolved like $ref (its anchor name is unique in the schema)"
     if kw in END_ONLY:
         note = "masked as anyOf; 'exactly one' is checked at the end" if kw == "oneOf" else ""
         return "end", note
@@ -205,7 +195,7 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
             return "mask", ""
         if checkable:
             return "end", f"{p.name} does not know format {value!r}"
-        return "unsupported", f"format {value!r} is known to neither {p.name} nor jsonschema"
+        return "annotation", f"format {value!r} is unknown: ignored"
     if kw in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
         if p.int64_bounds_only and node.get("type") == "integer" and not -_INT64 < value < _INT64:
             return "unsupported", f"{p.name} takes integer bounds within +-2**63 only"
@@ -216,6 +206,10 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
         return "end", ""
     if kw in ("minLength", "maxLength") and ("pattern" in node or "format" in node):
         return "end", "length bounds next to a pattern/format are checked at the end"
+    if kw in ("minLength", "maxLength") and p.exact_length_limit is not None and max(
+            node.get("minLength", 0), node.get("maxLength", 0)) > p.exact_length_limit:
+        return "end", ("the mask bounds the length (escapes are not generated); a raw control "
+                       "character it lets through is refused at the end")
     if kw in ("minItems", "maxItems", "items", "prefixItems") and "prefixItems" in node:
         if not p.prefix_items_with_bounds:
             return "end", ""
@@ -228,9 +222,11 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
             regex_dialect.translate(value, where="pattern")
         except ConstraintError as exc:
             return "unsupported", str(exc)
-        return "mask", "matched against the whole string (an unanchored pattern is narrowed)"
+        return "mask", "an unanchored pattern allows any text around its match (re.search)"
     if kw == "additionalProperties" and value is not False and node.get("patternProperties"):
         return "end", ""
+    if kw == "patternProperties":
+        return "end", "key patterns are masked; which schema applies to a key is checked at the end"
     if kw == "required":
         return "mask", ""
     if kw == "properties":
@@ -241,7 +237,7 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
         return "mask", "recursion is unrolled to depth 3 (deeper documents cannot be generated)"
     if kw in p.mask:
         return "mask", ""
-    return "unsupported", "unknown keyword (annotations must be prefixed 'x-')"
+    return "end", f"{p.name} does not enforce it"
 
 
 def check_satisfiable(root: Any, node: dict, pointer: str, p: BackendProfile) -> None:
@@ -269,8 +265,6 @@ def check_satisfiable(root: Any, node: dict, pointer: str, p: BackendProfile) ->
                 _search(pat, name) for pat in node.get("patternProperties") or {}):
             raise fail("required", f"required property {name!r} is not allowed "
                                    "(additionalProperties is false and it is not in properties)")
-    if "$ref" in node:
-        resolve_ref(root, node["$ref"], pointer)
 
 
 def _check_numbers(node: dict, fail) -> None:

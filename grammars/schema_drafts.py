@@ -1,0 +1,216 @@
+"""JSON Schema drafts: pick the draft of a schema and rewrite it into draft 2020-12 form.
+
+The rest of the JSON Schema pipeline (analysis, satisfiability, the rewrite for a
+backend) sees draft 2020-12 only. :func:`normalise` turns the keywords of drafts
+04, 06, 07 and 2019-09 (and OpenAPI 3.0's ``nullable``) into their 2020-12
+equivalents, and takes unknown keywords out, listing them as annotations (with a
+warning for those that look like a misspelt keyword). The end check still
+validates the caller's original schema with the validator class of its draft.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import jsonschema.validators
+
+from formcast.grammars.errors import ConstraintError
+
+# Keywords of draft 2020-12 that constrain the value (a typo of one of these warns).
+ASSERTIONS = frozenset({
+    "$ref", "$dynamicRef", "prefixItems", "items", "contains", "additionalProperties",
+    "properties", "patternProperties", "dependentSchemas", "propertyNames", "if", "then", "else",
+    "allOf", "anyOf", "oneOf", "not", "unevaluatedItems", "unevaluatedProperties", "type", "const",
+    "enum", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "maxItems", "minItems", "uniqueItems", "maxContains",
+    "minContains", "maxProperties", "minProperties", "required", "dependentRequired", "format",
+})
+# Keywords of draft 2020-12 that constrain nothing (kept: $ref resolution reads some).
+META = frozenset({
+    "$schema", "$id", "$anchor", "$dynamicAnchor", "$vocabulary", "$comment", "$defs",
+    "definitions", "title", "description", "default", "deprecated", "readOnly", "writeOnly",
+    "examples", "contentEncoding", "contentMediaType", "contentSchema",
+})
+KNOWN = ASSERTIONS | META
+_DRAFTS = {
+    jsonschema.Draft4Validator: "04", jsonschema.Draft6Validator: "06",
+    jsonschema.Draft7Validator: "07", jsonschema.Draft201909Validator: "2019-09",
+    jsonschema.Draft202012Validator: "2020-12",
+}
+# Schemas inside these keywords (one schema / a list / a name -> schema map), in any draft.
+_ONE = ("additionalProperties", "items", "contains", "propertyNames", "not", "if", "then", "else",
+        "unevaluatedItems", "unevaluatedProperties", "additionalItems", "contentSchema")
+_LIST = ("prefixItems", "anyOf", "oneOf", "allOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+class SchemaKeywordWarning(UserWarning):
+    """An unknown JSON Schema keyword looks like a misspelt known one (it is ignored)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Normalised:
+    """A schema rewritten into draft 2020-12 form, with what the rewrite set aside."""
+
+    schema: Any
+    draft: str                                   # "04", "06", "07", "2019-09" or "2020-12"
+    validator: type                              # jsonschema validator class of ``original``
+    original: Any                                # what the end check validates
+    ignored: tuple[tuple[str, str, str], ...]    # (pointer, keyword, note) of annotations
+
+
+def draft_of(schema: Any) -> tuple[str, type]:
+    """The draft a schema declares with ``$schema`` (absent or unknown: 2020-12)."""
+    if not isinstance(schema, dict) or "$schema" not in schema:
+        return "2020-12", jsonschema.Draft202012Validator
+    uri = schema["$schema"]
+    if isinstance(uri, str) and "draft-03" in uri:
+        raise ConstraintError("#/$schema: draft 3 is not supported; use draft 4 or later")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return _DRAFTS.get(cls, "2020-12"), cls if cls in _DRAFTS else jsonschema.Draft202012Validator
+
+
+def normalise(schema: Any) -> Normalised:
+    """Rewrite ``schema`` (a parsed, metaschema-checked document) into 2020-12 form.
+
+    Does not change ``schema``. Warns (:class:`SchemaKeywordWarning`) once per
+    unknown keyword that looks like a misspelt assertion keyword.
+    """
+    draft, validator = draft_of(schema)
+    ignored: list[tuple[str, str, str]] = []
+    out = _node(schema, "#", draft, ignored)
+    typos: dict[str, tuple[str, str]] = {}
+    for pointer, kw, note in ignored:
+        if "did you mean" in note:
+            typos.setdefault(kw, (pointer, note.split("; ", 1)[1]))
+    for kw, (pointer, guess) in typos.items():
+        warnings.warn(f"JSON Schema keyword {kw!r} at {pointer} is unknown and ignored; {guess}",
+                      SchemaKeywordWarning, stacklevel=2)
+    original = schema if draft != "2020-12" or "$schema" in (schema if isinstance(
+        schema, dict) else {}) else out
+    return Normalised(schema=out, draft=draft, validator=validator, original=original,
+                      ignored=tuple(ignored))
+
+
+def looks_like(keyword: str) -> str | None:
+    """The assertion keyword an unknown ``keyword`` likely misspells, or None."""
+    low = keyword.lower()
+    for known in sorted(ASSERTIONS):
+        k = known.lower()
+        if low == k or (len(k) >= 4 and _distance(low, k) <= 1):
+            return known
+    return None
+
+
+def _distance(a: str, b: str) -> int:
+    """Edit distance counting an adjacent transposition as one edit."""
+    if abs(len(a) - len(b)) > 1:
+        return 2
+    prev2: list[int] = []
+    prev = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        cur = [i] + [0] * len(b)
+        for j in range(1, len(b) + 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1]))
+            if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                cur[j] = min(cur[j], prev2[j - 2] + 1)
+        prev2, prev = prev, cur
+    return prev[-1]
+
+
+def _join(pointer: str, *parts: object) -> str:
+    for p in parts:
+        pointer += "/" + str(p).replace("~", "~0").replace("/", "~1")
+    return pointer
+
+
+def _node(node: Any, pointer: str, draft: str, ignored: list) -> Any:
+    if not isinstance(node, dict):
+        return node
+    old = draft in ("04", "06", "07")
+    if old and "$ref" in node:
+        # Before 2019-09 the siblings of $ref are ignored; the definitions stay reachable.
+        node = {k: v for k, v in node.items() if k in ("$ref", "definitions", "$defs")}
+    out: dict[str, Any] = {}
+    for kw, value in node.items():
+        where = _join(pointer, kw)
+        if kw in _ONE:
+            out[kw] = _node(value, where, draft, ignored)
+        elif kw in _LIST and isinstance(value, list):
+            out[kw] = [_node(s, _join(where, i), draft, ignored) for i, s in enumerate(value)]
+        elif kw in _MAP and isinstance(value, dict):
+            out[kw] = {k: _node(s, _join(where, k), draft, ignored) for k, s in value.items()}
+        elif kw == "dependencies" and isinstance(value, dict):
+            for name, dep in value.items():
+                if isinstance(dep, list):
+                    out.setdefault("dependentRequired", {})[name] = dep
+                else:
+                    out.setdefault("dependentSchemas", {})[name] = _node(
+                        dep, _join(where, name), draft, ignored)
+        elif kw == "items" and isinstance(value, list):
+            out[kw] = [_node(s, _join(where, i), draft, ignored) for i, s in enumerate(value)]
+        elif kw in ("id", "$id") and isinstance(value, str) and (kw == "$id" or draft == "04" or (
+                "$id" not in node and draft == "2020-12")):
+            _identify(out, value)
+        elif kw in ("$recursiveRef", "$recursiveAnchor") and draft == "2019-09":
+            if kw == "$recursiveRef":
+                out["$ref"] = value
+        elif kw == "nullable":
+            if value is not True:
+                continue
+            out["nullable"] = True
+        elif kw in KNOWN or kw == "additionalItems":
+            out[kw] = value
+        else:
+            guess = None if kw.startswith("x-") else looks_like(kw)
+            ignored.append((pointer, kw, "ignored" + (f"; did you mean {guess!r}?" if guess
+                                                      else "")))
+    _arrays(out)
+    _exclusive_bounds(out)
+    if out.pop("nullable", False):
+        _add_null(out)
+    return out
+
+
+def _identify(out: dict, uri: str) -> None:
+    """An id: a base URI change, or (a bare fragment, as in drafts 04-07) an anchor."""
+    if uri.startswith("#"):
+        if len(uri) > 1:
+            out["$anchor"] = uri[1:]
+        return
+    base, _, fragment = uri.partition("#")
+    out["$id"] = base
+    if fragment and not fragment.startswith("/"):
+        out["$anchor"] = fragment
+
+
+def _arrays(out: dict) -> None:
+    """Array-form ``items`` + ``additionalItems`` -> ``prefixItems`` + ``items``."""
+    extra = out.pop("additionalItems", None)
+    if isinstance(out.get("items"), list):
+        out["prefixItems"] = out.pop("items")
+        if extra is not None:
+            out["items"] = extra
+
+
+def _exclusive_bounds(out: dict) -> None:
+    """Draft 04's boolean exclusiveMinimum/Maximum -> the numeric form."""
+    for flag, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(out.get(flag), bool):
+            if out.pop(flag) and bound in out:
+                out[flag] = out.pop(bound)
+
+
+def _add_null(out: dict) -> None:
+    """OpenAPI 3.0 ``nullable: true``: null is allowed besides what ``type`` says."""
+    if "type" in out:
+        types = out["type"] if isinstance(out["type"], list) else [out["type"]]
+        if "null" not in types:
+            out["type"] = [*types, "null"]
+    if "enum" in out and None not in out["enum"]:
+        out["enum"] = [*out["enum"], None]
