@@ -128,7 +128,7 @@ def main() -> None:
     import formcast
     from formcast.engine import SamplingParams
     from formcast.engine.hub import resolve_model
-    from formcast.engine.spec import SpecConfig
+    from formcast.engine.speculative import SpecConfig
     from formcast.extraction import extraction_messages, extraction_spec
     from llama_cpp import LlamaGrammar
 

@@ -6,39 +6,30 @@ for the same code), so a change is measured against its baseline in the same
 process: ``gpu_throughput.py``'s workloads (free text, and every row under its
 JSON Schema, greedy, ``--tokens`` a row) on one engine of random weights, the
 baseline (A) and the variant (B) taking turns run by run, the order flipped
-each round. B is A with module attributes replaced (``--set``) and engine
-config fields replaced (``--config``), both put back for A's runs; the change
-under test is written behind such a switch (a module constant, a method, a
-config field). What an engine fixes as it is built (the kernels its CUDA graphs
-captured) takes ``--rebuild``: B then runs on an engine of its own, built with
-the ``--set`` replacements on (same weights).
+each round. B is A with tuning fields replaced (``--tuning``, fields of
+:class:`formcast.engine.tuning.EngineTuning`; B then runs on an engine of its own,
+built with them, same weights) and engine config fields replaced (``--config``,
+put back for A's runs); the change under test is written behind such a switch.
 
 Prints, per batch size and workload, the tokens/s of each side (best and
 median of ``--runs``) and B's over A's, then each side's JSON/free ratio (part
 2's figure). The two sides' outputs (every row of a timed run) are checked to be
 the same tokens.
 
-    python benchmarks/engine_ab.py --tokenizer-dir DIR \\
-        --set 'formcast.engine.engine:Engine._all_greedy_constrained=lambda self, live: False'
+    python benchmarks/engine_ab.py --tokenizer-dir DIR --tuning uniform_rows=False
     python benchmarks/engine_ab.py --tokenizer-dir DIR --config unmasked_greedy=False
-    python benchmarks/engine_ab.py --tokenizer-dir DIR --rebuild \\
-        --set formcast.engine.models.llama:LlamaAttention.fused_decode=False
     python benchmarks/engine_ab.py --tokenizer-dir DIR --device cpu --batch-sizes 4 --tokens 8 \\
-        --set formcast.engine.engine:_OVERLAP_ROWS=1
+        --tuning overlap_rows=1
 
-``--set MODULE:ATTR=EXPR``: ``ATTR`` may be dotted (a class's method); ``EXPR``
-is evaluated in the module's namespace (a number, a lambda, a name). Set a name
-in the module that reads it (a constant another module imported by name keeps
-its own binding there). ``--config`` takes the fields the engine reads as it
-runs (``unmasked_greedy``, ``native_accept``, ...), not those it was built with
-(``max_num_seqs``, the KV cache's size).
+``--tuning NAME=LITERAL`` (repeatable): an EngineTuning field. ``--config`` takes
+the fields the engine reads as it runs (``unmasked_greedy``, ``native_accept``,
+...), not those it was built with (``max_num_seqs``, the KV cache's size).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import statistics
 import time
 
@@ -47,39 +38,7 @@ import torch
 import gpu_throughput as bench
 from formcast.engine import SamplingParams, Tokenizer
 from formcast.engine.models.shapes import DEEPSEEK_V4_SHAPES, SHAPES
-
-_MISSING = object()
-
-
-class Patch:
-    """Attribute replacements, put on and taken off in turn."""
-
-    def __init__(self, specs: list[str]) -> None:
-        self.items = []  # (owner, name, new value, old value)
-        for spec in specs:
-            where, _, expr = spec.partition("=")
-            module_name, _, dotted = where.partition(":")
-            if not expr or not dotted:
-                raise SystemExit(f"--set {spec!r}: expected MODULE:ATTR=EXPR")
-            module = importlib.import_module(module_name)
-            *path, name = dotted.split(".")
-            owner = module
-            for part in path:
-                owner = getattr(owner, part)
-            old = owner.__dict__.get(name, _MISSING) if isinstance(owner, type) else \
-                getattr(owner, name, _MISSING)
-            if old is _MISSING:
-                raise SystemExit(f"--set {spec!r}: {module_name} has no {dotted}")
-            value = eval(expr, vars(module))  # (the command line's own code)
-            self.items.append((owner, name, value, old))
-
-    def on(self) -> None:
-        for owner, name, value, _ in self.items:
-            setattr(owner, name, value)
-
-    def off(self) -> None:
-        for owner, name, _, old in self.items:
-            setattr(owner, name, old)
+from formcast.engine.tuning import EngineTuning
 
 
 def config_changes(specs: list[str]) -> dict:
@@ -101,18 +60,14 @@ def config_changes(specs: list[str]) -> dict:
     return changes
 
 
-def run_side(eng, config, patch: Patch | None, ps, sp, constraints):
-    """Tokens/s of one timed ``generate`` as side A (``patch`` None) or B, and its
+def run_side(eng, config, ps, sp, constraints):
+    """Tokens/s of one timed ``generate`` on ``eng`` under ``config``, and its
     outputs' tokens."""
     base = eng.config
     eng.config = config
-    if patch is not None:
-        patch.on()
     try:
         secs, outs = bench.timed_outputs(eng, ps, sp, constraints)
     finally:
-        if patch is not None:
-            patch.off()
         eng.config = base
     tokens = [o.token_ids for o in outs]
     return sum(map(len, tokens)) / secs, tokens
@@ -127,18 +82,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=6, help="timed runs a side and workload")
     ap.add_argument("--workloads", default="free,json")
-    ap.add_argument("--set", dest="sets", action="append", default=[],
-                    help="MODULE:ATTR=EXPR, replaced for side B (repeatable)")
+    ap.add_argument("--tuning", dest="tunings", action="append", default=[],
+                    help="EngineTuning field=literal for side B (repeatable)")
     ap.add_argument("--config", dest="configs", action="append", default=[],
                     help="EngineConfig field=literal for side B (repeatable)")
-    ap.add_argument("--rebuild", action="store_true",
-                    help="B on an engine of its own, built with --set on (see above)")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     args = ap.parse_args()
-    if not args.sets and not args.configs:
-        ap.error("nothing to compare: give --set or --config for side B")
+    if not args.tunings and not args.configs:
+        ap.error("nothing to compare: give --tuning or --config for side B")
     bench.DEVICE = torch.device(args.device)
-    patch = Patch(args.sets)
+    try:
+        tuning = EngineTuning.parse(args.tunings)
+    except ValueError as exc:
+        ap.error(str(exc))
     changes = config_changes(args.configs)
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -147,18 +103,14 @@ def main() -> None:
         ap.error(f"--workloads: free and/or json, not {args.workloads!r}")
     name = torch.cuda.get_device_name() if bench.DEVICE.type == "cuda" else "cpu"
     print(f"device={name} torch={torch.__version__}")
-    print("B: " + "; ".join(args.sets + args.configs))
+    print("B: " + "; ".join(args.tunings + args.configs))
     t = time.perf_counter()
     eng = bench.make_engine(args.shape, tok, max(sizes))
     print(f"engine built in {time.perf_counter() - t:.1f} s")
     eng_b = eng
-    if args.rebuild:
-        patch.on()
-        try:
-            eng_b = bench.make_engine(args.shape, tok, max(sizes))
-        finally:
-            patch.off()
-    config_a, config_b = eng.config, dataclasses.replace(eng.config, **changes)
+    if args.tunings:  # (an engine fixes some of its tuning as it is built: B gets its own)
+        eng_b = bench.make_engine(args.shape, tok, max(sizes), tuning=tuning)
+    config_a, config_b = eng.config, dataclasses.replace(eng_b.config, **changes)
     from formcast.grammars import JsonSchema, compile
 
     compiled = compile(JsonSchema(bench.SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
@@ -175,8 +127,8 @@ def main() -> None:
             tokens = {}
             for r in range(args.runs):
                 for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    rate, toks = run_side(*((eng, config_a, None) if side == "A" else
-                                            (eng_b, config_b, patch)), ps, sp, constraints)
+                    rate, toks = run_side(*((eng, config_a) if side == "A" else
+                                            (eng_b, config_b)), ps, sp, constraints)
                     got[side].append(rate)
                     tokens.setdefault(side, toks)
             same = "" if tokens["A"] == tokens["B"] else "  (outputs differ)"

@@ -18,7 +18,7 @@ the schema forces punctuation are refused.
 
     python benchmarks/host_overhead.py --tokenizer-dir DIR [--batch-sizes 64,256] [--picks mixed]
     python benchmarks/host_overhead.py --tokenizer-dir DIR --picks mixed --closing 2000 \
-        --set formcast.engine.engine:_PREMASK_AFTER=2     # B: premasking off
+        --tuning premask_after=2     # B: premasking off
 
 On our CPU (256 rows, --closing 2000, 6 runs a side) premasking took the
 refused picks of a JSON run from 63 to 1 and its steps from 130 to 128; the
@@ -43,16 +43,16 @@ from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from formcast.engine.cuda_graph import DecodeStaging
 from formcast.engine.engine import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
+from formcast.engine.tuning import EngineTuning
 from formcast.grammars import JsonSchema, compile
-from engine_ab import Patch
 from gpu_throughput import SCHEMA, prompts
 
 POOL = 2048  # rows of random logits the stub hands out
 CLOSING = 112  # "mixed" picks: one row in this many closes a string
 
 
-def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random", closing: int = CLOSING
-                ) -> tuple[Engine, list[float]]:
+def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random", closing: int = CLOSING,
+                tuning: EngineTuning | None = None) -> tuple[Engine, list[float]]:
     """An engine on a one-layer model of SmolLM2's vocabulary whose decode steps
     are stubbed out (see the module doc). Returns it and the seconds its
     masked-argmax calls took, a list of one, reset by the caller."""
@@ -64,7 +64,7 @@ def stub_engine(tok: Tokenizer, max_batch: int, picks: str = "random", closing: 
     eng = Engine(model, tok, config=EngineConfig(
         max_num_seqs=max_batch, num_kv_blocks=8192, max_num_batched_tokens=16384,
         async_scheduling=True, spec="none", freeze_gc=True,
-        native_accept=True), device=torch.device("cpu"))  # (as on CUDA: the native worker)
+        native_accept=True, tuning=tuning or EngineTuning()), device=torch.device("cpu"))  # (as on CUDA: the native worker)
     eng.sampler.batch_fill = True  # (masks filled as on CUDA: the grammar's batch hooks)
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(POOL, cfg.vocab_size, generator=gen)
@@ -168,9 +168,9 @@ def main() -> None:
                     help="mixed picks: one pool row in this many closes a string (at 256 "
                     "rows the default made ~250 refusals a run, 1000 ~85, 2000 ~50; the GPU "
                     "benchmark's runs have had 14-18 of late)")
-    ap.add_argument("--set", dest="sets", action="append", default=[],
-                    metavar="MODULE:ATTR=EXPR",
-                    help="a side B, as engine_ab.py's --set: the runs alternate A and B "
+    ap.add_argument("--tuning", dest="tunings", action="append", default=[],
+                    metavar="NAME=LITERAL",
+                    help="a side B, as engine_ab.py's --tuning: the runs alternate A and B "
                     "(the order flipped each round) and a line for each side is printed, "
                     "then B's JSON host time a run over A's")
     args = ap.parse_args()
@@ -180,29 +180,30 @@ def main() -> None:
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     eng, masked_secs = stub_engine(tok, max(sizes), args.picks, args.closing)
+    engines = {"": (eng, masked_secs), "A": (eng, masked_secs)}
+    if args.tunings:
+        try:
+            tuning = EngineTuning.parse(args.tunings)
+        except ValueError as exc:
+            ap.error(str(exc))
+        engines["B"] = stub_engine(tok, max(sizes), args.picks, args.closing, tuning)
     compiled = compile(JsonSchema(SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
     sp = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    patch = Patch(args.sets) if args.sets else None
-    sides = ("A", "B") if patch is not None else ("",)
+    sides = ("A", "B") if args.tunings else ("",)
     print(f"host us per pipelined step (median of {args.reps}, forward stubbed), "
           f"{args.tokens} tokens a row; json ms: the host's time a JSON run")
     print(f"{'batch':>5} {'free':>7} {'json':>7} {'json/free':>9} {'picks':>7} {'refused':>7} "
           f"{'steps':>5} {'json ms':>8}")
     for bs in sizes:
         ps = prompts(tok, bs)
-        host_us_per_step(eng, masked_secs, ps, sp, None)  # warm-up
+        for side in sides:
+            host_us_per_step(*engines[side], ps, sp, None)  # warm-up
         runs: dict[str, list] = {side: [] for side in sides}
         for rep in range(args.reps):
             for side in sides if rep % 2 == 0 else sides[::-1]:
-                if side == "B":
-                    patch.on()
-                try:
-                    free = host_us_per_step(eng, masked_secs, ps, sp, None)[0]
-                    json_ = host_us_per_step(eng, masked_secs, ps, sp,
-                                             [compiled.matcher() for _ in ps])
-                finally:
-                    if side == "B":
-                        patch.off()
+                free = host_us_per_step(*engines[side], ps, sp, None)[0]
+                json_ = host_us_per_step(*engines[side], ps, sp,
+                                         [compiled.matcher() for _ in ps])
                 runs[side].append((free, *json_))
         ms = {}
         for side in sides:
@@ -214,7 +215,7 @@ def main() -> None:
             label = f"{bs} {side}".strip()
             print(f"{label:>5} {f:>7.0f} {j:>7.0f} {j / f:>9.2f} {picks:>7} {refused:>7} "
                   f"{steps:>5} {ms[side]:>8.1f}", flush=True)
-        if patch is not None:
+        if args.tunings:
             print(f"{bs:>5} B/A json ms {ms['B'] / ms['A']:.3f}", flush=True)
     gc.unfreeze()  # (the engine froze the heap: let it go at exit)
 

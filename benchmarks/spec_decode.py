@@ -53,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import formcast
-    from formcast.engine.spec import SpecConfig
+    from formcast.engine.speculative import SpecConfig
     from formcast.errors import FormcastError
 
     groups: dict[str, list] = {}

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from formcast.engine.tuning import EngineTuning
+
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaConfig:
@@ -91,7 +93,7 @@ class EngineConfig:
     enable_prefix_caching : bool
         Share KV blocks between requests whose prompts start alike.
     spec : SpecConfig | str | None
-        Speculative decoding (:class:`formcast.engine.spec.SpecConfig`, or a method
+        Speculative decoding (:class:`formcast.engine.speculative.SpecConfig`, or a method
         name: "auto", "prompt_lookup", "none"). Default "auto": greedy requests
         draft while few requests run; outputs are identical either way.
     max_constraint_rollbacks : int
@@ -178,6 +180,10 @@ class EngineConfig:
         256 requests end at once and rows set back a step wait. Cycles that
         constraints or callbacks make are collected after the call. None: on
         CUDA.
+    tuning : EngineTuning
+        Performance knobs (:class:`formcast.engine.tuning.EngineTuning`, or a dict
+        of its fields) that move work between threads and waits without changing
+        any output.
     """
 
     block_size: int = 16
@@ -198,11 +204,19 @@ class EngineConfig:
     freeze_gc: bool | None = None
     pause_gc: bool | None = None
     spec: Any = None  # SpecConfig after __post_init__
+    tuning: EngineTuning = EngineTuning()  # (a dict of its fields is taken too)
 
     def __post_init__(self) -> None:
-        from formcast.engine.spec.config import SpecConfig
+        from formcast.engine.speculative.config import SpecConfig
 
         object.__setattr__(self, "spec", SpecConfig.coerce(self.spec))
+        tuning = self.tuning
+        if isinstance(tuning, dict):
+            tuning = EngineTuning(**tuning)
+        elif not isinstance(tuning, EngineTuning):
+            raise ValueError(f"tuning must be an EngineTuning or a dict of its fields, got "
+                             f"{type(tuning).__name__}")
+        object.__setattr__(self, "tuning", tuning)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

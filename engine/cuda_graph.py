@@ -17,7 +17,7 @@ past it are harmless.
 Each graph also samples greedily (argmax and dead-end flag, one reduction), so a
 step of unconstrained greedy rows needs no sampling launches of its own.
 
-Every size is captured twice (``COPIES``), each copy with outputs of its own,
+Every size is captured twice (``copies``), each copy with outputs of its own,
 and replays alternate between the copies: a step's logits stay valid through
 the next step's replay. The asynchronous engine reads them then, to resample
 under its mask a row whose unmasked greedy pick the grammar refused. A replay
@@ -45,7 +45,6 @@ from formcast.engine.kernels import current_stream, wait_event
 from formcast.engine.kernels.sampling import greedy_picks
 from formcast.engine.layers.attention import AttentionMetadata
 
-COPIES = 2  # captures of each size, replayed in turn (see the module doc)
 
 
 def graph_ladder(max_rows: int) -> tuple[int, ...]:
@@ -223,10 +222,12 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], *, sizes: tuple[int, ...],
                  max_blocks: int, block_size: int, scratch_slot: int,
-                 sample_vocab: int | None = None) -> None:
+                 sample_vocab: int | None = None, copies: int = 2) -> None:
         """``sample_vocab``: the logits columns greedy sampling may pick (the
-        tokenizer's vocabulary; default all)."""
+        tokenizer's vocabulary; default all); ``copies``: captures of each size,
+        replayed in turn (see the module doc)."""
         self.model = model
+        self.copies = copies
         self.sample_vocab = sample_vocab
         self.kv_caches = kv_caches
         self.sizes = tuple(sorted(sizes))
@@ -238,7 +239,7 @@ class DecodeGraphs:
                                      scratch_slot=scratch_slot, pin=True)
         self._dev = torch.zeros_like(self.staging.host, device=device)
         self._rows = torch.arange(m, device=device)
-        # per size, COPIES copies (see the module doc); replays take them in turn
+        # per size, ``copies`` copies (see the module doc); replays take them in turn
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._logits: dict[int, list[torch.Tensor]] = {}
         self._greedy: dict[int, list[torch.Tensor]] = {}
@@ -277,8 +278,8 @@ class DecodeGraphs:
         # one memory pool per copy, shared by its sizes (largest first: the smaller
         # ones reuse its memory). A graph's outputs may lie where another graph of
         # its pool keeps intermediates, so only a replay of the same copy may
-        # overwrite them, which comes COPIES replays later
-        pools: list = [None] * COPIES
+        # overwrite them, which comes ``copies`` replays later
+        pools: list = [None] * self.copies
         torch.cuda.synchronize()
         for b in reversed(self.sizes):
             tokens, positions, meta = self._inputs(b)
@@ -290,7 +291,7 @@ class DecodeGraphs:
                 self.draft_sizes.add(b)
             torch.cuda.synchronize()
             self._graphs[b], self._logits[b], self._greedy[b] = [], [], []
-            for c in range(COPIES):
+            for c in range(self.copies):
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pools[c]):
                     self._patch()
@@ -416,7 +417,7 @@ class DecodeGraphs:
         if not copied:
             self._copy_inputs(n, b, tokens)
         try:
-            self._copy = (self._copy + 1) % COPIES
+            self._copy = (self._copy + 1) % self.copies
             self._graphs[b][self._copy].replay()
         except BaseException:
             self.staging.invalidate()  # (its patches may not have reached the device)
@@ -431,7 +432,7 @@ class DecodeGraphs:
         one (its output unread): the next replay takes its copy, so the replay
         before keeps its logits for as long as it would have without it."""
         if self.replays == replays:
-            self._copy = (self._copy - 1) % COPIES
+            self._copy = (self._copy - 1) % self.copies
             self._last = self._before
             self.replays -= 1
 

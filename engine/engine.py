@@ -39,10 +39,10 @@ from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.scheduler import ScheduledSeq, Scheduler
 from formcast.engine.sequence import (Request, RequestOutput, Sequence, SequenceStatus,
                                       TokenLogprob)
-from formcast.engine.spec import JumpForwardProposer, PromptLookupProposer, propose
-from formcast.engine.spec.mtp import MTPProposer
-from formcast.engine.spec.proposers import DraftMemory, fill_draft_masks
-from formcast.engine.spec.schedule import StepCostModel, choose_lengths
+from formcast.engine.speculative import JumpForwardProposer, PromptLookupProposer, propose
+from formcast.engine.speculative.mtp import MTPProposer
+from formcast.engine.speculative.proposers import DraftMemory, fill_draft_masks
+from formcast.engine.speculative.schedule import StepCostModel, choose_lengths
 from formcast.engine.tokenizer import IncrementalDetokenizer, Tokenizer, cached_gguf_tokenizer
 from formcast.engine.errors import EngineError, RequestError
 
@@ -83,6 +83,7 @@ class Engine:
                  config: EngineConfig | None = None, device: torch.device | None = None,
                  name: str = "model") -> None:
         self.config = config or EngineConfig()
+        self._tuning = tuning = self.config.tuning
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -119,7 +120,7 @@ class Engine:
                                       max_model_len=self._max_len(num_blocks),
                                       sample_vocab=min(tokenizer.vocab_size, mcfg.vocab_size),
                                       max_prefill_tokens=self.config.max_num_batched_tokens,
-                                      max_prefill_chunks=self.config.max_num_seqs)
+                                      max_prefill_chunks=self.config.max_num_seqs, tuning=tuning)
         if spec.enabled and spec.method == "mtp" and self._mtp is None:
             raise ValueError("spec method 'mtp' needs a model with an MTP layer (a DeepSeek-V4 "
                              "checkpoint with mtp.0.* weights); use 'prompt_lookup' or 'auto'")
@@ -129,7 +130,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=self.config.max_num_seqs,
                                    max_num_batched_tokens=self.config.max_num_batched_tokens)
         self.sampler = Sampler(mcfg.vocab_size, tokenizer.vocab_size,
-                               batch_fill=self.device.type == "cuda")
+                               batch_fill=self.device.type == "cuda", tuning=tuning)
         self.step_cost = StepCostModel()  # seconds per step by tokens, learned online
         self._draft_memory: DraftMemory | None = None  # the model's habits, for drafting
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
@@ -182,6 +183,7 @@ class Engine:
         # the device: see _finish and _bury_while
         self._graves: list[LogitsConstraint] = []
         self._keep_graves = self.device.type == "cuda"
+        self._graves_kept = tuning.graves_kept
         self._risky_after: list[Sequence] = []
         self._premask_wait = None
         self.num_premasked_picks = 0  # picks made under a mask by premasking
@@ -307,13 +309,9 @@ class Engine:
             raise RequestError(
                 f"prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
                 "(prompt + output); shorten the prompt")
-        if constraint is not None and type(constraint) not in _CONFORMING:
-            # (the protocol's structural check costs ~10 us a call: a batch of
-            # constrained requests checks each class once)
-            if not isinstance(constraint, LogitsConstraint):
-                raise RequestError(f"constraint {type(constraint).__name__} does not implement "
-                                   "LogitsConstraint (fill_bitmask, accept, rollback, ...)")
-            _CONFORMING.add(type(constraint))
+        if constraint is not None and not _conforms(type(constraint)):
+            raise RequestError(f"constraint {type(constraint).__name__} does not implement "
+                               "LogitsConstraint (fill_bitmask, accept, rollback, ...)")
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
         elif request_id in self._seqs:
@@ -546,7 +544,7 @@ class Engine:
         its constraints' first accepts; a small one keeps its first token one
         step sooner."""
         sched = self.scheduler
-        if len(plain) < _FIRST_IN_FLIGHT_ROWS or len(plain) != len(plan.scheduled) \
+        if len(plain) < self._tuning.first_in_flight_rows or len(plain) != len(plan.scheduled) \
                 or sched.waiting or len(plain) > self.config.max_num_batched_tokens:
             return False
         if [item.seq for item in plan.scheduled] != list(sched.running) or self._drafts(plain):
@@ -931,7 +929,7 @@ class Engine:
             seqs=seqs, tokens=both[0], host=host, ready=ready,
             logits=logits if unchecked else None, unchecked=unchecked, watched=watched,
             agree=agree_host, free=free, masked=masked, finishes=finishes, void=void)
-        overlap = len(unchecked) >= _OVERLAP_ROWS
+        overlap = len(unchecked) >= self._tuning.overlap_rows
         native = self.config.native_accept
         if overlap and (native or native is None and ready is not None):
             # the constraints' native worker offers the unmasked picks as soon as they
@@ -961,7 +959,7 @@ class Engine:
             return
         if on:
             self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, _ACCEPT_SWITCH_INTERVAL))
+            sys.setswitchinterval(min(self._switch_interval, self._tuning.accept_switch_interval))
         else:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
@@ -1052,7 +1050,7 @@ class Engine:
         if any(lists):
             values = list(itertools.chain.from_iterable(lists))
             flat = None
-            if masked_only and not gather and len(drawn) <= _PINNED_ROWS and \
+            if masked_only and not gather and len(drawn) <= self._tuning.pinned_rows and \
                     (not watch or len(watch) == len(drawn)) and dev.type == "cuda":
                 # a few masked rows (the usual step after a refusal): the kernel reads
                 # the lists and the masks in pinned host memory, no copy launched
@@ -1077,7 +1075,7 @@ class Engine:
                 out = torch.empty(2, len(live), dtype=torch.long, device=dev)
             elif gather:
                 out = greedy
-            elif _PICKS_WHOLE_ROW:  # (the kernel copies the unmasked picks: no clone launched)
+            elif self._tuning.picks_whole_row:  # (the kernel copies the unmasked picks: no clone launched)
                 out, source = torch.empty(greedy.shape, dtype=greedy.dtype, device=dev), greedy
             else:
                 out = greedy.clone()
@@ -1114,7 +1112,8 @@ class Engine:
         the rows' first tokens, which every constrained row picks under its mask,
         watched, as an ordinary step's sampling picks them."""
         unmasked = self.config.unmasked_greedy
-        if unmasked and not first and self._all_greedy_constrained(live):
+        if unmasked and not first and self._tuning.uniform_rows and \
+                self._all_greedy_constrained(live):
             # (the usual constrained batch, sorted again when rows are masked or
             # unmasked: a row goes by its mask alone, found in C-level loops.
             # 256 rows with 3 masked on our CPU: 27 us rather than 56)
@@ -1272,7 +1271,7 @@ class Engine:
                     self._open_while(prev.seqs, busy)
                     self._tidy_constraints(prev.seqs)
                     self._bury_while(busy)
-                    if _DETOK_CHORE_TOKENS:
+                    if self._tuning.detok_chore_tokens:
                         self._detokenize_while(prev.seqs, busy)
                 wait_event(prev.ready)
             lists = prev.host.tolist()
@@ -1355,7 +1354,7 @@ class Engine:
                 nxt = [seqs[i] for i in (sorted(free + masked) if free else masked)]
                 nxt = [s for s in nxt if s in ok and s.status is not FINISHED
                        and not self._picks_unmasked(s)]
-                if len(nxt) >= _ASYNC_FILL_ROWS and any(s.constraint is not None for s in nxt):
+                if len(nxt) >= self._tuning.async_fill_rows and any(s.constraint is not None for s in nxt):
                     taking.ahead = self._masks_ahead = nxt, self._fill_masks_async(nxt)
         except BaseException:
             taking.abandon()
@@ -1478,7 +1477,7 @@ class Engine:
         return token in self._risky_tokens() and self._leaves_string(seq, token, False)
 
     def _premasking(self) -> bool:
-        return self._premask_rate >= _PREMASK_AFTER
+        return self._premask_rate >= self._tuning.premask_after
 
     def _premask(self, seq: Sequence) -> None:
         seq.premask()
@@ -1543,7 +1542,7 @@ class Engine:
 
     def _risky_seen(self, missed: bool) -> None:
         """A pick after a risky token broke the grammar (``missed``), or did not."""
-        self._premask_rate += (float(missed) - self._premask_rate) * _PREMASK_EMA
+        self._premask_rate += (float(missed) - self._premask_rate) * self._tuning.premask_ema
 
     def _tidy_constraints(self, seqs: list[Sequence]) -> None:
         """Offer the constraint classes of ``seqs``' rows their optional ``tidy``
@@ -1569,7 +1568,7 @@ class Engine:
         host there, on the path of the caller and of the next batch's opening."""
         graves = self._graves
         while graves and busy():
-            del graves[-_GRAVES_AT_ONCE:]
+            del graves[-self._tuning.graves_at_once:]
 
     @staticmethod
     def _prepare_constraints(scheduled) -> None:
@@ -1600,14 +1599,14 @@ class Engine:
         :meth:`BlockManager.defer_commits`), a few sequences at a time."""
         bm = self.block_manager
         while bm.num_deferred and busy():
-            bm.commit_deferred(_COMMIT_CHORE_ROWS)
+            bm.commit_deferred(self._tuning.commit_chore_rows)
 
     def _open_while(self, seqs: list[Sequence], busy) -> None:
         """While ``busy()``, open the next KV block of ``seqs``' rows that will
         need one soon (:meth:`BlockManager.open_early`), a few rows at a time, a
         round of the rows at most."""
         bm = self.block_manager
-        while busy() and bm.open_early(seqs, _OPEN_CHORE_ROWS):
+        while busy() and bm.open_early(seqs, self._tuning.open_chore_rows):
             pass
 
     def _commit_quota(self) -> None:
@@ -1615,17 +1614,17 @@ class Engine:
         with no wait to do it in still drains a batch's blocks in a few steps,
         not at the batch's end, where its requests are freed)."""
         if self.block_manager.num_deferred:
-            self.block_manager.commit_deferred(_COMMIT_QUOTA_ROWS)
+            self.block_manager.commit_deferred(self._tuning.commit_quota_rows)
 
     def _detokenize_while(self, seqs: list[Sequence], busy) -> None:
         """While ``busy()`` (the device still at work, the host otherwise
         idle), make the text of ``seqs``' deferred tokens (see
         :meth:`Sequence.defer_text`), a few rows at a time, each row once it has
-        ``_DETOK_CHORE_TOKENS`` of them. A batch's rows that end together then
+        ``tuning.detok_chore_tokens`` of them. A batch's rows that end together then
         have a few tokens each left to detokenize, not their whole output: at 256
         rows of 128 tokens that was 4.3 ms of the H200's host, the device idle,
         at the end of every batch. The rows are taken in turn from where the
-        last call stopped; off where ``_DETOK_CHORE_TOKENS`` is None. (Not
+        last call stopped; off where ``tuning.detok_chore_tokens`` is None. (Not
         while waiting for the native worker's verdicts: that wait lets go of
         the interpreter lock, which the mask and accept threads want then; in
         the stubbed engine of host_overhead.py on our CPU, JSON at 256 rows,
@@ -1635,11 +1634,12 @@ class Engine:
             return
         at = self._detok_at % n
         left = n  # (one pass over the rows at most)
+        step, enough = self._tuning.detok_chore_rows, self._tuning.detok_chore_tokens
         while left > 0 and busy():
-            chunk = seqs[at:at + _DETOK_CHORE_ROWS]
+            chunk = seqs[at:at + step]
             made = False
             for s in chunk:
-                if len(s._undecoded) >= _DETOK_CHORE_TOKENS:
+                if len(s._undecoded) >= enough:
                     s.text  # (reading it makes it)
                     made = True
             at = (at + len(chunk)) % n
@@ -1739,7 +1739,10 @@ class Engine:
         memory = self._draft_memory
         proposers = (JumpForwardProposer(memory),
                      PromptLookupProposer(spec.ngram_max, spec.ngram_min, memory=memory,
-                                          encode=self._encode_plain))
+                                          encode=self._encode_plain,
+                                          text_window=self._tuning.lookup_text_window,
+                                          text_tries=self._tuning.lookup_text_tries,
+                                          text_bytes=self._tuning.lookup_text_bytes))
         if self._mtp is not None or forced_only:  # grammar-forced tokens (then the MTP draft)
             proposers = proposers[:1]
         drafting: list[Sequence] = []
@@ -1958,8 +1961,8 @@ class Engine:
         self._seqs.pop(seq.request_id, None)
         if seq.constraint is not None and self._keep_graves:
             self._graves.append(seq.constraint)
-            if len(self._graves) > _GRAVES_KEPT:  # (no device time to drop them in)
-                del self._graves[:_GRAVES_KEPT // 2]
+            if len(self._graves) > self._graves_kept:  # (no device time to drop them in)
+                del self._graves[:self._graves_kept // 2]
         # (a batch's rows ending at once each detokenize their whole output here,
         # 4.3 ms for 252 rows on the H200's host, while rows set back a step by a
         # refused pick wait to go on. Making the text when the output is read
@@ -2112,52 +2115,11 @@ def _state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: t
     return max(1, min(fit, config.max_num_seqs * longest, 2 ** 16))
 
 
-# a step in flight with this many unmasked picks has them offered to their
-# constraints on the accept thread as soon as they land (xgrammar's batch accept
-# is native code that lets go of the interpreter lock), while the host goes on
-# to the next step and samples it. On the H200's host 256 rows' accepts take
-# 0.5-0.9 ms; 64 rows' (0.2 ms, a step the GPU bounds) gained nothing. At 256
-# rows, JSON/free in one run with and without it: 0.68 against 0.56 on one host,
-# 0.78 against 0.82 on another (it slows the host's own launches meanwhile)
-_OVERLAP_ROWS = 128
-# Masks of fewer rows than this are filled on the main thread when sampled, not
-# ahead on the mask thread: a few rows' fill takes tens of microseconds, less
-# than the mask thread's trips through the interpreter lock and the wait for it.
-# At 256 JSON rows on the H200 (same run, median of 12), constrained throughput
-# went from 0.675 to 0.704 of free text's with it
-_ASYNC_FILL_ROWS = 16
-# The host's waits for the device detokenize a row's deferred tokens once it has
-# this many (None: they do not), this many rows between looks at whether the wait
-# is over (Engine._detokenize_while). On the H100, 256 free rows of 128 tokens
-# (benchmarks/engine_ab.py, one process, 3 runs a side; B: 32, A: None): 1.016x
-# tokens/s best, 1.017x median
-_DETOK_CHORE_TOKENS: int | None = 32
-_DETOK_CHORE_ROWS = 8
-_PINNED_ROWS = 16  # masked rows a step's kernel reads in pinned memory, at most
-# Full KV blocks are hashed for the prefix cache off the step's path: this many
-# sequences at a time while the host waits for the device, and at least
-# _COMMIT_QUOTA_ROWS a pipelined step after its launches (Engine._commit_while)
-_COMMIT_CHORE_ROWS = 16
-_COMMIT_QUOTA_ROWS = 32
-# Rows whose next KV block opens before they reach it, at a time, while the host
-# waits for the device (Engine._open_while)
-_OPEN_CHORE_ROWS = 32
-# A step's masked greedy picks go into a fresh row of picks that their kernel fills
-# whole, the unmasked picks copied from the graph's output (which the next replay
-# overwrites), rather than into a clone of that output: a launch fewer a step
-_PICKS_WHOLE_ROW = True
-
-# Premasking (see Engine._premask_landed) is on while a moving average (weight
-# _PREMASK_EMA a pick) of how often the pick after a risky token broke the
-# grammar is at least _PREMASK_AFTER (above 1: never)
-_PREMASK_AFTER = 0.5
-_PREMASK_EMA = 0.125
-# the fewest rows whose first step puts its tokens in flight (Engine._first_in_flight)
-_FIRST_IN_FLIGHT_ROWS = 8
-_ACCEPT_SWITCH_INTERVAL = 2e-4  # seconds (see Engine._quick_switches)
-
-
-_CONFORMING: set[type] = set()  # constraint classes that passed LogitsConstraint's check
+@functools.cache
+def _conforms(kind: type) -> bool:
+    """Whether instances of ``kind`` implement LogitsConstraint (the protocol's
+    structural check is slow: a batch of constrained requests checks each class once)."""
+    return issubclass(kind, LogitsConstraint)
 
 
 def _wait_landed(step: "_InFlight") -> None:
@@ -2215,9 +2177,6 @@ def _narrow_choice(seq: Sequence) -> bool:
 
 
 _IS_MASKED = operator.attrgetter("masked")
-# ended requests' constraints dropped at once while the device is busy, and kept at
-# most (see Engine._bury_while)
-_GRAVES_AT_ONCE, _GRAVES_KEPT = 32, 2048
 _STREAK = operator.attrgetter("refusal_streak")
 
 

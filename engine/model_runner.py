@@ -20,6 +20,7 @@ from formcast.engine.models.llama import LlamaForCausalLM
 from formcast.engine.prefill_graph import PrefillGraphs
 from formcast.engine.scheduler import ScheduledSeq
 from formcast.engine.sequence import Sequence
+from formcast.engine.tuning import EngineTuning
 
 
 def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -64,28 +65,25 @@ class StepLayout:
         return not self.prefills and len(self.sample_rows) == len(self.tokens)
 
 
-# On CUDA in bfloat16, a Llama model's norm weights are folded into the projections
-# after them (LlamaForCausalLM.fold_norms) before graphs are captured: a decode
-# step of the fused attention kernel then runs 6 kernels a layer, not 8
-FOLD_NORMS = True
-
-
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype,
                  cuda_graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None,
                  sample_vocab: int | None = None, max_prefill_tokens: int = 0,
-                 max_prefill_chunks: int = 0) -> None:
+                 max_prefill_chunks: int = 0, tuning: EngineTuning | None = None) -> None:
         """``cuda_graph_sizes``: batch sizes whose decode steps are captured as CUDA
         graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables;
         ``sample_vocab``: the columns the graphs' greedy sampling may pick;
         ``max_prefill_tokens``, ``max_prefill_chunks``: the largest prompt step that
         graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs)."""
+        tuning = tuning or EngineTuning()
         self.model = model
-        # (bfloat16 only: the folded projections work on the raw residual stream,
+        # On CUDA in bfloat16 a Llama model's norm weights fold into the projections
+        # after them (LlamaForCausalLM.fold_norms) before graphs are captured: fewer
+        # kernels a decode layer. (bfloat16 only: the folded projections work on the raw residual stream,
         # rms(x) times larger, which float16's range may not hold; and never a model
         # another runner holds, whose captured graphs read its weights' memory)
-        if FOLD_NORMS and device.type == "cuda" and dtype == torch.bfloat16 and \
+        if tuning.fold_norms and device.type == "cuda" and dtype == torch.bfloat16 and \
                 hasattr(model, "fold_norms") and not getattr(model, "_run", False):
             model.fold_norms()
         model._run = True
@@ -108,13 +106,14 @@ class ModelRunner:
                                        max_blocks=-(-max_len // block_size),
                                        block_size=block_size,
                                        scratch_slot=num_blocks * block_size,
-                                       sample_vocab=sample_vocab)
+                                       sample_vocab=sample_vocab, copies=tuning.graph_copies)
         self.prefill_graphs: PrefillGraphs | None = None
         if graphs and max_prefill_tokens and max_prefill_chunks:  # (quantized linears: CPU only)
             self.prefill_graphs = PrefillGraphs(
                 model, self.kv_caches, max_tokens=max_prefill_tokens,
                 max_chunks=max_prefill_chunks, max_blocks=self.graphs.max_blocks,
-                scratch_slot=num_blocks * block_size)
+                scratch_slot=num_blocks * block_size, min_rows=tuning.prefill_graph_min_rows,
+                most_tokens=tuning.prefill_graph_max_tokens)
         self._replayed = False  # the last execute_decode replayed a graph
 
     @torch.inference_mode()

@@ -21,7 +21,7 @@ but the kernels' (the graphs share one memory pool): those logits are valid
 until the next prompt step.
 
 Buckets are captured as they come, at most ``max_graphs`` of them, up to
-``MAX_TOKENS`` tokens (a step of an uncaptured bucket past that runs eagerly). A
+``most_tokens`` tokens (a step of an uncaptured bucket past that runs eagerly). A
 capture runs the step eagerly once (compiling kernels for its shapes), captures
 it, then replays it: a few times a step's cost, once per bucket. It is captured
 in thread-local mode, so the mask thread's CUDA calls (pinned buffers, events)
@@ -39,8 +39,6 @@ import torch
 from formcast.engine.kernels import current_stream, wait_event
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
 
-MIN_ROWS = 16
-MAX_TOKENS = 8192  # the largest step served (the shared pool keeps its activations)
 
 
 def _bucket(n: int, floor: int = 1) -> int:
@@ -57,15 +55,18 @@ class _Bucket:
 
 class PrefillGraphs:
     """CUDA graphs of ``model``'s prompt steps over ``kv_caches`` (whose scratch slot
-    is ``scratch_slot``), up to ``max_tokens`` rows (at most ``MAX_TOKENS``) and
+    is ``scratch_slot``), up to ``max_tokens`` rows (at most ``most_tokens``) and
     ``max_chunks`` chunks a step, block tables up to ``max_blocks`` wide."""
 
     def __init__(self, model, kv_caches: list[torch.Tensor], *, max_tokens: int,
                  max_chunks: int, max_blocks: int, scratch_slot: int,
-                 max_graphs: int = 16) -> None:
+                 max_graphs: int = 16, min_rows: int = 16, most_tokens: int = 8192) -> None:
+        # min_rows: the smallest padded step; most_tokens: the largest step served
+        # (the shared pool keeps its activations)
         self.model = model
         self.kv_caches = kv_caches
-        self.max_tokens = _bucket(min(max_tokens, MAX_TOKENS), MIN_ROWS)
+        self.min_rows = min_rows
+        self.max_tokens = _bucket(min(max_tokens, most_tokens), min_rows)
         self.max_chunks = _bucket(max_chunks)
         self.max_blocks = max_blocks
         self.scratch_slot = scratch_slot
@@ -96,8 +97,9 @@ class PrefillGraphs:
         if num_tokens > self.max_tokens or len(lengths) > self.max_chunks \
                 or num_samples > len(lengths):
             return None
-        tokens = _bucket(num_tokens, MIN_ROWS)
-        return _Bucket(tokens, _bucket(len(lengths)), min(tokens, _bucket(max(lengths), MIN_ROWS)))
+        tokens = _bucket(num_tokens, self.min_rows)
+        return _Bucket(tokens, _bucket(len(lengths)),
+                       min(tokens, _bucket(max(lengths), self.min_rows)))
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int],
             prefills: list[tuple[int, int, int, list[int]]], sample_rows: list[int]

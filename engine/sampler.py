@@ -21,9 +21,9 @@ from formcast.engine.kernels.bitmask import apply_token_bitmask_, masked_argmax_
 from formcast.engine.kernels.sampling import greedy_picks, row_seed, sample
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.sequence import Sequence, TokenLogprob
+from formcast.engine.tuning import EngineTuning
 
 
-_RING_SPARE_ROWS = 2  # rows of a pinned mask buffer past its masks (see pinned_ints)
 _CONSTRAINT = operator.attrgetter("constraint")
 
 
@@ -64,12 +64,15 @@ class Verdict:
 class Sampler:
     """Samples one token per row of a logits batch for the given sequences."""
 
-    def __init__(self, vocab_size: int, valid_vocab_size: int, *, batch_fill: bool = False
-                 ) -> None:
+    def __init__(self, vocab_size: int, valid_vocab_size: int, *, batch_fill: bool = False,
+                 tuning: EngineTuning | None = None) -> None:
         # vocab_size: the model's (logits width); valid_vocab_size: the tokenizer's.
         # batch_fill (set on CUDA): fill masks through a constraint class's
         # ``fill_bitmasks`` (many rows in one call, on the grammar library's threads)
         # where it has one, into pinned memory (the copy to the device is asynchronous)
+        tuning = tuning or EngineTuning()
+        self._spare_rows = tuning.mask_ring_spare_rows  # (past a pinned buffer's masks)
+        self._few = {"few_masks": tuning.few_masks, "few_allowed": tuning.few_allowed}
         self.vocab_size = vocab_size
         self.batch_fill = batch_fill
         self._pin = batch_fill and torch.cuda.is_available()
@@ -169,7 +172,7 @@ class Sampler:
             mask_rows = filled.mask_rows(logits.device)
         masked_argmax_(out, logits, filled.bitmask, rows, cols, agree,
                        vocab_size=self.valid_vocab_size, mask_rows=mask_rows, pinned=pinned,
-                       source=source)
+                       source=source, **self._few)
         if filled.ring_slot is not None:  # on the stream that copies the mask
             self._ring_used[filled.ring_slot].record(current_stream(logits.device))
         return agree
@@ -348,9 +351,9 @@ class Sampler:
         self._ring_next ^= 1
         wait_event(self._ring_used[slot])  # its last copy to the device is done
         buf = self._ring[slot]
-        if buf is None or buf.shape[0] < n + _RING_SPARE_ROWS:
+        if buf is None or buf.shape[0] < n + self._spare_rows:
             with torch.inference_mode(False):  # a normal tensor: filled in either mode
-                buf = torch.empty(max(n, 64) + _RING_SPARE_ROWS, self.bitmask_width,
+                buf = torch.empty(max(n, 64) + self._spare_rows, self.bitmask_width,
                                   dtype=torch.int32, pin_memory=True)
                 ints = buf.view(torch.int64).view(-1) if self.bitmask_width % 2 == 0 else None
             self._ring[slot] = buf

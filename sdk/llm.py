@@ -38,7 +38,7 @@ def load(model: str = "smollm2", *, device: str = "auto", dtype: torch.dtype | N
         Default float32 on CPU, bfloat16 on CUDA.
     **engine_options
         ``quantization="int4"|"int8"`` (CPU), ``spec=`` (speculative decoding: a
-        :class:`formcast.engine.spec.SpecConfig` or "auto" | "prompt_lookup" |
+        :class:`formcast.engine.speculative.SpecConfig` or "auto" | "prompt_lookup" |
         "none") and the other :class:`formcast.engine.EngineConfig` fields
         (``max_num_seqs``, ``num_kv_blocks``, ...).
 

@@ -67,7 +67,7 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
                    rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor, *,
                    vocab_size: int, mask_rows: torch.Tensor | None = None,
                    pinned: bool = False, source: torch.Tensor | None = None,
-                   backend: str = "auto") -> None:
+                   backend: str = "auto", few_masks: int = 8, few_allowed: int = 16) -> None:
     """Greedy picks under bitmasks, written into ``out`` in place; ``logits`` are
     left as they are.
 
@@ -125,8 +125,9 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
     if source is not None:
         out.copy_(source)
     bitmask = bitmask.to(logits.device, non_blocking=True)
-    if logits.device.type == "cpu" and (mask_rows is not None or rows.numel() <= _FEW_MASKS):
-        _masked_argmax_by_mask(out, logits, bitmask, rows, cols, agree, vocab_size, mask_rows)
+    if logits.device.type == "cpu" and (mask_rows is not None or rows.numel() <= few_masks):
+        _masked_argmax_by_mask(out, logits, bitmask, rows, cols, agree, vocab_size, mask_rows,
+                               few_allowed)
         return
     x = logits[rows, :vocab_size].float()
     if mask_rows is not None:
@@ -138,13 +139,11 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
     out[1, cols] = torch.isneginf(values).long()
 
 
-_FEW_MASKS = 8  # picks each with its own mask row still read mask by mask (on the CPU)
-_FEW_ALLOWED = 16  # a mask allowing at most 1 token in this many: its tokens gathered
-
 
 def _masked_argmax_by_mask(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tensor,
                            rows: torch.Tensor, cols: torch.Tensor, agree: torch.Tensor,
-                           vocab_size: int, mask_rows: torch.Tensor | None) -> None:
+                           vocab_size: int, mask_rows: torch.Tensor | None,
+                           few_allowed: int) -> None:
     """:func:`masked_argmax_` on the CPU, a mask row at a time: each mask row
     is unpacked once for every pick that reads it (rows in one grammar state
     share one), and where it allows few tokens (forced text, a key) only their
@@ -164,7 +163,7 @@ def _masked_argmax_by_mask(out: torch.Tensor, logits: torch.Tensor, bitmask: tor
         if tokens.numel() == 0:  # a dead end: token 0, flagged
             dead[at] = True
             continue
-        if tokens.numel() * _FEW_ALLOWED <= vocab_size:
+        if tokens.numel() * few_allowed <= vocab_size:
             values, best = logits[picks.unsqueeze(1), tokens].float().max(dim=-1)
             best = tokens[best]
         else:  # (most rows' own argmax is allowed: only the others are masked)

@@ -20,7 +20,7 @@ from formcast import grammars
 from formcast.engine import Engine, SamplingParams
 from formcast.engine.models.deepseek_v4_runner import DeepseekV4Runner
 from formcast.engine.scheduler import ScheduledSeq
-from formcast.engine.spec import SpecConfig
+from formcast.engine.speculative import SpecConfig
 from tests.engine.deepseek_v4_folders import CONFIGS, WITH_MTP, write_folder
 from tests.engine.deepseek_v4_helpers import _one_thread  # noqa: F401  (autouse)
 from tests.engine.helpers import make_seq

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams
+from formcast.engine.tuning import EngineTuning
 from formcast.errors import ModelNotFoundError, RequestError
 
 from .helpers import AllowOnly, Scripted, count_word_risky
@@ -399,9 +400,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
     drains and refills), one aborted mid-run, and ``max_tokens`` cut-offs. The
     constrained row's unmasked picks are checked on the accept thread while
     the step is sampled (a large batch's way, turned on here for one row)."""
-    import formcast.engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
 
     compiled = city_year_grammar(smollm2_engine)
     work = [  # (prompt, params, constraint?)
@@ -414,7 +414,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
     ]
 
     def run(asynchronous: bool):
-        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
+        engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none")
         dropped = [0]
         drop = engine._drop_ahead
         engine._drop_ahead = lambda: (dropped.__setitem__(0, dropped[0] + (engine._ahead is not None)),
@@ -456,14 +456,13 @@ def test_pipelined_rows_ending_on_length_end_where_synchronous_ones_do(smollm2_e
     once per run of steps over the same rows (``Engine._room_of``), not row by
     row each step: rows whose budgets run out one after another, under a
     grammar or not, still end on exactly their ``max_tokens``."""
-    import formcast.engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     compiled = city_year_grammar(smollm2_engine)
     budgets = [3, 4, 6, 9, 13, 14]
 
     def run(asynchronous: bool):
-        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
+        engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none")
         quiet = []
         room_of = engine._room_of
         engine._room_of = lambda seqs: quiet.append(room_of(seqs)) or quiet[-1]
@@ -583,7 +582,6 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     rows' way, forced here) ahead on the mask thread; or filled through the
     batch hook (the CUDA sampler's way), which fills one of the matchers that
     took the same text and copies its mask to the others."""
-    import formcast.engine.engine as engine_module
     from formcast.grammars import Regex, compile
     from formcast.grammars.backends import xgrammar_backend
 
@@ -599,11 +597,11 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
 
     def run(asynchronous: bool, unmasked: bool, overlap: bool = False, async_fill: bool = False,
             batch_fill: bool = False):
+        tuning = EngineTuning(overlap_rows=1 if overlap else 10**9,
+                              async_fill_rows=1 if async_fill else 10**9)
         engine = variant(smollm2_engine, async_scheduling=asynchronous, unmasked_greedy=unmasked,
-                         spec="none")
+                         spec="none", tuning=tuning)
         engine.sampler.batch_fill = batch_fill
-        monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
-        monkeypatch.setattr(engine_module, "_ASYNC_FILL_ROWS", 1 if async_fill else 10**9)
         drained = []
         settle = engine._settle_on_host
         engine._settle_on_host = lambda *a: (drained.append(len(a[0])), settle(*a))
@@ -654,19 +652,18 @@ def test_the_native_accept_worker_gives_the_synchronous_outputs(smollm2_engine, 
     unmasked picks are checked by the native worker, with a free row among
     them and rows refused (then masked), ending and joining. Outputs equal
     synchronous masked decoding's, and no Python accept thread is started."""
-    import formcast.engine.engine as engine_module
     from formcast.grammars.backends import native_accept
 
     if native_accept.worker() is None:
         pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     compiled = city_year_grammar(smollm2_engine)
     texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
              "Reply in JSON with a city and the year it was founded.", "Name three colours."]
     greedy = SamplingParams(max_tokens=32, temperature=0.0)
 
     def run(**config):
-        engine = variant(smollm2_engine, spec="none", **config)
+        engine = variant(smollm2_engine, tuning=tuning, spec="none", **config)
         ids = [engine.add_request(chat(engine, t), greedy, constraint=compiled.matcher())
                for t in texts]
         ids.append(engine.add_request(chat(engine, "Count to three."), greedy))
@@ -867,7 +864,6 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
     with premasked rows in flight) and another is aborted."""
     import collections
 
-    import formcast.engine.engine as engine_module
     from formcast.grammars.backends import native_accept
 
     if path == "native" and native_accept.worker() is None:
@@ -886,8 +882,7 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
     masked, _ = run(async_scheduling=False, unmasked_greedy=False)
     word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
     count_word_risky(monkeypatch, word)
-    monkeypatch.setattr(engine_module, "_PREMASK_AFTER", 0.0)
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 10**9 if path == "host" else 1)
+    tuning = EngineTuning(premask_after=0.0, overlap_rows=10**9 if path == "host" else 1)
     unpremask, voided = Engine._unpremask, []
 
     def spied(refused, masked_rows, watched, agree):
@@ -905,7 +900,7 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
         assert engine.num_native_accepts > 5
 
     def interrupted(**config):  # a request joins (the pipeline drains), another is aborted
-        engine = Engine(model, tok, config=EngineConfig(max_num_seqs=16, num_kv_blocks=160,
+        engine = Engine(model, tok, config=EngineConfig(tuning=tuning, max_num_seqs=16, num_kv_blocks=160,
                                                         spec="none", **config),
                         device=torch.device("cpu"))
         ids = [engine.add_request(p, greedy, constraint=compiled.matcher()) for p in prompts]
@@ -958,7 +953,6 @@ def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engin
     the outputs the same."""
     import collections
 
-    import formcast.engine.engine as engine_module
 
     tok = smollm2_engine.tokenizer
     model, compiled, prompts = _records_batch(tok, 12)
@@ -988,9 +982,9 @@ def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engin
     masked = [o.token_ids for o in masked]
     word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
     count_word_risky(monkeypatch, word)
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     for forced in (False, True):
-        engine = engine_for(async_scheduling=True)
+        engine = engine_for(async_scheduling=True, tuning=tuning)
         if forced:
             engine._premask_rate = 1.0
         outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
@@ -1050,9 +1044,8 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
     interval, lowered while the accept thread works, is back afterwards."""
     import sys
 
-    import formcast.engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     compiled = city_year_grammar(smollm2_engine)
     texts = ["Give a city and a year as JSON.", "Tell a story about a dog.",
              "Reply in JSON with a city and the year it was founded.", "Write a haiku."]
@@ -1060,7 +1053,7 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
     interval = sys.getswitchinterval()
 
     def run(asynchronous: bool):
-        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none",
+        engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none",
                          unmasked_greedy=asynchronous)
         counts = {"ahead_with_refused": 0, "lowered": 0}
         launch = engine._launch_sampled
@@ -1098,10 +1091,9 @@ def test_an_ordinary_step_between_pipelined_runs_leaves_no_stale_room(smollm2_en
     past the staging tables). Outputs are the synchronous ones."""
     import types
 
-    import formcast.engine.engine as engine_module
     from formcast.engine.cuda_graph import DecodeStaging
 
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     tok = smollm2_engine.tokenizer
     every = set(range(tok.vocab_size))
     prompts = [tok.encode("word " * n, add_special_tokens=False)[:n] for n in (30, 20)]
@@ -1109,7 +1101,7 @@ def test_an_ordinary_step_between_pipelined_runs_leaves_no_stale_room(smollm2_en
     short = SamplingParams(max_tokens=1, temperature=0.0)
 
     def run(asynchronous: bool):
-        engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none",
+        engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none",
                          max_model_len=64)
         bs = engine.config.block_size
         staging = DecodeStaging(8, -(-64 // bs), block_size=bs, scratch_slot=0, pin=False)
@@ -1184,7 +1176,6 @@ def test_a_large_batchs_first_tokens_go_in_flight_as_an_ordinary_step_picks_them
     that ask for the JSON unmasked. Every output is the synchronous engine's:
     greedy under the schema, seeded sampling, a stop string, ``max_tokens=1``
     (its token in flight is its last) and EOS."""
-    import formcast.engine.engine as engine_module
     from formcast.grammars import JsonSchema, compile
 
     schema = {"type": "object", "properties": {"city": {"type": "string"}},
@@ -1203,7 +1194,7 @@ def test_a_large_batchs_first_tokens_go_in_flight_as_an_ordinary_step_picks_them
         (chat(smollm2_engine, "Name a fruit."), SamplingParams(max_tokens=1, temperature=0.0), False),
         (chat(smollm2_engine, "Say hi."), SamplingParams(max_tokens=60, temperature=0.0), False),
     ]
-    assert len(work) >= engine_module._FIRST_IN_FLIGHT_ROWS
+    assert len(work) >= EngineTuning().first_in_flight_rows
 
     def run(asynchronous: bool):
         engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
@@ -1241,11 +1232,10 @@ def test_requests_aborted_or_arriving_while_a_batchs_first_tokens_are_in_flight(
     """A request aborted while its batch's first tokens are in flight ends with no
     token (its output went out with the abort), one arriving then waits for the
     pipeline to drain; every other request gets its synchronous output."""
-    import formcast.engine.engine as engine_module
 
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     prompts = [chat(smollm2_engine, f"Name {k} animals.") for k in range(2, 12)]
-    assert len(prompts) >= engine_module._FIRST_IN_FLIGHT_ROWS
+    assert len(prompts) >= EngineTuning().first_in_flight_rows
 
     def run(asynchronous: bool):
         engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
@@ -1272,10 +1262,9 @@ def test_rows_whose_first_tokens_went_in_flight_are_found_quiet_once_they_took_t
     once per run of steps (``Engine._room_of``), is found again once the rows
     whose first tokens went in flight took them: rows that end on their length
     only then append their tokens plainly (``quiet``) for the rest of the run."""
-    import formcast.engine.engine as engine_module
 
     engine = variant(smollm2_engine, async_scheduling=True, spec="none")
-    for i in range(engine_module._FIRST_IN_FLIGHT_ROWS):
+    for i in range(EngineTuning().first_in_flight_rows):
         engine.add_request(chat(smollm2_engine, f"Count to {i + 3}."),
                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.step()
@@ -1294,9 +1283,8 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
     sampled under their masks (``masked``: every step, ``unmasked_greedy`` off),
     whose tokens the host's take offers. A hook that raises, when prepared or
     when called, fails only its own requests, with its error."""
-    import formcast.engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     made, calls = [0], [0]
 
     class Prepared(AllowOnly):
@@ -1329,7 +1317,7 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
                all(c == " " or "a" <= c <= "z" for c in text)}
 
     def run(cls):
-        engine = variant(smollm2_engine, async_scheduling=True, spec="none",
+        engine = variant(smollm2_engine, tuning=tuning, async_scheduling=True, spec="none",
                          unmasked_greedy=not masked)
         ids = [engine.add_request(chat(engine, t), greedy, constraint=cls(letters))
                for t in texts]
@@ -1368,7 +1356,7 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
     assert (engine.num_unmasked_picks == 0) if masked else engine.num_refused_picks > 0
     for cls, error in ((BreaksWhenPrepared, "no batch today"),
                        (BreaksWhenCalled, "grammar service down")):
-        engine = variant(smollm2_engine, async_scheduling=True, spec="none",
+        engine = variant(smollm2_engine, tuning=tuning, async_scheduling=True, spec="none",
                          unmasked_greedy=not masked)
         broken = [engine.add_request(chat(engine, t), greedy, constraint=cls(letters))
                   for t in texts[:2]]
@@ -1393,7 +1381,6 @@ def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine, mon
     fails to fill its mask. ``overlap``: the picks are checked on the accept
     thread while the next step is sampled (forced on for these few rows), the
     failed resample's row dropped from the step in flight."""
-    import formcast.engine.engine as engine_module
 
     class Hooked(AllowOnly):
         @staticmethod
@@ -1411,8 +1398,8 @@ def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine, mon
                 raise RuntimeError("mask service down")
             super().fill_bitmask(bitmask, row)
 
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
-    engine = variant(smollm2_engine, async_scheduling=True, spec="none")
+    tuning = EngineTuning(overlap_rows=1 if overlap else 10**9)
+    engine = variant(smollm2_engine, tuning=tuning, async_scheduling=True, spec="none")
     every = set(range(smollm2_engine.tokenizer.vocab_size))
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     hooked = [engine.add_request(chat(engine, t), greedy, constraint=Hooked(every))
@@ -1549,13 +1536,12 @@ def test_an_idle_engine_keeps_no_finished_request(smollm2_engine, monkeypatch):
     and a tokenizer-sized vocabulary."""
     import gc
 
-    import formcast.engine.engine as engine_module
     from formcast.engine.sequence import Sequence
 
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     tok = smollm2_engine.tokenizer
     model, compiled, prompts = _records_batch(tok, 6)
-    engine = Engine(model, tok, config=EngineConfig(
+    engine = Engine(model, tok, config=EngineConfig(tuning=tuning,
         max_num_seqs=8, num_kv_blocks=256, async_scheduling=True, spec="none",
         native_accept=True), device=torch.device("cpu"))
     greedy = SamplingParams(max_tokens=20, temperature=0.0)
@@ -1623,14 +1609,13 @@ def test_the_hosts_idle_waits_detokenize_deferred_tokens_in_turn(smollm2_engine,
     them, going on where the last wait stopped; the texts are those that one
     detokenization of every token makes (a character split across tokens
     included)."""
-    import formcast.engine.engine as engine_module
     from formcast.engine.tokenizer import IncrementalDetokenizer
 
     from .helpers import make_seq
 
-    monkeypatch.setattr(engine_module, "_DETOK_CHORE_TOKENS", 32)
-    engine, tok = smollm2_engine, smollm2_engine.tokenizer
-    chore, rows_a_look = engine_module._DETOK_CHORE_TOKENS, engine_module._DETOK_CHORE_ROWS
+    tuning = EngineTuning(detok_chore_tokens=32)
+    engine, tok = variant(smollm2_engine, tuning=tuning), smollm2_engine.tokenizer
+    chore, rows_a_look = tuning.detok_chore_tokens, tuning.detok_chore_rows
     ids = tok.encode("Zürich, 東京 and 🎉 in one line: the rows' outputs " * 4)
     assert len(ids) >= 2 * chore
     seqs = []
@@ -1706,13 +1691,13 @@ def test_ended_requests_constraints_are_kept_until_the_device_is_busy(smollm2_en
     """On CUDA the engine keeps the constraints of ended requests (ended any way:
     length, abort) and drops them a few at a time while the host waits for the
     device, so their destructors run off the caller's path; never more than
-    ``_GRAVES_KEPT`` of them. On the CPU (no device time to drop them in) none
+    ``tuning.graves_kept`` of them. On the CPU (no device time to drop them in) none
     are kept."""
-    import formcast.engine.engine as engine_module
 
     every = set(range(smollm2_engine.tokenizer.vocab_size))
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    engine = variant(smollm2_engine, spec="none")
+    tuning = EngineTuning(graves_at_once=3, graves_kept=4)
+    engine = variant(smollm2_engine, spec="none", tuning=tuning)
     assert not engine._keep_graves and engine.device.type == "cpu"
     engine.generate([chat(engine, "Say hi.")], greedy, constraints=[AllowOnly(every)])
     assert engine._graves == []
@@ -1726,13 +1711,11 @@ def test_ended_requests_constraints_are_kept_until_the_device_is_busy(smollm2_en
     assert len(engine._graves) == 4
     engine._bury_while(lambda: False)  # (the device idle: nothing dropped)
     assert len(engine._graves) == 4
-    monkeypatch.setattr(engine_module, "_GRAVES_AT_ONCE", 3)
     busy = iter([True, False])
     engine._bury_while(lambda: next(busy))  # (busy for one drop)
     assert len(engine._graves) == 1
     engine._bury_while(lambda: True)
     assert engine._graves == []
-    monkeypatch.setattr(engine_module, "_GRAVES_KEPT", 4)
     engine.generate([chat(engine, "Count.")] * 5, greedy,
                     constraints=[AllowOnly(every) for _ in range(5)])
     assert len(engine._graves) == 3  # (the fifth trimmed the oldest two)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
+from formcast.engine.tuning import EngineTuning
 from formcast.engine.engine import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 
@@ -163,13 +164,12 @@ def test_cuda_fused_rope_decode_attention_tracks_the_separate_kernels(weights, t
 
 def test_cuda_folded_norms_track_the_plain_layers(weights, tokenizer, cuda32, monkeypatch):
     """In bfloat16 the runner folds the norms' weights (random here, as a real
-    model's are) into the projections (``model_runner.FOLD_NORMS``): decode
+    model's are) into the projections (``EngineTuning.fold_norms``): decode
     steps of the fused attention kernel run the folded layer step (no norm
     kernel), and the tokens' log-probabilities are the plain layers' within
     bfloat16's rounding (up to a near-tie taken the other way), graphed and
     eager. float32 and float16 engines keep their norms, and so does a model
     another engine ran already (its graphs read the weights it had)."""
-    from formcast.engine import model_runner
     from formcast.engine.models import llama
 
     gen = torch.Generator().manual_seed(4)
@@ -181,11 +181,11 @@ def test_cuda_folded_norms_track_the_plain_layers(weights, tokenizer, cuda32, mo
              for i in range(48)]
     got = {}
     for fold in (True, False):
-        monkeypatch.setattr(model_runner, "FOLD_NORMS", fold)
         for graphs in (True, False):
             steps.clear()
             eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=1024,
-                              max_num_seqs=64, cuda_graphs=graphs)
+                              max_num_seqs=64, cuda_graphs=graphs,
+                              tuning=EngineTuning(fold_norms=fold))
             assert all(layer.folded == fold for layer in eng.model.model.layers)
             got[fold, graphs] = eng.generate(batch, lp)
             assert bool(steps) == fold
@@ -196,7 +196,6 @@ def test_cuda_folded_norms_track_the_plain_layers(weights, tokenizer, cuda32, mo
     assert compared >= total // 2
     assert [o.token_ids for o in got[True, True]] == [o.token_ids for o in got[True, False]]
     assert not any(layer.folded for layer in cuda32.model.model.layers)
-    monkeypatch.setattr(model_runner, "FOLD_NORMS", True)
     half = make_engine(weights, tokenizer, "cuda", torch.float16, num_kv_blocks=64)
     assert not any(layer.folded for layer in half.model.model.layers)
     # (the last engine's model, plain, which its runner's graphs captured)
@@ -279,10 +278,9 @@ def test_cuda_jump_forward_takes_the_opening_in_the_prefill(weights, tokenizer, 
     synchronous outputs, and every output is valid."""
     import json
 
-    import formcast.engine.engine as engine_module
 
     grammars = pytest.importorskip("formcast.grammars")
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     schema = {"type": "object", "required": ["name", "age"], "additionalProperties": False,
               "properties": {"name": {"type": "string", "maxLength": 12},
                              "age": {"type": "integer"}}}
@@ -292,7 +290,7 @@ def test_cuda_jump_forward_takes_the_opening_in_the_prefill(weights, tokenizer, 
     for jump, asynchronous in ((None, True), (None, False), (False, True)):
         eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
                           max_num_seqs=16, cuda_graphs=graphs, async_scheduling=asynchronous,
-                          jump_forward=jump)
+                          jump_forward=jump, tuning=tuning)
         compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
                                     vocab_size=eng.model.config.vocab_size)
         forced = compiled.matcher().forced_tokens()
@@ -321,16 +319,14 @@ def test_cuda_jump_forward_takes_the_opening_in_the_prefill(weights, tokenizer, 
 def test_cuda_texts_made_while_the_device_runs_are_the_texts_made_at_the_end(
         weights, tokenizer, monkeypatch):
     """With the host's waits for the device detokenizing rows' deferred tokens
-    (``_DETOK_CHORE_TOKENS``), outputs have the texts they have without: free,
+    (``EngineTuning.detok_chore_tokens``), outputs have the texts they have without: free,
     seeded and JSON-constrained rows; the waits did make texts."""
     import formcast.engine.engine as engine_module
 
     grammars = pytest.importorskip("formcast.grammars")
     schema = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
-    eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
-                      max_num_seqs=16, async_scheduling=True)
     compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
-                                vocab_size=eng.model.config.vocab_size)
+                                vocab_size=SHAPES["smollm2-135m"].vocab_size)
     ps = prompts(tokenizer, 12)
     params = [SamplingParams(max_tokens=40 + i, temperature=0.0 if i % 3 else 0.9, seed=i,
                              ignore_eos=True) for i in range(12)]
@@ -345,7 +341,9 @@ def test_cuda_texts_made_while_the_device_runs_are_the_texts_made_at_the_end(
     monkeypatch.setattr(engine_module.Engine, "_detokenize_while", counted)
     results = {}
     for tokens in (None, 8):
-        monkeypatch.setattr(engine_module, "_DETOK_CHORE_TOKENS", tokens)
+        tuning = EngineTuning(detok_chore_tokens=tokens)
+        eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
+                          max_num_seqs=16, async_scheduling=True, tuning=tuning)
         free = eng.generate(ps, params)
         constrained = eng.generate(ps[:6], SamplingParams(max_tokens=48, temperature=0.0),
                                    constraints=[compiled.matcher() for _ in range(6)])
@@ -380,10 +378,10 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
     results = {}
     for unmasked, overlap, native in ((False, False, None), (True, False, None),
                                       (True, True, None), (True, True, False)):
-        monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
+        tuning = EngineTuning(overlap_rows=1 if overlap else 10**9)
         eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=512,
                           max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
-                          unmasked_greedy=unmasked, native_accept=native,
+                          unmasked_greedy=unmasked, native_accept=native, tuning=tuning,
                           jump_forward=False)  # (the opening's refusals taken too)
         compiled = grammars.compile(grammars.JsonSchema(schema), tokenizer,
                                     vocab_size=eng.model.config.vocab_size)
@@ -430,7 +428,6 @@ def test_cuda_premasked_picks_give_the_masked_outputs(tokenizer, graphs, monkeyp
     import collections
     import dataclasses
 
-    import formcast.engine.engine as engine_module
 
     grammars = pytest.importorskip("formcast.grammars")
     cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
@@ -447,8 +444,8 @@ def test_cuda_premasked_picks_give_the_masked_outputs(tokenizer, graphs, monkeyp
     model = build_model(cfg, tiny, device=torch.device("cuda"), dtype=torch.bfloat16)
 
     def run(unmasked: bool, overlap: bool = False, native=None):
-        monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1 if overlap else 10**9)
-        eng = Engine(model, tokenizer, config=EngineConfig(
+        tuning = EngineTuning(overlap_rows=1 if overlap else 10**9, premask_after=0.0)
+        eng = Engine(model, tokenizer, config=EngineConfig(tuning=tuning,
             num_kv_blocks=256, max_num_seqs=16, cuda_graphs=graphs, async_scheduling=True,
             unmasked_greedy=unmasked, native_accept=native, spec="none", jump_forward=False),
             device=torch.device("cuda"))
@@ -460,7 +457,6 @@ def test_cuda_premasked_picks_give_the_masked_outputs(tokenizer, graphs, monkeyp
     masked, _ = run(False)
     word = collections.Counter(t for out, _ in masked for t in out).most_common(1)[0][0]
     count_word_risky(monkeypatch, word)
-    monkeypatch.setattr(engine_module, "_PREMASK_AFTER", 0.0)
     for overlap, native in ((False, None), (True, None), (True, False)):
         premasked, eng = run(True, overlap, native)
         assert premasked == masked, (overlap, native)
@@ -509,12 +505,10 @@ def test_cuda_graph_outputs_survive_the_next_replay(weights, tokenizer):
     replay, whatever size it runs (the engine resamples refused picks from them
     after launching the next step): each copy's graphs share a memory pool of
     their own."""
-    from formcast.engine.cuda_graph import COPIES
-
     eng = make_engine(weights, tokenizer, "cuda", torch.bfloat16, num_kv_blocks=300,
                       max_num_seqs=256)
     graphs, bs = eng.runner.graphs, eng.config.block_size
-    assert COPIES >= 2 and graphs.sizes[-1] == 256
+    assert graphs.copies >= 2 and graphs.sizes[-1] == 256
     gen = torch.Generator().manual_seed(0)
     kept = []
     for n in (200, 100, 3, 256, 17, 129, 64, 1, 250):
@@ -523,7 +517,7 @@ def test_cuda_graph_outputs_survive_the_next_replay(weights, tokenizer):
                             [[i] for i in range(n)], [1] * n)
         greedy = graphs.greedy(n)
         kept.append((logits, greedy, logits.clone(), greedy.clone()))
-        for view_l, view_g, was_l, was_g in kept[-COPIES:]:
+        for view_l, view_g, was_l, was_g in kept[-graphs.copies:]:
             assert torch.equal(view_l, was_l) and torch.equal(view_g, was_g)
     assert not torch.equal(kept[0][2][:100], kept[1][2])  # (the steps differ)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams
+from formcast.engine.tuning import EngineTuning
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                            "year": {"type": "integer"}},
@@ -167,16 +168,15 @@ def test_a_batch_jumps_forward_alike_in_every_scheduling(smollm2_engine, compile
                                                          monkeypatch):
     """A batch of 10 (pipelined steps when asynchronous; its first tokens go in
     flight), a free request among them: the outputs of synchronous steps."""
-    import formcast.engine.engine as engine_module
 
-    monkeypatch.setattr(engine_module, "_OVERLAP_ROWS", 1)
+    tuning = EngineTuning(overlap_rows=1)
     prompts = [chat(smollm2_engine, f"{q} Answer {i}.") for i in range(3) for q in QUESTIONS]
     prompts.append(chat(smollm2_engine, "Say hello."))
     constraints = [compiled.matcher() for _ in prompts[:-1]] + [None]
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    engine = variant(smollm2_engine, max_num_seqs=16, async_scheduling=asynchronous)
+    engine = variant(smollm2_engine, tuning=tuning, max_num_seqs=16, async_scheduling=asynchronous)
     outs = engine.generate(prompts, params, constraints=constraints)
-    reference = variant(smollm2_engine, max_num_seqs=16, async_scheduling=False).generate(
+    reference = variant(smollm2_engine, tuning=tuning, max_num_seqs=16, async_scheduling=False).generate(
         prompts, params, constraints=[c and compiled.matcher() for c in constraints])
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
     forced = opening(compiled)

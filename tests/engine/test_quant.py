@@ -225,7 +225,7 @@ def test_prompt_rows_run_float32_and_generated_rows_int4(int4_engine, smollm2_en
 
 def test_int4_outputs_do_not_depend_on_batching_chunking_or_speculation(int4_engine):
     from formcast.engine import Engine, EngineConfig
-    from formcast.engine.spec import SpecConfig
+    from formcast.engine.speculative import SpecConfig
 
     prompts = [_chat(int4_engine, t) for t in
                ("Write a haiku about rain.", "Count from one to ten in words.",

@@ -11,7 +11,7 @@ import torch
 
 from formcast import grammars
 from formcast.engine import Engine, EngineConfig, SamplingParams
-from formcast.engine.spec import SpecConfig
+from formcast.engine.speculative import SpecConfig
 
 from .helpers import assert_logprobs_match_a_fresh_forward
 

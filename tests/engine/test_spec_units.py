@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from formcast.engine.sampler import Sampler, _probs
-from formcast.engine.spec import Draft, PromptLookupProposer, SpecConfig, propose
-from formcast.engine.spec.proposers import DraftMemory, JumpForwardProposer, find_continuation
+from formcast.engine.speculative import Draft, PromptLookupProposer, SpecConfig, propose
+from formcast.engine.speculative.proposers import DraftMemory, JumpForwardProposer, find_continuation
 
 from .helpers import AllowOnly, make_seq
 
@@ -212,7 +212,7 @@ def test_a_constrained_request_skips_lookup_candidates_its_grammar_rejects():
 
 
 def test_step_cost_model_interpolates_and_averages():
-    from formcast.engine.spec.schedule import StepCostModel
+    from formcast.engine.speculative.schedule import StepCostModel
 
     cost = StepCostModel(decay=0.5)
     assert cost.cost(3) is None
@@ -225,7 +225,7 @@ def test_step_cost_model_interpolates_and_averages():
 
 
 def test_verification_length_follows_confidence_and_step_cost():
-    from formcast.engine.spec.schedule import StepCostModel, choose_lengths
+    from formcast.engine.speculative.schedule import StepCostModel, choose_lengths
 
     flat = StepCostModel()
     flat.observe(1, 0.05)
@@ -244,7 +244,7 @@ def test_verification_length_follows_confidence_and_step_cost():
 
 
 def test_draft_masks_are_filled_on_a_fork_position_by_position():
-    from formcast.engine.spec.proposers import fill_draft_masks
+    from formcast.engine.speculative.proposers import fill_draft_masks
 
     class Narrowing(AllowOnly):
         """Allows tokens >= the last accepted one; forks."""
@@ -272,7 +272,7 @@ def test_draft_masks_stop_at_a_draft_that_ends_the_grammar():
     left empty instead of asking the terminated matcher (xgrammar refuses)."""
     pytest.importorskip("xgrammar")
     from formcast.engine.hub import resolve_model
-    from formcast.engine.spec.proposers import fill_draft_masks
+    from formcast.engine.speculative.proposers import fill_draft_masks
     from formcast.engine.tokenizer import cached_gguf_tokenizer
     from formcast.grammars import Regex, compile
 

@@ -14,8 +14,8 @@ are rolled back in the KV cache (nothing of them is ever committed to the
 matcher).
 """
 
-from formcast.engine.spec.config import SpecConfig
-from formcast.engine.spec.proposers import (Draft, JumpForwardProposer, PromptLookupProposer,
+from formcast.engine.speculative.config import SpecConfig
+from formcast.engine.speculative.proposers import (Draft, JumpForwardProposer, PromptLookupProposer,
                                             Proposer, propose)
 
 __all__ = ["Draft", "JumpForwardProposer", "PromptLookupProposer", "Proposer", "SpecConfig",

@@ -17,7 +17,7 @@ import torch
 
 if TYPE_CHECKING:
     from formcast.engine.sequence import Sequence
-    from formcast.engine.spec.config import SpecConfig
+    from formcast.engine.speculative.config import SpecConfig
 
 
 @dataclass
@@ -207,9 +207,6 @@ def _forced_after(constraint, tokens: list[int]) -> list[int]:
             constraint.rollback(taken)
 
 
-_TEXT_WINDOW = 1024  # tokens of context searched by text
-_TEXT_TRIES = 4      # text matches tried per tail
-_TEXT_BYTES = 64     # bytes of continuation tokenized per match
 
 
 class PromptLookupProposer(Proposer):
@@ -224,7 +221,12 @@ class PromptLookupProposer(Proposer):
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1, max_candidates: int = 8,
                  memory: DraftMemory | None = None,
-                 encode: Callable[[str], list[int]] | None = None) -> None:
+                 encode: Callable[[str], list[int]] | None = None, *,
+                 text_window: int = 1024, text_tries: int = 4, text_bytes: int = 64) -> None:
+        # text_window: tokens of context searched by text; text_tries: text matches
+        # tried per tail; text_bytes: bytes of continuation tokenized per match
+        # (EngineTuning.lookup_text_*)
+        self.text_window, self.text_tries, self.text_bytes = text_window, text_tries, text_bytes
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.max_candidates = max_candidates
@@ -282,16 +284,16 @@ class PromptLookupProposer(Proposer):
             needle = b"".join(spell(t) for t in tail)
             if not any(c.isalnum() for c in needle.decode("utf-8", "ignore")):
                 continue  # punctuation alone matches anywhere
-            hay = b"".join(spell(t) for t in context[-k - _TEXT_WINDOW:-k])
+            hay = b"".join(spell(t) for t in context[-k - self.text_window:-k])
             end, tries = len(hay), 0
-            while tries < _TEXT_TRIES:
+            while tries < self.text_tries:
                 at = hay.rfind(needle, 0, end)
                 if at < 0:
                     break
                 end, tries = at + len(needle) - 1, tries + 1
-                rest = hay[at + len(needle):at + len(needle) + _TEXT_BYTES]
+                rest = hay[at + len(needle):at + len(needle) + self.text_bytes]
                 line = rest.split(b"\n", 1)
-                whole = len(line) > 1 or at + len(needle) + _TEXT_BYTES >= len(hay)
+                whole = len(line) > 1 or at + len(needle) + self.text_bytes >= len(hay)
                 text = (needle + line[0]).decode("utf-8", "ignore")
                 ids = self.encode(text)
                 if ids[:k] != tail:

@@ -19,7 +19,7 @@ import torch
 
 from formcast.engine.constraint import bitmask_words
 from formcast.engine.kernels.bitmask import apply_token_bitmask_
-from formcast.engine.spec.proposers import Draft, Proposer
+from formcast.engine.speculative.proposers import Draft, Proposer
 
 if TYPE_CHECKING:
     from formcast.engine.models.deepseek_v4_runner import DeepseekV4Runner
