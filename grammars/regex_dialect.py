@@ -43,7 +43,8 @@ _BEGIN = (sre_c.AT_BEGINNING, sre_c.AT_BEGINNING_STRING)
 _END = (sre_c.AT_END, sre_c.AT_END_STRING)
 
 
-def translate(pattern: str, *, where: str = "regex", search: bool = False) -> str:
+def translate(pattern: str, *, where: str = "regex", search: bool = False,
+              json_string: bool = False) -> str:
     """Re-emit a Python regex as a portable one with the same ``fullmatch`` language.
 
     Does not change state. Anchors at the very start/end are dropped (full matching
@@ -59,6 +60,10 @@ def translate(pattern: str, *, where: str = "regex", search: bool = False) -> st
         Emit the language of ``re.search`` instead (JSON Schema's ``pattern``): any
         text may come before a match not anchored at the start, and after one not
         anchored at the end.
+    json_string : bool
+        The regex will match the content of a JSON string: classes leave out the
+        control characters (the backend would let them through raw, which is not
+        JSON; their escaped spellings are given up too, a narrowing).
 
     Returns
     -------
@@ -78,7 +83,7 @@ def translate(pattern: str, *, where: str = "regex", search: bool = False) -> st
     flags = parsed.state.flags
     ascii_only = bool(flags & sre_c.SRE_FLAG_ASCII)
     _check_flags(flags & ~sre_c.SRE_FLAG_ASCII, pattern, where)
-    emitter = _Emitter(pattern, where, ascii_only, search)
+    emitter = _Emitter(pattern, where, ascii_only, search, json_string)
     return emitter.sequence(list(parsed), at_start=True, at_end=True)
 
 
@@ -96,9 +101,16 @@ def _check_flags(flags: int, pattern: str, where: str) -> None:
 
 
 class _Emitter:
-    def __init__(self, pattern: str, where: str, ascii_only: bool, search: bool = False) -> None:
+    def __init__(self, pattern: str, where: str, ascii_only: bool, search: bool = False,
+                 json_string: bool = False) -> None:
         self.pattern, self.where, self.ascii_only = pattern, where, ascii_only
-        self.search = search
+        self.search, self.json_string = search, json_string
+
+    def chars(self, ranges: Ranges) -> str:
+        """A class of ``ranges`` (less the control characters inside a JSON string)."""
+        if self.json_string:
+            ranges = _merge([(max(lo, 0x20), hi) for lo, hi in ranges if hi >= 0x20])
+        return _class(ranges)
 
     def fail(self, construct: str) -> ConstraintError:
         return ConstraintError(f"{self.where} {self.pattern!r} uses {construct}, which token "
@@ -114,10 +126,11 @@ class _Emitter:
         if self.search:
             # re.search: free text before/after unless an anchor (or a group that
             # handles its own ends) sits there.
+            text = "(" + self.chars([(0, _MAX_CODE_POINT)]) + ")*"
             if at_start and not self._anchored(items, _BEGIN):
-                out.insert(0, _ANY_TEXT)
+                out.insert(0, text)
             if at_end and not self._anchored(items[::-1], _END):
-                out.append(_ANY_TEXT)
+                out.append(text)
         return "".join(out)
 
     @staticmethod
@@ -134,11 +147,11 @@ class _Emitter:
         if op is sre_c.LITERAL:
             return _char(av)
         if op is sre_c.NOT_LITERAL:
-            return _class(_complement([(av, av)]))
+            return self.chars(_complement([(av, av)]))
         if op is sre_c.ANY:
-            return _class(_complement([(0x0A, 0x0A)]))
+            return self.chars(_complement([(0x0A, 0x0A)]))
         if op is sre_c.IN:
-            return _class(self.char_set(av))
+            return self.chars(self.char_set(av))
         if op is sre_c.BRANCH:
             alts = [self.sequence(list(p), at_start=at_start, at_end=at_end) for p in av[1]]
             return "(" + "|".join(alts) + ")"
@@ -282,5 +295,3 @@ def _category(name: str, ascii_only: bool) -> Ranges:
     hits = sorted(ord(c) for c in re.findall(_CATEGORY_PATTERNS[name], everything))
     return _merge([(c, c) for c in hits])
 
-
-_ANY_TEXT = "(" + _class([(0, _MAX_CODE_POINT)]) + ")*"

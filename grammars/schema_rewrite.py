@@ -399,9 +399,9 @@ def _same(a: Any, b: Any) -> bool:
 def _pattern(pattern: str, where: str) -> str:
     """A JSON Schema pattern (``re.search``) as a portable full-match regex."""
     try:
-        return regex_dialect.translate(pattern, where=where, search=True)
+        return regex_dialect.translate(pattern, where=where, search=True, json_string=True)
     except ConstraintError:
-        return regex_dialect.translate(pattern, where=where)
+        return regex_dialect.translate(pattern, where=where, json_string=True)
 
 
 def _search(pattern: str, text: str) -> bool:

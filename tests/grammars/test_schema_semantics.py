@@ -270,3 +270,11 @@ def test_length_bounds_compile_fast_and_stay_exact(low, high, compiler, tiny_voc
     assert not accepts(compiler, tiny_vocab, constraint, '"a\tb"')
     too_short_or_long = '"ab"' if low else '"abcdef"'
     assert not accepts(compiler, tiny_vocab, constraint, too_short_or_long)
+
+
+@pytest.mark.parametrize("pattern", ["^a", "^a.*$", "a", "[^x]"])
+def test_patterns_follow_search_and_refuse_raw_control_characters(pattern, compiler,
+                                                                   tiny_vocab):
+    constraint = JsonSchema({"type": "string", "pattern": pattern})
+    assert accepts(compiler, tiny_vocab, constraint, '"abc"')        # re.search: "abc" matches
+    assert not accepts(compiler, tiny_vocab, constraint, '"a\u0001"')   # not JSON
