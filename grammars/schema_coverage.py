@@ -201,7 +201,9 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
             return "unsupported", f"{p.name} takes integer bounds within +-2**63 only"
         return ("mask", "") if p.numeric_bounds else ("end", "")
     if kw == "multipleOf":
-        if p.integer_multiple_of and node.get("type") == "integer" and float(value).is_integer():
+        if p.integer_multiple_of and node.get("type") == "integer" and float(
+                value).is_integer() and not any(k in node for k in (
+                    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
             return "mask", ""
         return "end", ""
     if kw in ("minLength", "maxLength") and ("pattern" in node or "format" in node):
@@ -232,7 +234,7 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
     if kw == "properties":
         return "mask", "generated in the order listed"
     if kw == "allOf":
-        return "mask", "merged into the parent schema where possible; else checked at the end"
+        return "mask", "merged into the parent schema"
     if kw == "$ref" and p.name == "outlines-core":
         return "mask", "recursion is unrolled to depth 3 (deeper documents cannot be generated)"
     if kw in p.mask:

@@ -12,24 +12,19 @@ records the keyword in ``lossy``: the end check then decides.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
-
-import re
 
 import jsonschema
 
 from formcast.grammars import regex_dialect
 from formcast.grammars.errors import ConstraintError
 from formcast.grammars.schema_coverage import BackendProfile
+from formcast.grammars.schema_merge import DROPPED, literal, merge, same, widened
 from formcast.grammars.schema_refs import join, lookup
-from formcast.grammars.schema_satisfiable import Inhabitation, is_trivial, type_of
+from formcast.grammars.schema_satisfiable import Inhabitation, is_trivial
 
-_LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties", "minContains")
-_UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties", "maxContains")
-_DROP = ("$id", "$anchor", "$dynamicAnchor", "$schema", "$comment", "$vocabulary", "title",
-         "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
-         "contentEncoding", "contentMediaType", "contentSchema")
 BY_TYPE = {
     "number": ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"),
     "string": ("minLength", "maxLength", "pattern", "format"),
@@ -41,8 +36,8 @@ BY_TYPE = {
 }
 ALL_TYPES = ["null", "boolean", "number", "string", "array", "object"]
 _ESCAPED = re.compile(r'["\\\x00-\x1f\x7f]')    # characters JSON writes as escapes
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
-_MERGE_CHILD = ("items", "contains", "propertyNames", "additionalProperties")
 
 
 @dataclass
@@ -73,7 +68,7 @@ class Rewriter:
             # outlines-core emits the any-value regex of `{}` ungrouped, so its alternatives
             # leak into the enclosing regex; as an anyOf branch it is grouped.
             return {"anyOf": [{}]}
-        node = {k: v for k, v in node.items() if k not in _DROP}
+        node = {k: v for k, v in node.items() if k not in DROPPED}
         if "$ref" in node and set(node) - {"$ref", "$defs", "definitions"}:
             ref = {"$ref": node.pop("$ref")}
             node["allOf"] = [ref, *node.get("allOf", [])]
@@ -82,7 +77,7 @@ class Rewriter:
             if merged is None:
                 self.widen(pointer, "allOf", "not merged into its parent: checked at the end")
                 node.pop("allOf")
-                _open(node)
+                widened(node)
             else:
                 node = merged
         if "oneOf" in node:
@@ -116,7 +111,7 @@ class Rewriter:
             merged = self.merge_all_of({"allOf": [rest, branch]}, pointer)
             if merged is None:
                 self.widen(pointer, "anyOf", "its siblings are checked at the end")
-                merged = _open(dict(branch)) if isinstance(branch, dict) else branch
+                merged = widened(dict(branch)) if isinstance(branch, dict) else branch
             branches.append(self.node(merged, where))
         out: dict[str, Any] = {"anyOf": branches or [{}]}
         for k in ("$defs", "definitions"):
@@ -128,7 +123,7 @@ class Rewriter:
         """An enum/const keeps only what the rest of its schema accepts (exact)."""
         values = node["enum"] if "enum" in node else [node["const"]]
         if "enum" in node and "const" in node:
-            values = [v for v in values if _same(v, node["const"])]
+            values = [v for v in values if same(v, node["const"])]
         rest = {k: v for k, v in node.items() if k not in ("enum", "const", "$defs",
                                                            "definitions")}
         if not is_trivial(rest):
@@ -145,7 +140,7 @@ class Rewriter:
         if nested:
             # The backend writes enum literals compactly; as schemas they take whitespace.
             scalars = [v for v in values if not isinstance(v, (dict, list))]
-            out = {"anyOf": [_literal(v) for v in nested] + ([{"enum": scalars}] if scalars
+            out = {"anyOf": [literal(v) for v in nested] + ([{"enum": scalars}] if scalars
                                                              else [])}
         for k in ("$defs", "definitions"):
             if k in node:
@@ -161,7 +156,7 @@ class Rewriter:
             node["type"] = list(ALL_TYPES)
         types = node.get("type")
         types = set(types if isinstance(types, list) else [types] if types else [])
-        self.drop_unenforced(node, types)
+        self.drop_unenforced(node, types, pointer)
         if "integer" in types and "number" not in types:
             self.integer_bounds(node, pointer)
         if "pattern" in node:
@@ -191,24 +186,23 @@ class Rewriter:
                 node[k] = self.defs(node[k], join(pointer, k))
         return node
 
-    def drop_unenforced(self, node: dict, types: set[str]) -> None:
+    def drop_unenforced(self, node: dict, types: set[str], pointer: str) -> None:
         """Remove what the backend cannot compile exactly; the end check covers it."""
         p = self.profile
-        for kw in list(node):
-            if kw not in p.mask and kw not in ("$defs", "definitions"):
-                node.pop(kw)
+        drop = [kw for kw in node if kw not in p.mask and kw not in ("$defs", "definitions")]
         if not p.numeric_bounds:
-            for kw in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
-                node.pop(kw, None)
-        if "multipleOf" in node and not (p.integer_multiple_of and types == {"integer"}
-                                         and float(node["multipleOf"]).is_integer()):
-            del node["multipleOf"]
+            drop += ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"]
+        if "multipleOf" in node and not (
+                p.integer_multiple_of and types == {"integer"} and not any(
+                    kw in node for kw in _RANGE) and float(node["multipleOf"]).is_integer()):
+            drop.append("multipleOf")        # the backend ignores it next to a range
         if not p.object_size:
-            node.pop("minProperties", None)
-            node.pop("maxProperties", None)
+            drop += ["minProperties", "maxProperties"]
         if "prefixItems" in node and not p.prefix_items_with_bounds:
-            for kw in ("prefixItems", "minItems", "maxItems"):
-                node.pop(kw, None)
+            drop += ["prefixItems", "minItems", "maxItems"]
+        for kw in drop:
+            if node.pop(kw, None) is not None:
+                self.widen(pointer, kw, f"{p.name} does not enforce it here")
 
     def integer_bounds(self, node: dict, pointer: str) -> None:
         """Integer-only bounds as inclusive whole numbers (the backend takes no others)."""
@@ -294,7 +288,7 @@ class Rewriter:
                 continue
             if not isinstance(branch, dict):
                 return None
-            branch = {k: v for k, v in branch.items() if k not in _DROP}
+            branch = {k: v for k, v in branch.items() if k not in DROPPED}
             seen: set[str] = set()
             while "$ref" in branch:
                 ref = branch.pop("$ref")
@@ -306,8 +300,8 @@ class Rewriter:
                     if target is True:
                         continue
                     return None
-                target = {k: v for k, v in target.items() if k not in _DROP}
-                branch = _merge(branch, target)
+                target = {k: v for k, v in target.items() if k not in DROPPED}
+                branch = merge(branch, target)
                 if branch is None:
                     return None
             if "allOf" in branch:
@@ -315,85 +309,10 @@ class Rewriter:
                 if inner is None:
                     return None
                 branch = inner
-            merged = _merge(merged, branch)
+            merged = merge(merged, branch)
             if merged is None:
                 return None
         return merged
-
-
-def _merge(a: dict, b: dict) -> dict | None:
-    """One schema meaning ``a`` and ``b`` both, or None where that is not simple."""
-    for side, other in ((a, b), (b, a)):
-        # additionalProperties and friends see only their own schema's properties;
-        # items after prefixItems only the items the prefix does not cover.
-        # (unevaluatedProperties sees them all: the end check decides it.)
-        if "properties" in other and any(k in side for k in (
-                "additionalProperties", "patternProperties")):
-            return None
-        if "prefixItems" in side and ("items" in other or "prefixItems" in other) and (
-                side.get("prefixItems") != other.get("prefixItems")
-                or side.get("items") != other.get("items")):
-            return None
-    out = dict(a)
-    for kw, value in b.items():
-        if kw not in out or _same(out[kw], value) or kw in _DROP:
-            out.setdefault(kw, value)
-        elif kw == "required":
-            out[kw] = list(dict.fromkeys([*out[kw], *value]))
-        elif kw in ("properties", "$defs", "definitions", "dependentRequired"):
-            props = dict(out[kw])
-            for name, sub in value.items():
-                props[name] = sub if name not in props else (
-                    list(dict.fromkeys([*props[name], *sub])) if kw == "dependentRequired"
-                    else {"allOf": [props[name], sub]})
-            out[kw] = props
-        elif kw in _MERGE_CHILD:
-            out[kw] = {"allOf": [out[kw], value]}
-        elif kw in _LOWER:
-            out[kw] = max(out[kw], value)
-        elif kw in _UPPER:
-            out[kw] = min(out[kw], value)
-        elif kw == "enum":
-            out[kw] = [v for v in out[kw] if any(_same(v, w) for w in value)]
-        elif kw == "type":
-            mine = out[kw] if isinstance(out[kw], list) else [out[kw]]
-            theirs = value if isinstance(value, list) else [value]
-            both = [t for t in mine if t in theirs or (t == "integer" and "number" in theirs)]
-            both += [t for t in theirs if t == "integer" and "number" in mine and t not in both]
-            out[kw] = both[0] if len(both) == 1 else both
-        else:
-            return None
-    return out
-
-
-def _literal(value: Any) -> Any:
-    """A schema whose only instance is ``value`` (up to whitespace)."""
-    if isinstance(value, dict):
-        return {"type": "object", "properties": {k: _literal(v) for k, v in value.items()},
-                "required": list(value), "additionalProperties": False}
-    if isinstance(value, list):
-        return {"type": "array", "prefixItems": [_literal(v) for v in value], "items": False,
-                "minItems": len(value)}
-    return {"enum": [value]}
-
-
-def _open(node: dict) -> dict:
-    """Widen ``node`` to the spec's open objects and arrays (for a mask that must not be
-    narrower than a schema it could not keep)."""
-    node.setdefault("additionalProperties", True)
-    node.setdefault("items", True)
-    return node
-
-
-def _same(a: Any, b: Any) -> bool:
-    """JSON equality (``1 == 1.0`` but ``1 != true``)."""
-    if type_of(a) != type_of(b):
-        return False
-    if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
 
 
 def _pattern(pattern: str, where: str) -> str:

@@ -31,7 +31,7 @@ def _status(coverage, pointer: str, keyword: str) -> str:
     ("#", "title", "annotation", "annotation"),
     ("#", "required", "mask", "mask"),
     ("#/properties/a", "minimum", "mask", "end"),
-    ("#/properties/a", "multipleOf", "mask", "end"),
+    ("#/properties/a", "multipleOf", "end", "end"),     # xgrammar drops it next to a range
     ("#/properties/b", "pattern", "mask", "mask"),
     ("#/properties/b", "maxLength", "end", "end"),
     ("#/properties/c", "uniqueItems", "end", "end"),

@@ -278,3 +278,10 @@ def test_patterns_follow_search_and_refuse_raw_control_characters(pattern, compi
     constraint = JsonSchema({"type": "string", "pattern": pattern})
     assert accepts(compiler, tiny_vocab, constraint, '"abc"')        # re.search: "abc" matches
     assert not accepts(compiler, tiny_vocab, constraint, '"a\u0001"')   # not JSON
+
+
+def test_multiple_of_next_to_a_range_is_still_enforced(compiler, tiny_vocab):
+    constraint = JsonSchema({"type": "integer", "minimum": 0, "multipleOf": 2})
+    assert accepts(compiler, tiny_vocab, constraint, "4")
+    assert not accepts(compiler, tiny_vocab, constraint, "3")
+    assert not accepts(compiler, tiny_vocab, constraint, "-2")
