@@ -35,7 +35,7 @@ transformers is needed only here (``pip install transformers``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -99,7 +99,7 @@ class _Batch:
     seen_len: int
     matchers: list[Matcher]
     taken: list[tuple[int, ...]]
-    ended: list[bool] = field(default_factory=list)
+    ended: list[bool]
 
 
 class ConstraintLogitsProcessor(LogitsProcessor):
@@ -122,6 +122,15 @@ class ConstraintLogitsProcessor(LogitsProcessor):
         Default: formcast's process-wide compiler (and its cache).
     timeout_s : float or None
         Compile deadline.
+
+    Attributes
+    ----------
+    compiled : CompiledGrammar
+        The constraint compiled for the tokenizer (``compiled.warnings`` lists what
+        compiling noticed).
+    dead_ends : set of int
+        Rows of the current batch that met a state where the constraint allows no
+        token (an end check failing): they were allowed only to stop.
 
     Raises
     ------
