@@ -70,7 +70,10 @@ def check_grammar(source: GrammarSource) -> tuple[str, ...]:
     tables = _parse(source)
     if tables is None:
         return ()
-    productive = _productive(tables)
+    try:
+        productive = _productive(tables)
+    except RecursionError:    # xgrammar flattens nesting, so only a pathological table
+        return ()
     if not productive[tables.root]:
         # the rules at fault: those the start rule reaches through rules that never finish
         names = _user_names(tables, sorted(_reachable(tables, productive)), source)
