@@ -70,7 +70,10 @@ def check_grammar(source: GrammarSource) -> tuple[str, ...]:
     tables = _parse(source)
     if tables is None:
         return ()
-    productive = _productive(tables)
+    try:
+        productive = _productive(tables)
+    except RecursionError:    # xgrammar flattens nesting, so only a pathological table
+        return ()
     if not productive[tables.root]:
         # the rules at fault: those the start rule reaches through rules that never finish
         names = _user_names(tables, sorted(_reachable(tables, productive)), source)
@@ -115,14 +118,21 @@ def _parse(source: GrammarSource) -> _Tables | None:
 
 
 def _productive(tables: _Tables) -> list[bool]:
-    """Least fixpoint of 'derives a finite string', per rule."""
+    """Least fixpoint of 'derives a finite string', per rule.
+
+    A worklist: a rule is looked at again only when a rule it refers to has just
+    become productive, so each rule is evaluated about once per reference."""
     productive = [False] * len(tables.names)
-    changed = True
-    while changed:
-        changed = False
-        for rule, body in enumerate(tables.bodies):
-            if not productive[rule] and _expr_productive(tables, body, productive):
-                productive[rule] = changed = True
+    users: list[set[int]] = [set() for _ in tables.names]     # rule -> rules that refer to it
+    for rule, body in enumerate(tables.bodies):
+        for used in _refs(tables, body):
+            users[used].add(rule)
+    pending = list(range(len(tables.names)))
+    while pending:
+        rule = pending.pop()
+        if not productive[rule] and _expr_productive(tables, tables.bodies[rule], productive):
+            productive[rule] = True
+            pending.extend(users[rule])
     return productive
 
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import warnings
 
 import pytest
 
 from formcast import ConstraintError
 from formcast.grammars import Ebnf, GrammarCompiler, JsonSchema, Lark, Regex
+from formcast.grammars.native_log import native_log
 
 from .conftest import EOS, allowed_ids
 
@@ -127,4 +129,38 @@ def test_a_clean_compile_has_no_warnings_and_leaves_stderr_alone(tiny_vocab, cap
     assert compiled.warnings == ()
     os.write(2, b"after\n")              # descriptor 2 is the test's again
     assert capfd.readouterr().err == "after\n"
+    compiler.close()
+
+
+def test_other_output_on_descriptor_2_is_passed_through_after_a_capture(capfd):
+    log = native_log()
+    with log.capture() as outer:
+        os.write(2, b"[07:22:48] /project/cpp/x.cc:10: Warning: from the library\n")
+        with log.capture() as inner:                 # overlapping captures share it
+            os.write(2, b"some other output\n")
+            os.write(2, b"[07:22:49] /project/cpp/y.cc:20: second\n")
+        assert capfd.readouterr().err == ""          # still redirected for the outer one
+    assert outer == ["from the library", "second"]
+    assert inner == ["second"]
+    assert capfd.readouterr().err == "some other output\n"
+
+
+def test_concurrent_compiles_each_get_their_warnings(tiny_vocab, capfd):
+    compiler = GrammarCompiler(max_workers=2)
+    texts = [f'start: /a$b/ | "{c}"' for c in "pqrstu"]
+    results: dict[str, tuple[str, ...]] = {}
+
+    def run(text: str) -> None:
+        results[text] = compiler.compile(Lark(text), tiny_vocab).warnings
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in texts]
+    with warnings.catch_warnings(record=True):      # (the filters are the process's)
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert all(any("'$' should be at the end" in w for w in results[t]) for t in texts)
+    assert capfd.readouterr().err == ""
+    os.write(2, b"restored\n")
+    assert capfd.readouterr().err == "restored\n"
     compiler.close()
