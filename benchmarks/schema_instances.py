@@ -237,23 +237,27 @@ def path_at(text: str, offset: int) -> tuple:
 
 
 def _expand(nodes: list, root: Any) -> list[dict]:
-    out, stack, seen = [], list(nodes), set()
+    """``nodes`` and the subschemas they bring in by $ref and the applicators, in
+    document order (a node before its $ref target, allOf's branches in order)."""
+    out, stack, seen = [], list(reversed(nodes)), set()
     while stack:
         node = stack.pop()
         if not isinstance(node, dict) or id(node) in seen:
             continue
         seen.add(id(node))
         out.append(node)
+        more: list = []
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
             target: Any = root
             for part in ref[1:].split("/")[1:]:
                 part = part.replace("~1", "/").replace("~0", "~")
                 target = target.get(part) if isinstance(target, dict) else None
-            stack.append(target)
+            more.append(target)
         for key in ("allOf", "anyOf", "oneOf"):
-            stack.extend(node.get(key) or [])
-        stack.extend(node.get(k) for k in ("then", "else") if k in node)
+            more.extend(node.get(key) or [])
+        more.extend(node.get(k) for k in ("then", "else") if k in node)
+        stack.extend(reversed(more))
     return out
 
 
