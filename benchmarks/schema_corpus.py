@@ -128,16 +128,17 @@ class CorpusSchema:
     openapi30: bool = False        # OpenAPI 3.0: "nullable" adds null to the type
 
 
-def _ref_closure(node: Any, lookup: dict[str, Any], prefix: str, seen: set[str]) -> None:
+def _ref_closure(node: Any, lookup: dict[str, Any], prefixes: tuple[str, ...],
+                 seen: set[str]) -> None:
     """Add to ``seen`` the definition names reachable by ``$ref``s ``prefix + name``."""
     stack = [node]
     while stack:
         item = stack.pop()
         if isinstance(item, dict):
             ref = item.get("$ref")
-            if isinstance(ref, str) and ref.startswith(prefix):
-                name = ref[len(prefix):].split("/")[0]
-                if name not in seen and name in lookup:
+            for prefix in prefixes if isinstance(ref, str) else ():
+                name = ref[len(prefix):].split("/")[0] if ref.startswith(prefix) else None
+                if name is not None and name not in seen and name in lookup:
                     seen.add(name)
                     stack.append(lookup[name])
             stack.extend(item.values())
@@ -157,9 +158,10 @@ def _rewrite_refs(node: Any, old: str, new: str) -> Any:
 
 def bundle(root: Any, definitions: dict[str, Any], prefix: str) -> dict[str, Any]:
     """``root`` made self-contained: the definitions it reaches through ``$ref``s that
-    start with ``prefix`` copied under ``$defs``, and those refs made local."""
+    start with ``prefix`` (or ``#/$defs/``, inside the definitions) copied under
+    ``$defs``, and those refs made local."""
     names: set[str] = set()
-    _ref_closure(root, definitions, prefix, names)
+    _ref_closure(root, definitions, (prefix, "#/$defs/"), names)
     out = _rewrite_refs(copy.deepcopy(root), prefix, "#/$defs/")
     if names:
         out["$defs"] = {n: _rewrite_refs(definitions[n], prefix, "#/$defs/")
@@ -252,6 +254,12 @@ def function_tools(k: int) -> list[CorpusSchema]:
 
 def real_world(per_source: int) -> list[CorpusSchema]:
     """The corpus: every SchemaStore schema, and ``per_source`` from each other source
-    (OpenAPI: from each of its three APIs), sampled with a fixed seed."""
-    return [*schemastore(), *kubernetes(per_source), *cloudformation(per_source),
-            *openapi(max(1, per_source // 3)), *function_tools(per_source)]
+    (OpenAPI: from each of its three APIs), sampled with a fixed seed; kept as JSON in
+    the cache after the first build (parsing the OpenAPI YAML takes a while)."""
+    path = cache_dir() / f"corpus-v1-{per_source}.json"
+    if path.exists():
+        return [CorpusSchema(**row) for row in json.loads(path.read_text())]
+    corpus = [*schemastore(), *kubernetes(per_source), *cloudformation(per_source),
+              *openapi(max(1, per_source // 3)), *function_tools(per_source)]
+    path.write_text(json.dumps([vars(c) for c in corpus]))
+    return corpus

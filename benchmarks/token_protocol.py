@@ -46,6 +46,7 @@ class Verdict:
 
     accepted: bool
     reason: str = ""
+    at_token: int = -1        # the token that failed; len(tokens) for end-of-sequence
 
 
 def bit_set(bitmask: torch.Tensor, token: int) -> bool:
@@ -62,17 +63,18 @@ def run_instance(matcher: StreamMatcher, tokens: list[int], eos: int, bitmask: t
             allowed = bit_set(bitmask, token)
             taken = allowed and matcher.accept(token)
         except Exception as exc:  # a library error is a rejection with its reason
-            return Verdict(False, f"error at token {i}: {type(exc).__name__}: {exc}")
+            return Verdict(False, f"error at token {i}: {type(exc).__name__}: {exc}", i)
         if not taken:
             where = "masked out" if not allowed else "mask allowed it, accept refused"
             return Verdict(False, f"token {i} {decode([token])!r} after "
-                                  f"{decode(tokens[:i])[-40:]!r}: {where}")
+                                  f"{decode(tokens[:i])[-40:]!r}: {where}", i)
     try:
         matcher.fill(bitmask)
         if not bit_set(bitmask, eos) or not matcher.accept(eos):
-            return Verdict(False, "end-of-sequence not allowed after the last token")
+            return Verdict(False, "end-of-sequence not allowed after the last token",
+                           len(tokens))
     except Exception as exc:
-        return Verdict(False, f"error at end: {type(exc).__name__}: {exc}")
+        return Verdict(False, f"error at end: {type(exc).__name__}: {exc}", len(tokens))
     return Verdict(True)
 
 
@@ -275,6 +277,12 @@ class Setup:
 
     def tokens(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def exact_tokens(self, text: str) -> list[int] | None:
+        """The tokens of ``text``, or None when they do not decode back to it (characters
+        the tokenizer cannot write): such a stream is another document."""
+        tokens = self.tokens(text)
+        return tokens if self.decode(tokens) == text else None
 
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
