@@ -127,7 +127,7 @@ class EngineConfig:
         In asynchronous decoding of a large batch, the unmasked picks of its
         xgrammar rows (``unmasked_greedy``) are offered to their constraints by a
         native thread outside the interpreter
-        (``formcast/grammars/backends/native_accept.c``, built with the system's C
+        (``formcast/grammars/backends/xgrammar/native_accept.c``, built with the system's C
         compiler on first use and cached) from the moment the step's tokens land
         in host memory; the host reads the verdicts when it takes the step.
         Otherwise, or where it cannot be built, an accept thread in Python checks

@@ -35,7 +35,6 @@ _EXPORTS = {
     "SchemaCoverage": "formcast.grammars.schema_coverage",
     "Vocabulary": "formcast.grammars.vocab",
     "allocate_bitmask": "formcast.grammars.bitmask",
-    "apply_bitmask": "formcast.grammars.bitmask",
     "compile": "formcast.grammars.compiler",
     "default_compiler": "formcast.grammars.compiler",
     "explain": "formcast.grammars.schema_prepare",

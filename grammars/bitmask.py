@@ -1,9 +1,8 @@
-"""Token bitmasks: allocate, fill for a whole batch, apply to logits on their device.
+"""Token bitmasks: allocate, and fill for a whole batch.
 
 Bitmask rows are int32 words, ``ceil(vocab_size/32)`` a row; bit ``t % 32`` of word
-``t // 32`` set means token ``t`` is allowed (the engine's layout). Masks are filled
-on the CPU and applied once, in place, where the logits live, by the engine's
-kernels (torch on the CPU, Triton on CUDA).
+``t // 32`` set means token ``t`` is allowed (the engine's layout). The grammar layer
+fills masks on the CPU; the engine applies them, in place, where the logits live.
 """
 
 from __future__ import annotations
@@ -13,9 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from formcast.engine.constraint import bitmask_words
-from formcast.engine.kernels.bitmask import apply_token_bitmask_
 from formcast.grammars.matcher import Matcher
-
 
 
 def allocate_bitmask(rows: int, vocab_size: int, *, pin_memory: bool = False) -> torch.Tensor:
@@ -54,7 +51,8 @@ def fill_bitmasks(matchers: Sequence[Matcher], bitmask: torch.Tensor,
     rows = list(range(len(matchers))) if rows is None else list(rows)
     if len(rows) != len(matchers):
         raise ValueError(f"{len(matchers)} matchers but {len(rows)} rows")
-    from formcast.grammars.backends.xgrammar_backend import XGrammarMatcher, batch_fill
+    from formcast.grammars.backends.xgrammar.batch_fill import batch_fill
+    from formcast.grammars.backends.xgrammar.matcher import XGrammarMatcher
 
     plain = [(m, r) for m, r in zip(matchers, rows) if type(m) is XGrammarMatcher]
     if len(plain) > 1:
@@ -65,33 +63,3 @@ def fill_bitmasks(matchers: Sequence[Matcher], bitmask: torch.Tensor,
     for m, r in zip(matchers, rows):
         if id(m) not in done:
             m.fill_bitmask(bitmask, r)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor,
-                  rows: torch.Tensor | Sequence[int] | None = None, *,
-                  backend: str = "auto") -> None:
-    """Set the logits of disallowed tokens to -inf, in place, on the logits' device.
-
-    Dispatches to the engine's kernel: torch on the CPU, Triton for CUDA logits
-    (``backend="auto"``).
-
-    Parameters
-    ----------
-    logits : torch.Tensor
-        ``[B, V]`` float logits on any device; modified in place. Columns past the
-        mask's width (padded vocabularies) are disallowed.
-    bitmask : torch.Tensor
-        int32 ``[N, ceil(V/32)]``; row ``i`` applies to logits row ``rows[i]``.
-    rows : tensor or sequence of int or None
-        Logits row of each mask row; None means ``0..N-1``. Rows not listed are left
-        untouched.
-    backend : {"auto", "torch", "triton"}
-
-    Raises
-    ------
-    ValueError
-        Unknown backend.
-    """
-    if rows is not None and not isinstance(rows, torch.Tensor):
-        rows = torch.tensor(list(rows), dtype=torch.long)
-    apply_token_bitmask_(logits, bitmask, rows, backend=backend)

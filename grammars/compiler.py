@@ -42,7 +42,7 @@ _MAX_BACKENDS = 8              # per-vocabulary backend instances kept
 
 def _backend_class(name: str) -> type[Backend]:
     if name == "xgrammar":
-        from formcast.grammars.backends.xgrammar_backend import XGrammarBackend
+        from formcast.grammars.backends.xgrammar import XGrammarBackend
         return XGrammarBackend
     if name == "outlines-core":
         from formcast.grammars.backends.outlines_backend import OutlinesBackend

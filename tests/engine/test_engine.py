@@ -583,7 +583,7 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     batch hook (the CUDA sampler's way), which fills one of the matchers that
     took the same text and copies its mask to the others."""
     from formcast.grammars import Regex, compile
-    from formcast.grammars.backends import xgrammar_backend
+    from formcast.grammars.backends.xgrammar import batch_fill as xgrammar_fill
 
     tok = smollm2_engine.tokenizer
     compiled = city_year_grammar(smollm2_engine)
@@ -633,8 +633,8 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     filled_ahead, ahead_eng, _ = run(True, True, overlap=True, async_fill=True)
     assert any(ahead_eng.filled_ahead)
     shared = []
-    distinct = xgrammar_backend._distinct_states
-    monkeypatch.setattr(xgrammar_backend, "_distinct_states", lambda m: (
+    distinct = xgrammar_fill.distinct_states
+    monkeypatch.setattr(xgrammar_fill, "distinct_states", lambda m: (
         out := distinct(m), shared.append(out[1] is not None))[0])
     batched, _, _ = run(True, True, overlap=True, async_fill=True, batch_fill=True)
     assert any(shared)  # (the fresh matchers of the first step at least)
@@ -652,7 +652,7 @@ def test_the_native_accept_worker_gives_the_synchronous_outputs(smollm2_engine, 
     unmasked picks are checked by the native worker, with a free row among
     them and rows refused (then masked), ending and joining. Outputs equal
     synchronous masked decoding's, and no Python accept thread is started."""
-    from formcast.grammars.backends import native_accept
+    from formcast.grammars.backends.xgrammar import native as native_accept
 
     if native_accept.worker() is None:
         pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
@@ -864,7 +864,7 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
     with premasked rows in flight) and another is aborted."""
     import collections
 
-    from formcast.grammars.backends import native_accept
+    from formcast.grammars.backends.xgrammar import native as native_accept
 
     if path == "native" and native_accept.worker() is None:
         pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
@@ -1004,9 +1004,9 @@ def test_masked_picks_taken_on_known_text_masks_give_the_same_outputs(smollm2_en
     xgrammar taking the tokens on the native worker. Outputs equal those of
     xgrammar judging every pick, and synchronous masked decoding's, with the
     masks filled row by row or through the batch hooks."""
-    from formcast.grammars.backends import native_accept, xgrammar_backend
+    from formcast.grammars.backends.xgrammar import native as native_accept
 
-    from tests.grammars.spies import known_mask_calls
+    from tests.grammars.spies import known_mask_calls, tuned
 
     if native_accept.worker() is None:
         pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
@@ -1014,10 +1014,11 @@ def test_masked_picks_taken_on_known_text_masks_give_the_same_outputs(smollm2_en
     model, compiled, prompts = _records_batch(tok, 12)
     greedy = SamplingParams(max_tokens=20, temperature=0.0)
     known = known_mask_calls(monkeypatch)
-    monkeypatch.setattr(xgrammar_backend, "KNOWN_MIN_ROWS", 8)  # (12 rows: the opening's)
+    # (known_min_rows 8: the opening's 12 rows go by the known masks)
+    by_text = {on: tuned(compiled, text_masks=on, known_min_rows=8) for on in (False, True)}
 
     def run(text_masks: bool, batch_fill: bool = False, **config):
-        monkeypatch.setattr(xgrammar_backend, "TEXT_MASKS", text_masks)
+        compiled = by_text[text_masks]
         engine = Engine(model, tok, config=EngineConfig(max_num_seqs=12, num_kv_blocks=128,
                                                         spec="none", **config),
                         device=torch.device("cpu"))
@@ -1031,7 +1032,7 @@ def test_masked_picks_taken_on_known_text_masks_give_the_same_outputs(smollm2_en
     for batch_fill in (False, True):
         assert run(True, batch_fill, async_scheduling=True) == masked
         assert sum(known) > len(known) // 2  # (most steps: the opening forces text)
-    assert compiled.grammar.text_masks.slots
+    assert by_text[True].grammar.text_masks.slots
 
 
 def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monkeypatch):

@@ -399,7 +399,7 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
             assert any(got is not None for got in pinned)
         # (a large batch's tokens: checked on the native worker on CUDA, polling the
         # step's event, else on the accept thread)
-        from formcast.grammars.backends import native_accept
+        from formcast.grammars.backends.xgrammar import native as native_accept
 
         on_worker = overlap and native is None and native_accept.worker() is not None
         assert (eng.num_native_accepts > 0) == on_worker

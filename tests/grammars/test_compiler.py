@@ -82,18 +82,18 @@ def test_a_compile_returns_only_once_its_worker_is_done_with_native_calls(tiny_v
     right away never leaves a worker inside a native call as the interpreter
     shuts down (the daemon thread would be ended in C++ frames: an abort at
     exit). A failed compile is cached first as well."""
-    from formcast.grammars.backends import xgrammar_backend
+    from formcast.grammars.backends.xgrammar import XGrammarGrammar
 
     returned = threading.Event()
     asked_after: list[bool] = []
-    size = xgrammar_backend.XGrammarGrammar.memory_bytes
+    size = XGrammarGrammar.memory_bytes
 
     def slow_size(self):
         time.sleep(0.3)  # (a caller told before this would have returned by now)
         asked_after.append(returned.is_set())
         return size.fget(self)
 
-    monkeypatch.setattr(xgrammar_backend.XGrammarGrammar, "memory_bytes", property(slow_size))
+    monkeypatch.setattr(XGrammarGrammar, "memory_bytes", property(slow_size))
     c = GrammarCompiler()
     compiled = c.compile(Regex("[a-c]+z"), tiny_vocab, backend="xgrammar")
     returned.set()

@@ -10,6 +10,7 @@ from formcast.grammars import Choice, JsonSchema, Regex, fill_bitmasks
 
 from .cases import PERSON
 from .conftest import EOS, PAD_SPECIAL, allowed_ids
+from .spies import FillSpy, tuned
 
 BACKENDS = ["xgrammar", "outlines-core"]
 
@@ -279,7 +280,8 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
     batch, and the one after a batch the threads filled fast, is filled on one
     thread again to keep the estimate current. Either way the masks are the
     row-by-row ones."""
-    from formcast.grammars.backends import xgrammar_backend as xb
+    from formcast.grammars.backends.xgrammar import XGrammarMatcher
+    from formcast.grammars.backends.xgrammar.fill_plan import FillPlan
 
     compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab)
     matchers = [compiled.matcher() for _ in range(5)]
@@ -290,8 +292,8 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
     for i, m in enumerate(matchers):
         m.fill_bitmask(expected, i)
     inner = [m._inner if hasattr(m, "_inner") else m for m in matchers]
-    assert all(type(m) is xb.XGrammarMatcher for m in inner)
-    plan = xb._FillPlan(threads=2)
+    assert all(type(m) is XGrammarMatcher for m in inner)
+    plan = FillPlan(threads=2)
     calls = []
     for name in ("one", "many"):
         real = getattr(plan, name)
@@ -309,33 +311,33 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
     assert torch.equal(fill(), expected) and calls == ["one"]   # cheap rows: one thread
     assert 0 < plan.us_per_row < 1e5
     plan.us_per_row = 1e6  # as if the rows had turned costly
-    for _ in range(plan.PROBE - 1):
+    for _ in range(plan.probe - 1):
         assert torch.equal(fill(), expected)
-    assert calls[1:] == ["many"] * (plan.PROBE - 1)
+    assert calls[1:] == ["many"] * (plan.probe - 1)
     assert torch.equal(fill(), expected) and calls[-1] == "one"   # the probe
     assert plan.us_per_row < 1e5  # measured again
     # a batch the threads fill fast sends the next one to one thread at once
-    plan.us_per_row, plan.CHEAP_US = 1e6, 1e9
+    plan.us_per_row, plan.cheap_us = 1e6, 1e9
     assert torch.equal(fill(), expected) and calls[-1] == "many"
     assert torch.equal(fill(), expected) and calls[-1] == "one"
-    assert xb._FillPlan(threads=1).many is None
-    # each thread fills through a plan of its own (the engine fills on two at once)
+    assert FillPlan(threads=1).many is None
+    # each thread fills through its backend's plan of its own (the engine fills on two at once)
     import threading
 
-    plans = []
-    worker = threading.Thread(target=lambda: plans.append(xb._fill_plan()))
+    plans, mine = [], compiled.grammar.backend.fill_plans
+    worker = threading.Thread(target=lambda: plans.append(mine.get()))
     worker.start()
     worker.join()
-    assert plans[0] is not xb._fill_plan() and xb._fill_plan() is xb._fill_plan()
+    assert plans[0] is not mine.get() and mine.get() is mine.get()
 
 
-def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab, monkeypatch):
+def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab):
     """A batch fill fills one matcher per state known shared (one grammar, the
     same text taken, however it was split into tokens or offered) and copies
     its mask to the others' rows; the masks are the row-by-row ones. A matcher
     stops keeping its text after a rollback, a stop token, or past the limit,
     and is then filled on its own; a fork keeps its parent's."""
-    from formcast.grammars.backends import xgrammar_backend as xb
+    from formcast.grammars.backends.xgrammar import XGrammarTuning
 
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
@@ -343,47 +345,48 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab, m
     def byte(c: str) -> int:  # (a single byte's token)
         return 2 + ord(c)
 
-    text = '{"name"'
-    merged, single = _ids(tiny_vocab, text), [byte(c) for c in text]
-    assert merged != single
-    split, whole, offered, fresh, back, longer, fresh2 = (person.matcher() for _ in range(7))
-    for t in merged:
-        assert whole.accept(t)
-    for t in single + [byte(":")]:
-        assert longer.accept(t)
-    assert offered.accept_text(text)
-    # the batch accept keeps texts too: split takes its bytes in three batches
-    pair = person.matcher()
-    kinds = type(split)
-    assert kinds.accept_tokens([split, pair], [byte("{"), byte("{")]) == [1, 1]
-    assert kinds.accept_tokens([split, pair], [byte("x"), byte('"')]) == [0, 1]
-    for t in single[1:]:
-        assert kinds.accept_tokens([split], [t]) == [1]
-    assert split._text == whole._text == offered._text == text.encode()
-    assert pair._text == b'{"'
-    for t in single + [byte(":")]:
-        assert back.accept(t)
-    back.rollback(1)  # (the state of `whole`, its text no longer known)
-    assert back._text is None
-    forked = whole.fork()
-    assert forked._text == whole._text
-    n1, n2 = digits.matcher(), digits.matcher()
-    ended = digits.matcher()
-    assert ended.accept(byte("7")) and ended.accept(EOS) and ended._text is None
-    matchers = [split, whole, offered, fresh, back, longer, fresh2, forked, n1, n2, pair]
-    expected = person.allocate_bitmask(len(matchers))
-    for j, m in enumerate(matchers):
-        m.fill_bitmask(expected, j)
-    filled = []
-    real_plan = xb._fill_plan
+    def matchers_of(person, digits) -> list:
+        text = '{"name"'
+        merged, single = _ids(tiny_vocab, text), [byte(c) for c in text]
+        assert merged != single
+        split, whole, offered, fresh, back, longer, fresh2 = (person.matcher() for _ in range(7))
+        for t in merged:
+            assert whole.accept(t)
+        for t in single + [byte(":")]:
+            assert longer.accept(t)
+        assert offered.accept_text(text)
+        # the batch accept keeps texts too: split takes its bytes in three batches
+        pair = person.matcher()
+        kinds = type(split)
+        assert kinds.accept_tokens([split, pair], [byte("{"), byte("{")]) == [1, 1]
+        assert kinds.accept_tokens([split, pair], [byte("x"), byte('"')]) == [0, 1]
+        for t in single[1:]:
+            assert kinds.accept_tokens([split], [t]) == [1]
+        assert split._text == whole._text == offered._text == text.encode()
+        assert pair._text == b'{"'
+        for t in single + [byte(":")]:
+            assert back.accept(t)
+        back.rollback(1)  # (the state of `whole`, its text no longer known)
+        assert back._text is None
+        forked = whole.fork()
+        assert forked._text == whole._text
+        n1, n2 = digits.matcher(), digits.matcher()
+        ended = digits.matcher()
+        assert ended.accept(byte("7")) and ended.accept(EOS) and ended._text is None
+        return [split, whole, offered, fresh, back, longer, fresh2, forked, n1, n2, pair]
 
-    class Spy:
-        def fill(self, handles, bitmask, rows):
-            filled.append(list(rows))
-            real_plan().fill(handles, bitmask, rows)
+    def row_by_row(matchers) -> torch.Tensor:
+        expected = person.allocate_bitmask(len(matchers))
+        for j, m in enumerate(matchers):
+            m.fill_bitmask(expected, j)
+        return expected
 
-    monkeypatch.setattr(xb, "_fill_plan", Spy)
-    monkeypatch.setattr(xb, "TEXT_MASKS", False)  # (the kept texts' known masks: below)
+    # without known masks: xgrammar fills each state once
+    plain_person, plain_digits = tuned(person, digits, text_masks=False)
+    matchers = matchers_of(plain_person, plain_digits)
+    kinds = type(matchers[0])
+    expected = row_by_row(matchers)
+    spy = FillSpy(plain_person.grammar.backend)
     rows = [12, 0, 3, 5, 1, 7, 2, 9, 11, 4, 8]
     got = person.allocate_bitmask(13)
     got.fill_(-1)
@@ -393,36 +396,41 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab, m
     assert torch.equal(got[6], torch.full_like(got[6], -1)) and torch.equal(got[10], got[6])
     # one fill each: the '{"name"' state, the fresh one, `back`, `longer`, the
     # fresh digits, `pair`
-    assert filled == [[12, 5, 1, 7, 11, 8]]
+    assert spy.filled == [[12, 5, 1, 7, 11, 8]]
     # the engine's other hook fills each state once and tells each matcher's row
-    filled.clear()
+    spy.filled.clear()
     got = person.allocate_bitmask(len(matchers))
     got.fill_(-1)
     index = kinds.fill_distinct_bitmasks(matchers, got)
-    assert index == [0, 0, 0, 1, 2, 3, 1, 0, 4, 4, 5] and filled == [[0, 1, 2, 3, 4, 5]]
+    assert index == [0, 0, 0, 1, 2, 3, 1, 0, 4, 4, 5] and spy.filled == [[0, 1, 2, 3, 4, 5]]
     for j, at in enumerate(index):
         assert torch.equal(got[at], expected[j]), j
     assert torch.equal(got[6], torch.full_like(got[6], -1))  # (rows past the states)
+    back, longer, pair = matchers[4], matchers[5], matchers[10]
     assert kinds.fill_distinct_bitmasks([back, longer, pair], got) is None  # (none shared)
     assert torch.equal(got[2], expected[10]) and torch.equal(got[0], expected[4])
-    # the masks filled above for kept texts are known: xgrammar fills `back` alone
-    monkeypatch.setattr(xb, "TEXT_MASKS", True)
-    filled.clear()
+    # with known masks, those filled row by row for kept texts are known:
+    # xgrammar fills `back` alone
+    known_person, known_digits = tuned(person, digits)
+    matchers = matchers_of(known_person, known_digits)
+    expected = row_by_row(matchers)
+    spy = FillSpy(known_person.grammar.backend)
     got.fill_(-1)
-    assert kinds.fill_distinct_bitmasks(matchers, got) == index and filled == [[2]]
+    assert kinds.fill_distinct_bitmasks(matchers, got) == index and spy.filled == [[2]]
     for j, at in enumerate(index):
         assert torch.equal(got[at], expected[j]), j
     # rows in step (one text) read one state; one text in two grammars is two states
-    filled.clear()
+    split, whole, offered, fresh, _, _, fresh2, _, n1, n2, _ = matchers
+    spy.filled.clear()
     got.fill_(-1)
     assert kinds.fill_distinct_bitmasks([split, whole, offered], got) == [0, 0, 0]
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], torch.full_like(got[1], -1))
     assert kinds.fill_distinct_bitmasks([fresh, n1, fresh2, n2], got) == [0, 1, 0, 1]
     assert torch.equal(got[0], expected[3]) and torch.equal(got[1], expected[8])
-    assert filled == []
+    assert spy.filled == []
     # a long text is not kept
     long = digits.matcher()
-    assert long.accept_text("1" * xb.TEXT_KEY_LIMIT) and long._text is not None
+    assert long.accept_text("1" * XGrammarTuning().text_key_limit) and long._text is not None
     assert long.accept(byte("2")) and long._text is None
 
 
@@ -496,9 +504,9 @@ def test_a_fresh_matcher_travels_to_another_process_by_its_recipe(compiler, tiny
 
 
 def _has_native_batch_accept() -> bool:
-    from formcast.grammars.backends import xgrammar_backend
+    from formcast.grammars.backends.xgrammar import ffi
 
-    return xgrammar_backend._NATIVE_BATCH_ACCEPT is not None
+    return ffi.BATCH_ACCEPT is not None
 
 
 _NATIVE = pytest.mark.skipif(not _has_native_batch_accept(), reason="the installed "
@@ -514,12 +522,12 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, way, monkeyp
     and a stop token that ends a matcher says so; through xgrammar's native batch
     call (its answer read through tvm-ffi's JSON writer when rows were refused,
     or one element at a time) and through its public wrapper."""
-    from formcast.grammars.backends import xgrammar_backend
+    from formcast.grammars.backends.xgrammar import ffi
 
-    if way == "public":
-        monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", None)
+    if way == "public":  # (as with an xgrammar without the native batch accept)
+        monkeypatch.setattr(ffi, "BATCH_ACCEPT", None)
     elif way != "native":
-        monkeypatch.setattr(xgrammar_backend, "_STRINGIFY", None)
+        monkeypatch.setattr(ffi, "STRINGIFY", None)
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
     brace, one = _ids(tiny_vocab, "{")[0], _ids(tiny_vocab, "1")[0]
@@ -563,7 +571,7 @@ def test_a_batch_accept_keeps_each_rows_text_as_accepting_alone_does(compiler, t
     """Rows in step (the same text, the same token) share their grown text in a
     batch accept; each row's kept text is still the one ``accept`` row by row
     keeps, through refusals, differing tokens, a stop token and the length limit."""
-    from formcast.grammars.backends import xgrammar_backend as xb
+    from formcast.grammars.backends.xgrammar import XGrammarTuning
 
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
 
@@ -576,7 +584,7 @@ def test_a_batch_accept_keeps_each_rows_text_as_accepting_alone_does(compiler, t
     steps = [[byte("1")] * 6,
              [byte("2"), byte("2"), byte("3"), byte("x"), byte("2"), byte("3")],
              [byte("4"), EOS, byte("4"), byte("4"), byte("5"), byte("4")]]
-    steps += [[byte("9")] * 6] * (xb.TEXT_KEY_LIMIT + 1)  # (past the limit: none kept)
+    steps += [[byte("9")] * 6] * (XGrammarTuning().text_key_limit + 1)  # (past the limit: none kept)
     kept_before_limit = None
     for k, tokens in enumerate(steps):
         got = accept(tokens)
@@ -596,10 +604,10 @@ def test_a_prepared_acceptors_subsets_accept_as_their_rows_alone_do(compiler, ti
     change from step to step (the rest take theirs another way): each step's
     verdicts, states and kept texts are those of ``accept`` row by row, and
     rows left out do not move."""
-    from formcast.grammars.backends import xgrammar_backend
+    from formcast.grammars.backends.xgrammar import ffi
 
     if way == "public":
-        monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", None)
+        monkeypatch.setattr(ffi, "BATCH_ACCEPT", None)
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     one, two, brace, x = (_ids(tiny_vocab, c)[0] for c in "12{x")
@@ -631,14 +639,14 @@ def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, 
     native pass), or hold a stop token, a special token or one outside the
     vocabulary (the general way). A step with the wrong number of tokens is an
     error that names the counts, and moves no matcher; no matchers, no verdicts."""
-    from formcast.grammars.backends import xgrammar_backend
+    from formcast.grammars.backends.xgrammar import ffi
 
     if way == "public":
-        monkeypatch.setattr(xgrammar_backend, "_NATIVE_BATCH_ACCEPT", None)
+        monkeypatch.setattr(ffi, "BATCH_ACCEPT", None)
     else:  # (the verdicts are read keeping the interpreter lock; tvm-ffi's own function lets go)
         import tvm_ffi
 
-        assert not xgrammar_backend._CONTAINS.release_gil
+        assert not ffi.CONTAINS.release_gil
         assert tvm_ffi.get_global_func("ffi.ArrayContains").release_gil
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
@@ -736,7 +744,7 @@ def test_xgrammar_matchers_fork_their_start_when_first_used(compiler, tiny_vocab
     offered to ``prepare`` (the engine does, during the prefill); a fork of
     one still at the start waits the same way; each behaves as one forked at
     once."""
-    from formcast.grammars.backends.xgrammar_backend import XGrammarMatcher
+    from formcast.grammars.backends.xgrammar import XGrammarMatcher
 
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     used, prepared = person.matcher(), person.matcher()

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from formcast.grammars import JsonSchema, Regex
-from formcast.grammars.backends import native_accept
+from formcast.grammars.backends.xgrammar import XGrammarTuning
+from formcast.grammars.backends.xgrammar import ffi, native as native_accept
 
 from .cases import PERSON
 from .conftest import EOS, PAD_SPECIAL
+from .spies import tuned
 
 
 def _worker_or_skip():
-    from formcast.grammars.backends import xgrammar_backend
-
-    if xgrammar_backend._NATIVE_BATCH_ACCEPT is None:
+    if ffi.BATCH_ACCEPT is None:
         pytest.skip(reason="the installed xgrammar has no native batch accept of the known form")
     if native_accept.worker() is None:
         pytest.skip(reason=f"no native accept worker here: {native_accept.unavailable_reason()}")
@@ -115,14 +115,16 @@ def test_a_launched_accept_waits_for_its_poll_and_reports_a_failed_one(compiler,
     assert [m.accept(_byte("2")) for m in batch] == [True] * 4
 
 
-def test_the_poll_interval_is_the_modules_and_a_longer_one_waits_as_well(compiler, tiny_vocab,
-                                                                         monkeypatch):
-    """A launched accept's job takes its pauses between two polls from
-    ``native_accept.POLL_PAUSES`` (a knob for measuring the driver's lock, which
-    each poll takes); with more of them the worker still polls until the
-    tokens land, then takes them."""
+@pytest.mark.parametrize("pauses", [XGrammarTuning().poll_pauses, 4096])
+def test_the_poll_interval_is_the_tunings_and_a_longer_one_waits_as_well(compiler, tiny_vocab,
+                                                                         pauses):
+    """A launched accept's job takes its pauses between two polls from its
+    backend's ``XGrammarTuning.poll_pauses`` (a knob for measuring the driver's
+    lock, which each poll takes); with more of them the worker still polls
+    until the tokens land, then takes them."""
     _worker_or_skip()
-    digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
+    digits = tuned(compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar"),
+                   poll_pauses=pauses)
     batch = [digits.matcher() for _ in range(3)]
     accept = type(batch[0]).batch_acceptor(batch)
     calls = []
@@ -133,12 +135,9 @@ def test_the_poll_interval_is_the_modules_and_a_longer_one_waits_as_well(compile
         return 600 if len(calls) < 20 else 0
 
     address = ctypes.cast(poll, ctypes.c_void_p).value
-    for pauses in (native_accept.POLL_PAUSES, 4096):
-        monkeypatch.setattr(native_accept, "POLL_PAUSES", pauses)
-        calls.clear()
-        job = accept.launch(_host([_byte("3")] * 3, [0, 1, 2], 3), [0, 1, 2], (address, 0, 600))
-        assert job.job.poll_pauses == pauses
-        assert job.result() == [1] * 3 and len(calls) == 20
+    job = accept.launch(_host([_byte("3")] * 3, [0, 1, 2], 3), [0, 1, 2], (address, 0, 600))
+    assert job.job.poll_pauses == pauses
+    assert job.result() == [1] * 3 and len(calls) == 20
 
 
 def test_a_launch_declines_what_the_worker_cannot_take(compiler, tiny_vocab, monkeypatch):
@@ -201,7 +200,7 @@ def test_dropped_matchers_are_destroyed_on_the_worker_and_their_memory_comes_bac
     import gc
     import time
 
-    from formcast.grammars.backends import xgrammar_backend
+    from formcast.grammars.backends.xgrammar import XGrammarMatcher
 
     _worker_or_skip()
     worker = native_accept.worker()
@@ -222,8 +221,8 @@ def test_dropped_matchers_are_destroyed_on_the_worker_and_their_memory_comes_bac
     sizes = []
     for _ in range(5):
         matchers = [compiled.matcher() for _ in range(1500)]
-        prepared = xgrammar_backend.XGrammarMatcher.batch_acceptor(
-            [m for m in matchers if isinstance(m, xgrammar_backend.XGrammarMatcher)])
+        prepared = XGrammarMatcher.batch_acceptor(
+            [m for m in matchers if isinstance(m, XGrammarMatcher)])
         for m in matchers:
             for t in opening:
                 assert m.accept(t)

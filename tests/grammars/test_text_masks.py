@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from formcast.grammars import GrammarCompiler, JsonSchema
-from formcast.grammars.backends import native_accept, xgrammar_backend as xb
+from formcast.grammars.backends.xgrammar import ffi, native as native_accept
 
 from .cases import PERSON
 from .conftest import EOS, PAD_SPECIAL
-from .spies import known_mask_calls
+from .spies import known_mask_calls, tuned
 
 
 def byte(c: str) -> int:  # (a single byte's token in the synthetic vocabulary)
@@ -20,17 +20,17 @@ def byte(c: str) -> int:  # (a single byte's token in the synthetic vocabulary)
 
 
 @pytest.fixture()
-def person(tiny_vocab, monkeypatch):
-    """PERSON on xgrammar, from a compiler of its own: the masks it learns (and
+def person(tiny_vocab):
+    """PERSON on xgrammar, from a backend of its own: the masks it learns (and
     the one a test corrupts) stay with it. Batches of any size take the known
-    masks' way here (the engine's take it from KNOWN_MIN_ROWS rows)."""
-    if xb._NATIVE_BATCH_ACCEPT is None or native_accept.worker() is None:
+    masks' way here (``XGrammarTuning.known_min_rows`` 1; by default 16)."""
+    if ffi.BATCH_ACCEPT is None or native_accept.worker() is None:
         pytest.skip(reason="needs xgrammar's native batch accept and the native worker: "
                     f"{native_accept.unavailable_reason()}")
-    monkeypatch.setattr(xb, "KNOWN_MIN_ROWS", 1)
     compiler = GrammarCompiler(timeout_s=60.0)
-    yield compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
-    xb._UNSETTLED.settle()
+    yield tuned(compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar"),
+                known_min_rows=1)
+    native_accept.worker().backlog.settle()
     compiler.close()
 
 
@@ -44,6 +44,13 @@ def _at(person, text: str):
 def _mask(m, person) -> torch.Tensor:
     bitmask = person.allocate_bitmask(1)
     m.fill_bitmask(bitmask, 0)
+    return bitmask[0].clone()
+
+
+def _state_mask(m, person) -> torch.Tensor:
+    """The mask of the state xgrammar's matcher is in (no known mask read)."""
+    bitmask = person.allocate_bitmask(1)
+    m.xgrammar_matcher.fill_next_token_bitmask(bitmask, 0)
     return bitmask[0].clone()
 
 
@@ -69,13 +76,12 @@ def test_known_masks_judge_every_token_as_xgrammar_does(person, tiny_vocab, monk
         fork = ref.fork()
         expected.append(int(fork.accept(t)))
     assert got == expected and 0 < sum(got) < len(tokens)
-    monkeypatch.setattr(xb, "TEXT_MASKS", False)  # (xgrammar's own fills: the states)
     for m, t, verdict in zip(matchers, tokens, got):
         fork = ref.fork()
         if verdict:
             assert fork.accept(t)
             assert m._pending > 0 and m._text == fork._text
-        assert torch.equal(_mask(m, person), _mask(fork, person)), t
+        assert torch.equal(_state_mask(m, person), _state_mask(fork, person)), t
         assert m.is_completed() == fork.is_completed()
 
 
@@ -135,7 +141,7 @@ def test_a_known_mask_that_xgrammar_disagrees_with_breaks_only_its_matcher(perso
     kind = type(ref)
     assert kind.accept_tokens(rows, [bad, byte('"'), byte('"')]) == [1, 1, 1]
     assert seen == [True]
-    xb._UNSETTLED.settle()
+    native_accept.worker().backlog.settle()
     assert "refused token" in rows[0]._broken and rows[1]._broken is None
     for use in (lambda m: _mask(m, person), lambda m: m.is_completed(), lambda m: m.rollback(1),
                 lambda m: m.fork()):
@@ -147,10 +153,10 @@ def test_a_known_mask_that_xgrammar_disagrees_with_breaks_only_its_matcher(perso
 
 
 def test_a_batch_of_fewer_rows_than_the_threshold_is_offered_by_xgrammar(person, monkeypatch):
-    """Fewer rows than ``KNOWN_MIN_ROWS`` (a few masked rows among a large batch's
-    unmasked ones) are offered to xgrammar here, known masks or not."""
+    """Fewer rows than ``XGrammarTuning.known_min_rows`` (a few masked rows among
+    a large batch's unmasked ones) are offered to xgrammar here, known masks or not."""
     seen = known_mask_calls(monkeypatch)
-    monkeypatch.setattr(xb, "KNOWN_MIN_ROWS", 3)
+    person = tuned(person, known_min_rows=3)
     known = _at(person, "{")
     _mask(known, person)
     kind = type(known)
@@ -175,13 +181,14 @@ def test_tidy_lets_go_of_the_batches_the_worker_is_through_with(person, monkeypa
     rows = [person.matcher() for _ in range(4)]
     for c in text:
         assert kind.accept_tokens(rows, [byte(c)] * 4) == [1] * 4
-    assert xb._UNSETTLED.queue
+    backlog = native_accept.worker().backlog
+    assert backlog.queue
     for _ in range(2000):  # (until the worker is through: done_only checks no others)
-        if all(p.job.state != native_accept.QUEUED for p in xb._UNSETTLED.queue):
+        if all(p.job.state != native_accept.QUEUED for p in backlog.queue):
             break
         time.sleep(0.001)
     kind.tidy()
-    assert not xb._UNSETTLED.queue and xb._UNSETTLED.settled == xb._UNSETTLED.last
+    assert not backlog.queue and backlog.settled == backlog.last
     assert all(torch.equal(_mask(m, person), _mask(ref, person)) for m in rows)
 
 
@@ -207,6 +214,5 @@ def test_rows_in_step_offered_one_token_are_judged_once_as_xgrammar_judges(perso
     unknown = [_at(person, '{"nam') for _ in range(3)]
     assert kind.accept_tokens(unknown, [byte("e")] * 3) == [1, 1, 1]
     assert seen[-1] is False and {m._text for m in unknown} == {b'{"name'}
-    monkeypatch.setattr(xb, "TEXT_MASKS", False)  # (xgrammar's own fills: the states)
     for m in rows:
-        assert torch.equal(_mask(m, person), _mask(fork, person))
+        assert torch.equal(_state_mask(m, person), _state_mask(fork, person))

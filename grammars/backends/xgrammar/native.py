@@ -20,14 +20,11 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 QUEUED, DONE, SLOW, DEAD, ERROR = 1, 2, 3, 4, 5
-
-# pauses between two queries of a job's device event while the worker waits for
-# its tokens to land (each query takes the driver's lock, which the engine's
-# launches on the main thread take too)
-POLL_PAUSES = 32
 
 _SOURCE = Path(__file__).with_name("native_accept.c")
 
@@ -55,11 +52,57 @@ class Job(ctypes.Structure):
     ]
 
 
+class Checked(Protocol):
+    """A submitted job whose outcome its submitter checks later (see :class:`Backlog`)."""
+
+    seq: int
+    job: Job
+
+    def finish(self) -> int:
+        """Wait for the job and act on its outcome: how many things it failed."""
+
+
+class Backlog:
+    """The jobs submitted to a worker whose outcome has not been checked yet,
+    oldest first (the worker takes them in order), numbered as submitted.
+    Callers that depend on a job wait for its number (:meth:`settle`)."""
+
+    def __init__(self) -> None:
+        self.queue: list[Checked] = []
+        self.last = 0      # the number of the last job submitted
+        self.settled = 0   # every job up to this number is checked
+        self.failures = 0  # what the checked jobs failed so far
+        self.lock = threading.Lock()
+
+    def add(self, make: Callable[[int], Checked]) -> int:
+        """Queue the job ``make`` submits when given its number: that number."""
+        with self.lock:
+            self.last += 1
+            seq = self.last
+            self.queue.append(make(seq))
+        return seq
+
+    def settle(self, through: int | None = None, *, done_only: bool = False) -> None:
+        """Check the jobs up to number ``through`` (None: all), waiting for the
+        worker; ``done_only``: only those the worker is through with, no wait."""
+        with self.lock:
+            queue = self.queue
+            while queue and (through is None or queue[0].seq <= through):
+                first = queue[0]
+                if done_only and first.job.state == QUEUED:
+                    break
+                self.failures += first.finish()
+                queue.pop(0)
+                self.settled = first.seq
+
+
 class Worker:
-    """The loaded library, its thread started."""
+    """The loaded library, its thread started, and the backlog of the jobs
+    submitted to it that are still to be checked."""
 
     def __init__(self, lib: ctypes.CDLL, quick: ctypes.PyDLL) -> None:
         self._lib = lib
+        self.backlog = Backlog()
         lib.fc_wait.argtypes = [ctypes.c_void_p]
         lib.fc_wait.restype = ctypes.c_int
         # (submitting holds the interpreter lock: a few instructions and a mutex)
@@ -99,6 +142,7 @@ class Worker:
         return self._wait(ctypes.addressof(job))
 
 
+# (one per process: the C library runs one thread, loaded once)
 _lock = threading.Lock()
 _worker: Worker | None = None
 _reason: str | None = None

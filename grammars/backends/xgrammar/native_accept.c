@@ -3,8 +3,8 @@
  * to their xgrammar matchers as soon as the tokens land in host memory, without
  * the Python interpreter.
  *
- * Why: on a GPU host a large constrained batch's accept (256 rows, ~0.5 ms of
- * xgrammar's native work) runs beside the engine's main thread. A Python thread
+ * Why: on a GPU host a large constrained batch's accept (xgrammar's native
+ * work for every row) runs beside the engine's main thread. A Python thread
  * doing it takes the interpreter lock several times a step (after its wait for
  * the tokens, after the native call, to hand its result over), and every hand-off
  * is a futex sleep that leaves the engine's main thread waiting and its core cold.
@@ -14,9 +14,9 @@
  * them.
  *
  * It also drops the last references of objects handed to it (fc_defer_release):
- * a finished batch's 256 xgrammar matchers took 2.4 ms of the engine's main
- * thread to destroy on the H200's host, at the start of the next batch, the
- * device idle meanwhile. Their destructors run here, between jobs.
+ * destroying a finished batch's xgrammar matchers on the engine's main thread
+ * would keep the device idle at the start of the next batch. Their destructors
+ * run here, between jobs.
  *
  * A job only takes the usual batch: every token in the vocabulary and none that
  * the matcher wrapper must see itself (blocked, or a stop token that may end the

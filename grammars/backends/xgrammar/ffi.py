@@ -1,0 +1,113 @@
+"""What the installed xgrammar and tvm-ffi offer beyond xgrammar's public API.
+
+Each probe runs once, at import: its answer is a fact of the installed
+libraries (None where the function is missing or answers in another form, and
+the callers then take xgrammar's public way).
+"""
+
+from __future__ import annotations
+
+import array
+import re
+from collections.abc import Callable
+from typing import Any
+
+import xgrammar as xgr
+
+from formcast.grammars.backends.xgrammar import native
+
+# xgrammar prefixes C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+_DIGITS = bytes.maketrans(b"01", b"\x00\x01")
+C_INT_IS_32 = array.array("i").itemsize == 4
+
+
+def library_message(exc: BaseException) -> str:
+    """xgrammar's error text without its log prefix."""
+    return _LOG_PREFIX.sub("", str(exc)).strip()
+
+
+def _native_batch_accept() -> Callable | None:
+    """xgrammar's native batch accept, if this xgrammar has the one we know.
+
+    The public ``BatchGrammarMatcher.batch_accept_token`` turns the native result
+    into a list one ``__getitem__`` at a time, which costs as much as the native
+    accept itself; a slice of the native array takes one plain call a row."""
+    core = getattr(getattr(xgr, "matcher", None), "_core", None)
+    fn = getattr(getattr(core, "BatchGrammarMatcher", None), "batch_accept_token", None)
+    if fn is None:
+        return None
+    try:
+        if list(fn([], [], False)[:]) != []:
+            return None
+    except Exception:
+        return None
+    return fn
+
+
+def _quiet_global(name: str) -> Callable | None:
+    """tvm-ffi's global function ``name`` as a private copy that keeps the
+    interpreter lock through the call, or None when absent.
+
+    tvm-ffi lets go of the lock around every call by default; for a call of a
+    microsecond, getting it back can wait a whole switch interval for another
+    thread. A copy's setting is its own: the shared function keeps tvm-ffi's."""
+    try:
+        import tvm_ffi
+
+        fn = tvm_ffi.get_global_func(name)  # (a new object each time)
+        fn.release_gil = False
+        return fn
+    except Exception:
+        return None
+
+
+BATCH_ACCEPT = _native_batch_accept()
+STRINGIFY = _quiet_global("ffi.json.Stringify")  # (see native_verdicts)
+CONTAINS = _quiet_global("ffi.ArrayContains")
+TO_ARRAY = _quiet_global("ffi.Array")
+
+
+def native_verdicts(handles: Any, tokens: list[int]) -> list[int]:
+    """xgrammar's native batch accept of ``tokens`` by the matchers whose handles
+    are ``handles`` (a list, or a tvm-ffi array of them): each row's verdict (1
+    taken, 0 refused), in order. Changes the matchers' states.
+
+    A batch is one call (the engine overlaps it with other work rather than
+    splitting it over threads, which gains little). Its answer is a tvm-ffi
+    array, slow to read element by element: one containment test tells the
+    usual batch, every row taken, and a batch with refusals is read through
+    tvm-ffi's JSON writer ("[1,0,...]", in C), both calls keeping the lock."""
+    got = BATCH_ACCEPT(handles, tokens, False)
+    n = len(tokens)
+    if not (CONTAINS(got, 0) if CONTAINS is not None else 0 in got):
+        return [1] * n
+    if STRINGIFY is not None:
+        text = STRINGIFY(got, None)
+        if len(text) == 2 * n + 1:
+            digits = text[1::2].encode().translate(_DIGITS)
+            if max(digits) <= 1:
+                return list(digits)
+    return [int(v) for v in got[:]]
+
+
+def handle_array(handles: list[Any]) -> Any:
+    """The native batch accept's argument for these matcher handles: a tvm-ffi
+    array when this tvm-ffi makes one (else the list)."""
+    return TO_ARRAY(*handles) if TO_ARRAY is not None else handles
+
+
+def release_later(obj: Any) -> None:
+    """Let the native worker drop a reference to the tvm-ffi object ``obj`` (a
+    matcher's handle, an array of them), called by its Python holder as it
+    goes: the destructors of a finished batch's matchers then run off the
+    engine's thread. Called from ``__del__`` (which binds it: at interpreter
+    exit the module's names may be gone first), so it never raises."""
+    try:
+        if obj is None or not hasattr(obj, "__chandle__"):
+            return
+        worker = native.started()  # (a matcher let go never builds or starts it)
+        if worker is not None:
+            worker.defer_release(obj)
+    except Exception:
+        pass

@@ -1,0 +1,63 @@
+"""The masks of the states one grammar's matchers reach on short texts."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy
+
+
+class TextMasks:
+    """The masks of the states one grammar's matchers reach on short texts, by
+    the text: a grammar's state after some bytes depends on those bytes alone,
+    not on the tokens that brought them. Owned by its compiled grammar.
+
+    What it buys is a batch's opening. Every row of a batch of one schema is
+    masked while the grammar forces its first text ('{"records":[{"name":"'),
+    and each step's masks depend on the picks of the step before. With the
+    masks of those texts known, a masked pick's verdict is a bit of its text's
+    mask, the next mask a copy of a known row, and xgrammar takes the tokens
+    on the native worker, off the engine's path. Rows are added as matchers
+    fill masks for texts not known yet, up to ``capacity`` (the openings of a
+    grammar's answers come first).
+
+    Parameters
+    ----------
+    words : int
+        Width of a mask in int32 words (masks of another width are not kept).
+    capacity : int
+        Masks kept at most.
+    """
+
+    __slots__ = ("slots", "texts", "rows", "words", "capacity", "_lock")
+
+    def __init__(self, words: int, capacity: int) -> None:
+        self.slots: dict[bytes, int] = {}  # text -> its row in ``rows``
+        self.texts: list[bytes] = []       # row -> its text
+        self.rows: numpy.ndarray | None = None  # int32 [capacity, words], made on first use
+        self.words = words
+        self.capacity = capacity
+        self._lock = threading.Lock()
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the masks take once made (the compile cache charges it up front)."""
+        return self.capacity * self.words * 4
+
+    def row(self, text: bytes | None, words: int) -> int | None:
+        """The row of ``text``'s mask, for masks ``words`` wide; None when not known."""
+        return self.slots.get(text) if words == self.words else None
+
+    def add(self, text: bytes | None, mask: numpy.ndarray) -> None:
+        """Keep ``mask`` (an int32 row) as ``text``'s, while there is room."""
+        if text is None or text in self.slots:
+            return
+        with self._lock:
+            at = len(self.slots)
+            if len(mask) != self.words or at >= self.capacity or text in self.slots:
+                return
+            if self.rows is None:
+                self.rows = numpy.empty((self.capacity, self.words), dtype=numpy.int32)
+            self.rows[at] = mask
+            self.texts.append(text)
+            self.slots[text] = at  # (after the row is written: readers take no lock)
