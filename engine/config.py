@@ -174,10 +174,9 @@ class EngineConfig:
     pause_gc : bool | None
         Keep the cycle collector off while :meth:`Engine.generate` runs (as it was
         before the call once it returns). A batch's steps leave no cyclic garbage
-        of their own (a generate call at 256 rows, free text or JSON: none); the
-        collections their allocations set off took 1.3-2.2 ms of the last step
-        of 256-row JSON runs on the H100's host (0.4 ms of free text's), where
-        256 requests end at once and rows set back a step wait. Cycles that
+        of their own; the collections their allocations set off land on the
+        last step of a large batch, where its requests end at once and rows set
+        back a step wait. Cycles that
         constraints or callbacks make are collected after the call. None: on
         CUDA.
     tuning : EngineTuning

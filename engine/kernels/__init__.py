@@ -113,9 +113,9 @@ class _PinnedRing:
     """Pinned host buffers that :func:`to_device` copies integer lists from, in
     turn, each reused once the device has read it (an event a buffer).
 
-    Pinned memory made for every list costs the host 50-130 us a call on the
-    H200's host (the caching host allocator records an event and looks for a
-    free block each time); a decode step of constrained rows uploads a few
+    Pinned memory made for every list costs the host tens of microseconds a
+    call (the caching host allocator records an event and looks for a free
+    block each time); a decode step of constrained rows uploads a few
     such lists. A list is written into the next buffer through its numpy view
     instead, and copied from there."""
 

@@ -98,8 +98,8 @@ def masked_argmax_(out: torch.Tensor, logits: torch.Tensor, bitmask: torch.Tenso
     pinned : bool
         CUDA logits: ``bitmask``, ``rows``, ``cols`` and ``mask_rows`` may lie in
         pinned host memory, which the Triton kernel reads in place (unified
-        addressing), with no copy to launch (a few rows' picks: on the H200's
-        host 57 us of host time a call against 113-134 with the two copies).
+        addressing), with no copy to launch (for a few rows' picks, half the
+        host's time of the two copies).
     source : torch.Tensor | None
         long ``[2, B]``: the picks ``out`` starts from, ``out`` then written
         whole (its other columns ``source``'s) rather than in place, and
@@ -148,10 +148,8 @@ def _masked_argmax_by_mask(out: torch.Tensor, logits: torch.Tensor, bitmask: tor
     is unpacked once for every pick that reads it (rows in one grammar state
     share one), and where it allows few tokens (forced text, a key) only their
     logits are read; else the picks' rows keep their own argmax where the
-    mask allows it, and only the others are masked. 256 rows of a 49152-token
-    vocabulary under two shared masks, on our CPU: 0.4 ms rather than 65 where
-    three tokens are allowed, 9.7 rather than 64 where all but 500 are (the
-    rows' masks unpacked and every logit masked before)."""
+    mask allows it, and only the others are masked (rather than every row's
+    mask unpacked and every logit masked: many times slower)."""
     used = range(bitmask.shape[0]) if mask_rows is None else mask_rows.unique().tolist()
     allowed = unpack_bitmask(bitmask, vocab_size)
     ids = torch.zeros(rows.numel(), dtype=torch.long)

@@ -139,22 +139,13 @@ def decode_config(splits: int, dtype: torch.dtype, programs: int) -> tuple[int, 
     """Keys a tile, warps and stages of the decode kernel for ``programs``
     (row, kv head) programs.
 
-    Measured on the H200 (benchmarks/decode_attention_configs.py: 9 heads over
-    3, head dim 64, bf16; each configuration in a CUDA graph calling it over
-    30 layers' caches, so that keys come from memory as in a step rather than
-    from L2; contexts spread from half to 1.5x the length named; each checked
-    against the torch path). Up to 128 rows a tile of 128 keys over four warps
-    and three stages takes most contexts in one pass: at 128 rows 7.0 us
-    against 9.7 for tiles of 32 keys, two warps and two stages (the choice
-    before) at ~80 tokens, 10.3 against 14.3 at ~150; at 64 rows 5.4 against
-    6.9 and 8.1 against 11.4. At 256 rows tiles of 64 keys, two warps and
-    three stages: 15.3 against 17.7 us at ~150 tokens, and at ~80 as fast as
-    the fastest (10.3 against 10.7 in one run; 32-key tiles 0.2 us faster in
-    another). In the engine (two engines in one process, 6 runs a side, 128
-    tokens a row) free and JSON decoding at 64 rows went 2.9% faster; at 128
-    and 256 rows they were unchanged (1.00). Float32 keeps tiles of 64, two
-    warps, three stages. Split contexts: tiles of 64, four warps and two
-    stages."""
+    Chosen by ``benchmarks/decode_attention_configs.py`` (each configuration in
+    a CUDA graph over a model's layers' caches, checked against the torch path;
+    figures in docs/performance.md): up to 128 rows a tile of 128 keys over four
+    warps and three stages takes most contexts in one pass; at 256 rows tiles of
+    64 keys, two warps and three stages. Float32 keeps tiles of 64, two warps,
+    three stages. Split contexts: tiles of 64, four warps and two stages.
+"""
     if splits > 1:
         return SPLIT_BLOCK_N, 4, 2
     if dtype == torch.float32 or programs >= FEW_PROGRAMS:

@@ -1,14 +1,12 @@
 """A Triton kernel's launches straight through its compiled kernel's launcher.
 
 ``kernel[grid](*args)`` binds the arguments, works out what the kernel is
-specialized on and looks the compiled variant up at every launch: on one H100
-host, 76 us of Python a launch of the masked-argmax kernel (Triton 3.6), which
-a 256-row JSON run launches outside the decode graphs at each step that has
-masked rows (101 launches). :class:`FastLaunch` finds the compiled variant by
-one ordinary launch per key of its own, then launches it as Triton's own
-``run`` does, without the rest. On a faster H100 host, consecutive processes:
-the masked-argmax call 58.7 -> 47.2 us (the launcher's own argument checks,
-pinned pointers among them, stay).
+specialized on and looks the compiled variant up at every launch: tens of
+microseconds of Python a launch of the masked-argmax kernel, which a JSON run
+launches outside the decode graphs at each step that has masked rows.
+:class:`FastLaunch` finds the compiled variant by one ordinary launch per key of
+its own, then launches it as Triton's own ``run`` does, without the rest (the
+launcher's own argument checks, pinned pointers among them, stay).
 
 The key is a superset of what Triton specializes a variant on: each tensor's
 dtype, device kind and 16-byte alignment, each integer's type, whether it is 1,

@@ -3,10 +3,9 @@
 Two reasons, both measured on the CPUs this runs on (benchmarks/decode_floor.py):
 
 - **Speed at decode row counts.** MKL's sgemm runs one GEMM per row count with a
-  different kernel, and for 2 to 16 rows it is far from the memory bound (SmolLM2's
-  49152x576 head on a 2-core AVX2 machine: 15 ms at 2 rows and 33 ms at 8 through
-  ``F.linear``, against 8.7 and 11 ms through oneDNN with the weight reordered once
-  into its blocked layout). Verifying a speculative draft adds rows to a step, so
+  different kernel, and for 2 to 16 rows it is far from the memory bound (oneDNN
+  with the weight reordered once into its blocked layout is several times faster
+  there). Verifying a speculative draft adds rows to a step, so
   what a row costs decides what speculation gains.
 - **Row invariance.** oneDNN's kernel computes each output row the same way
   whatever the number of rows (checked up to 300 rows in tests/engine/test_linear.py),
@@ -54,8 +53,7 @@ class Linear(nn.Linear):
         """``forward(x).float()``, but on CUDA a bfloat16/float16 ``x`` [N, in] is
         multiplied straight into float32: one GEMM, the accumulator never rounded
         to the half type and no second pass over the output. For a model's head
-        that pass is the [N, vocab] conversion of every step (at 256 rows of
-        SmolLM2's head on the H200: 35 us against 65 us)."""
+        that pass is the [N, vocab] conversion of every step."""
         w = self.weight
         if _MM_OUT_DTYPE and x.is_cuda and x.dim() == 2 and self.bias is None and \
                 x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:

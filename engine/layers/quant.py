@@ -7,9 +7,8 @@ of 32 inputs, the same layout as GGUF's Q4_1 blocks, so a Q4_1 file's own 4-bit
 values come back exactly (up to the bf16 rounding of the scales).
 
 **Prompt rows run in float32.** torch's int4 and int8 kernels dequantize as they go
-and are compute-bound once a call has more than a few rows: on a 2-core AVX2 CPU
-SmolLM2's gate|up projection takes 0.26 ms at 1 row in int4 against 0.45 ms in
-float32 (oneDNN), but 1.3 against 0.69 ms at 16 rows and 20 against 8.4 ms at 256.
+and are compute-bound once a call has more than a few rows: faster than float32
+(oneDNN) at one row, slower from a handful of rows on.
 A quantized layer therefore also keeps its weight in float32 (oneDNN's packed
 layout) and runs the rows of prompt tokens through it: prefill is float32-fast and
 float32-exact, decode reads 4 bits. Which rows are prompt rows is decided by the
@@ -161,9 +160,8 @@ class Int4Linear(_PromptFloat):
 class Int8Linear(_PromptFloat):
     """y = x W^T (+ b) with W as int8 codes and one symmetric scale per output row.
 
-    On x86 it runs on FBGEMM's integer GEMM (:class:`_IntegerRows`), 2-2.4x faster
-    than torch's bfloat16-activation int8 kernel (SmolLM2's head: 1.8 against 3.7 ms
-    at one row, 8.5 against 18 ms at 16), elsewhere on that kernel.
+    On x86 it runs on FBGEMM's integer GEMM (:class:`_IntegerRows`), about twice
+    as fast as torch's bfloat16-activation int8 kernel, elsewhere on that kernel.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -266,9 +264,8 @@ def quantize_linears(model: nn.Module, kind: str, *, head: str = "int8",
 
     Layers named in ``head_names`` (the output head: its errors reach the logits
     directly, and GGUF files keep it at 8 bits) get ``head``: "int8" (per output row,
-    the default: 1.8 ms for SmolLM2's 49152x576 head at one row on a 2-core AVX2 CPU,
-    8.5 ms at 16 rows) or "bfloat16" (5.9 ms at one row but 58 ms at 16: torch's bf16
-    GEMM there is linear in the rows). Layers whose shape the int4 kernel cannot take
+    the default) or "bfloat16" (slower, and torch's bf16 GEMM there is linear in
+    the rows). Layers whose shape the int4 kernel cannot take
     get int8. Returns how many were replaced. A tied head stops sharing the
     embedding (the embedding stays float).
 

@@ -40,8 +40,8 @@ class LlamaAttention(nn.Module):
     # not replay them). Half precision only: float32 speculation promises the
     # tokens of plain decoding, bit for bit, which one way for both keeps. Heads of
     # up to 64 and batches of one program a row and kv head (no split contexts):
-    # compiled for the H200 it holds 142-176 registers where the separate kernel
-    # holds 144 at head dim 64, and spills at 128 (kilobytes with split contexts)
+    # it holds about the separate kernel's registers at head dim 64, and spills
+    # at 128 (kilobytes with split contexts)
     fused_decode = True
 
     def decodes_fused(self, x: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -140,13 +140,10 @@ class LlamaDecoderLayer(nn.Module):
         # .forward directly: a decode step makes ~10 module calls per layer, and
         # nn.Module.__call__'s hook machinery costs more than some of the ops.
         # (Folding the residual add and norm into the projection after it, and the
-        # gate into the gate|up projection, one Triton GEMM each, was measured on
-        # the H100 over 30 layers' weights in CUDA graphs: the norm+gate|up kernel
-        # 0.73-0.85x the speed of the norm kernel + cuBLAS + the gate kernel at 1-256
-        # rows; Triton's plain GEMM 0.69-0.96x cuBLAS's at these shapes, gate|up with
-        # its gate 1.03-1.13x; whole engine, both norms folded: 0.81x tokens/s at 256
-        # rows, 0.74x at 64. cuBLAS and separate norms it is. What a folded layer's
-        # fused decode step does is another thing: the norm's weight goes into
+        # gate into the gate|up projection, one Triton GEMM each, measured slower
+        # than the norm kernel + cuBLAS + the gate kernel: cuBLAS and separate
+        # norms it is. What a folded layer's fused decode step does is another
+        # thing: the norm's weight goes into
         # cuBLAS's projection, its row scale into the Triton kernel after it; see
         # _folded_decode.)
         if self.folded and self.self_attn.decodes_fused(x, meta):

@@ -31,7 +31,7 @@ class SpecConfig:
     max_draft : int
         Most draft tokens verified per request and step (forced tokens included);
         the schedule verifies fewer where they do not pay. 8 measured best on a
-        2-core CPU (batch-1 extraction: 1.75x at 8, 1.58x at 5).
+        2-core CPU (docs/performance.md).
     ngram_max, ngram_min : int
         Longest and shortest context suffix looked up in the prompt and output.
     min_confidence : float
