@@ -45,8 +45,9 @@ except ImportError as exc:  # a test dependency of formcast, not a runtime one
     raise ImportError("formcast.grammars.hf needs transformers (pip install transformers); "
                       "the rest of formcast.grammars works without it") from exc
 
+from formcast.engine.kernels.bitmask import apply_token_bitmask_
 from formcast.engine.tokenizer import Tokenizer
-from formcast.grammars.bitmask import allocate_bitmask, apply_bitmask, fill_bitmasks
+from formcast.grammars.bitmask import allocate_bitmask, fill_bitmasks
 from formcast.grammars.compiler import CompiledGrammar, GrammarCompiler, default_compiler
 from formcast.grammars.constraints import Constraint
 from formcast.grammars.matcher import Matcher
@@ -200,7 +201,7 @@ class ConstraintLogitsProcessor(LogitsProcessor):
                 if not batch.ended[r]:
                     self.dead_ends.add(r)
                 _only(bitmask, r, sorted(self._eos))
-        apply_bitmask(scores, bitmask)
+        apply_token_bitmask_(scores, bitmask)    # the engine's kernel, on the scores' device
         return scores
 
     def _follow(self, batch: _Batch, generated: list[list[int]]) -> None:
