@@ -45,7 +45,6 @@ except ImportError as exc:  # a test dependency of formcast, not a runtime one
     raise ImportError("formcast.grammars.hf needs transformers (pip install transformers); "
                       "the rest of formcast.grammars works without it") from exc
 
-from formcast.engine.kernels.bitmask import apply_token_bitmask_
 from formcast.engine.tokenizer import Tokenizer
 from formcast.grammars.bitmask import allocate_bitmask, fill_bitmasks
 from formcast.grammars.compiler import CompiledGrammar, GrammarCompiler, default_compiler
@@ -201,7 +200,7 @@ class ConstraintLogitsProcessor(LogitsProcessor):
                 if not batch.ended[r]:
                     self.dead_ends.add(r)
                 _only(bitmask, r, sorted(self._eos))
-        apply_token_bitmask_(scores, bitmask)    # the engine's kernel, on the scores' device
+        _apply(scores, bitmask)
         return scores
 
     def _follow(self, batch: _Batch, generated: list[list[int]]) -> None:
@@ -251,3 +250,15 @@ def _only(bitmask: torch.Tensor, row: int, tokens: Sequence[int]) -> None:
 
 
 __all__ = ["ConstraintLogitsProcessor", "formcast_tokenizer"]
+
+
+def _apply(scores: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the disallowed tokens' scores to -inf, in place, on the scores' device.
+
+    ``scores`` is ``[B, V]``, ``bitmask`` int32 ``[B, ceil(V'/32)]`` with ``V' >= V``;
+    a plain torch unpacking: the grammar layer uses no engine kernel.
+    """
+    shifts = torch.arange(32, dtype=torch.int32, device=scores.device)
+    words = bitmask.to(scores.device, non_blocking=True)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)    # [B, 32 * W]
+    scores.masked_fill_(~allowed[:, :scores.shape[-1]], float("-inf"))
