@@ -23,6 +23,7 @@ _EXPORTS = {
     "CompiledGrammar": "formcast.grammars.compiler",
     "Constraint": "formcast.grammars.constraints",
     "ConstraintError": "formcast.grammars.errors",
+    "UnsupportedTypeError": "formcast.grammars.errors",
     "Ebnf": "formcast.grammars.constraints",
     "EndCheckedMatcher": "formcast.grammars.matcher",
     "EndViolation": "formcast.grammars.matcher",

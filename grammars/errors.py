@@ -13,4 +13,12 @@ class ConstraintError(FormcastError, ValueError):
     """
 
 
-__all__ = ["ConstraintError"]
+
+class UnsupportedTypeError(ConstraintError, TypeError):
+    """A Python type (or object) that cannot be expressed as a constraint.
+
+    A ``TypeError`` too, as Python's conventions would have it for a wrong type.
+    """
+
+
+__all__ = ["ConstraintError", "UnsupportedTypeError"]

@@ -19,6 +19,7 @@ from collections import abc
 from typing import Any
 
 from formcast.grammars.constraints import JsonSchema, Whitespace
+from formcast.grammars.errors import UnsupportedTypeError
 
 _REF = "#/$defs/{model}"
 _SCALARS: dict[Any, dict] = {bool: {"type": "boolean"}, int: {"type": "integer"},
@@ -45,7 +46,7 @@ def from_type(tp: Any, *, whitespace: Whitespace = "compact",
 
     Raises
     ------
-    TypeError
+    UnsupportedTypeError
         If ``tp`` (or a type inside it) cannot be expressed; the message names it.
     """
     return JsonSchema(type_schema(tp), whitespace=whitespace, max_whitespace=max_whitespace)
@@ -94,14 +95,14 @@ class _Builder:
             return self._record(tp, *_dataclass_fields(tp))
         if typing.is_typeddict(tp):
             return self._record(tp, *_typeddict_fields(tp))
-        raise TypeError(f"from_type cannot express {_name(tp)} as JSON; supported are None, bool, "
+        raise UnsupportedTypeError(f"from_type cannot express {_name(tp)} as JSON; supported are None, bool, "
                         "int, float, str, Any, Literal, Enum, list, tuple, dict[str, ...], Union, "
                         "dataclasses, TypedDict and pydantic models")
 
     def _literal(self, tp: Any, values: tuple) -> dict:
         for v in values:
             if not isinstance(v, (str, int, bool, type(None))) or isinstance(v, enum.Enum):
-                raise TypeError(f"from_type cannot express {_name(tp)}: literal {v!r} is not "
+                raise UnsupportedTypeError(f"from_type cannot express {_name(tp)}: literal {v!r} is not "
                                 "a str, int, bool or None")
         return {"const": values[0]} if len(values) == 1 else {"enum": list(values)}
 
@@ -120,7 +121,7 @@ class _Builder:
             return {"type": "object"}
         key, value = args
         if key is not str:
-            raise TypeError(f"from_type cannot express {_name(tp)}: JSON object keys are "
+            raise UnsupportedTypeError(f"from_type cannot express {_name(tp)}: JSON object keys are "
                             f"strings, not {_name(key)}")
         return {"type": "object", "additionalProperties": self.schema(value)}
 
@@ -129,7 +130,7 @@ class _Builder:
         try:
             json.dumps(values)
         except (TypeError, ValueError):
-            raise TypeError(f"from_type cannot express {_name(tp)}: its values are not "
+            raise UnsupportedTypeError(f"from_type cannot express {_name(tp)}: its values are not "
                             "JSON") from None
         return {"enum": values}
 
@@ -154,7 +155,7 @@ class _Builder:
                 try:
                     props[field_name] = self.schema(field_type)
                 except TypeError as exc:
-                    raise TypeError(f"{_name(tp)}.{field_name}: {exc}") from None
+                    raise UnsupportedTypeError(f"{_name(tp)}.{field_name}: {exc}") from None
             body: dict = {"type": "object", "title": tp.__name__, "properties": props,
                           "additionalProperties": False}
             if required:
@@ -172,13 +173,13 @@ class _Builder:
         try:
             schema = pydantic.TypeAdapter(tp).json_schema(ref_template=_REF)
         except pydantic.PydanticUserError as exc:
-            raise TypeError(f"from_type cannot express {_name(tp)}: {exc}") from None
+            raise UnsupportedTypeError(f"from_type cannot express {_name(tp)}: {exc}") from None
         except Exception as exc:  # pydantic's errors for types it cannot make a schema of
-            raise TypeError(f"from_type cannot express {_name(tp)}: "
+            raise UnsupportedTypeError(f"from_type cannot express {_name(tp)}: "
                             f"{type(exc).__name__}: {exc}") from None
         for def_name, body in schema.pop("$defs", {}).items():
             if self.defs.get(def_name, body) != body:
-                raise TypeError(f"from_type: two different types are both named {def_name!r}")
+                raise UnsupportedTypeError(f"from_type: two different types are both named {def_name!r}")
             self.defs[def_name] = body
         if name is None or "$ref" in schema:
             return schema
@@ -229,7 +230,7 @@ def _hints(tp: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(tp, include_extras=True)
     except (NameError, TypeError) as exc:
-        raise TypeError(f"from_type cannot resolve the annotations of {_name(tp)}: {exc}") from None
+        raise UnsupportedTypeError(f"from_type cannot resolve the annotations of {_name(tp)}: {exc}") from None
 
 
 def _name(tp: Any) -> str:

@@ -14,6 +14,7 @@ from formcast.errors import (
     RequestError,
     ResumeMismatchError,
     UnsupportedModelError,
+    UnsupportedTypeError,
 )
 
 __version__ = "0.1.0"
@@ -59,4 +60,5 @@ __all__ = [
     "RequestError",
     "ResumeMismatchError",
     "UnsupportedModelError",
+    "UnsupportedTypeError",
 ]

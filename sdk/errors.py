@@ -21,7 +21,7 @@ from formcast.engine.errors import (
     RequestError,
     UnsupportedModelError,
 )
-from formcast.grammars.errors import ConstraintError
+from formcast.grammars.errors import ConstraintError, UnsupportedTypeError
 
 
 class IncompleteOutputError(FormcastError):
@@ -83,6 +83,7 @@ __all__ = [
     "UnsupportedModelError",
     "RequestError",
     "ConstraintError",
+    "UnsupportedTypeError",
     "IncompleteOutputError",
     "OutputValidationError",
     "EngineError",

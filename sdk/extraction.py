@@ -21,6 +21,7 @@ import dataclasses
 import json
 from typing import Any, is_typeddict
 
+from formcast.grammars.errors import UnsupportedTypeError
 from formcast.spec import OutputSpec, parse_json, type_spec
 
 MAX_FREE_STRING = 64  # characters, for generation only; see the module docstring
@@ -41,7 +42,7 @@ def extraction_spec(schema: Any) -> OutputSpec:
     else:
         is_model = hasattr(schema, "model_json_schema")
         if not (is_model or dataclasses.is_dataclass(schema) or is_typeddict(schema)):
-            raise TypeError(f"extract() takes a pydantic model, dataclass, TypedDict or JSON "
+            raise UnsupportedTypeError(f"extract() takes a pydantic model, dataclass, TypedDict or JSON "
                             f"Schema dict, got {schema!r}")
         spec = type_spec(schema)
     return dataclasses.replace(

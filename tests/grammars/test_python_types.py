@@ -13,6 +13,8 @@ import numpy as np
 import pydantic
 import pytest
 
+from formcast import ConstraintError, FormcastError
+
 from formcast.grammars import JsonSchema, from_type, type_schema
 
 from .conftest import allowed_ids
@@ -105,6 +107,8 @@ def test_unsupported_types_raise_type_error_naming_them(tp, message):
     with pytest.raises(TypeError) as info:
         from_type(tp)
     assert message in str(info.value)
+    # one error type for every problem with a constraint, a TypeError too
+    assert isinstance(info.value, ConstraintError) and isinstance(info.value, FormcastError)
 
 
 def test_unsupported_field_names_the_field():
