@@ -299,3 +299,12 @@ def test_whole_numbers_in_enums_take_either_spelling(schema, valid, invalid, com
     for text in invalid:
         assert not oracle(schema, text)
         assert not accepts(compiler, tiny_vocab, JsonSchema(schema), text)
+
+
+def test_declared_2020_12_schema_still_understands_dependencies(compiler, tiny_vocab):
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+              "dependencies": {"bar": ["foo"], "baz": {"properties": {"foo": {"type": "integer"}}}}}
+    constraint = JsonSchema(schema, strict=False)
+    assert accepts(compiler, tiny_vocab, constraint, '{"bar":1,"foo":2}')
+    assert not accepts(compiler, tiny_vocab, constraint, '{"bar":2}')
+    assert not accepts(compiler, tiny_vocab, constraint, '{"baz":1,"foo":"x"}')
