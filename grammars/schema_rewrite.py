@@ -12,6 +12,7 @@ records the keyword in ``lossy``: the end check then decides.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,6 +114,8 @@ class Rewriter:
                 self.widen(pointer, "anyOf", "its siblings are checked at the end")
                 merged = widened(dict(branch)) if isinstance(branch, dict) else branch
             branches.append(self.node(merged, where))
+        if not branches:      # only where the analysis could not see it: stay sound
+            self.widen(pointer, "anyOf", "no branch could be masked: checked at the end")
         out: dict[str, Any] = {"anyOf": branches or [{}]}
         for k in ("$defs", "definitions"):
             if k in node:
@@ -211,7 +214,6 @@ class Rewriter:
 
     def integer_bounds(self, node: dict, pointer: str) -> None:
         """Integer-only bounds as inclusive whole numbers (the backend takes no others)."""
-        import math
         for kw, fix in (("minimum", math.ceil), ("maximum", math.floor)):
             if kw in node:
                 node[kw] = fix(node[kw])
