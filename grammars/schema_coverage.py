@@ -192,7 +192,8 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
         if known and checkable:
             return "end", "the mask enforces the shape; jsonschema checks the value at the end"
         if known:
-            return "mask", ""
+            return "mask", (f"{p.name}'s pattern for {value!r} (its shape; jsonschema has no "
+                            "checker for it here)")
         if checkable:
             return "end", f"{p.name} does not know format {value!r}"
         return "annotation", f"format {value!r} is unknown: ignored"

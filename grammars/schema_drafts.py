@@ -91,8 +91,9 @@ def normalise(schema: Any) -> Normalised:
     for kw, (pointer, guess) in typos.items():
         warnings.warn(f"JSON Schema keyword {kw!r} at {pointer} is unknown and ignored; {guess}",
                       SchemaKeywordWarning, stacklevel=2)
-    original = schema if draft != "2020-12" or "$schema" in (schema if isinstance(
-        schema, dict) else {}) else out
+    # A 2020-12 schema is checked in its normalised form, which also understands the
+    # older keywords (dependencies, definitions, nullable) the mask was built from.
+    original = schema if draft != "2020-12" else out
     return Normalised(schema=out, draft=draft, validator=validator, original=original,
                       ignored=tuple(ignored))
 

@@ -63,15 +63,23 @@ def merge(a: dict, b: dict) -> dict | None:
     return out
 
 
-def literal(value: Any) -> Any:
-    """A schema whose only instance is ``value`` (up to whitespace)."""
+def literal(value: Any, *, numbers: bool = True) -> Any:
+    """A schema whose only instance is ``value`` (up to whitespace; with ``numbers``,
+    whole numbers by bounds, so 1 may be written 1.0)."""
     if isinstance(value, dict):
-        return {"type": "object", "properties": {k: literal(v) for k, v in value.items()},
+        return {"type": "object", "properties": {k: literal(v, numbers=numbers) for k, v in value.items()},
                 "required": list(value), "additionalProperties": False}
     if isinstance(value, list):
-        return {"type": "array", "prefixItems": [literal(v) for v in value], "items": False,
+        return {"type": "array", "prefixItems": [literal(v, numbers=numbers) for v in value], "items": False,
                 "minItems": len(value)}
+    if numbers and is_whole(value):
+        return {"type": "number", "minimum": value, "maximum": value}
     return {"enum": [value]}
+
+
+def is_whole(value: Any) -> bool:
+    """A whole number the backend's number bounds can pin down (1 and 1.0 alike)."""
+    return type(value) in (int, float) and float(value).is_integer() and abs(value) <= 2 ** 53
 
 
 def widened(node: dict) -> dict:

@@ -12,6 +12,7 @@ records the keyword in ``lossy``: the end check then decides.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +22,7 @@ import jsonschema
 from formcast.grammars import regex_dialect
 from formcast.grammars.errors import ConstraintError
 from formcast.grammars.schema_coverage import BackendProfile
-from formcast.grammars.schema_merge import DROPPED, literal, merge, same, widened
+from formcast.grammars.schema_merge import DROPPED, is_whole, literal, merge, same, widened
 from formcast.grammars.schema_refs import join, lookup
 from formcast.grammars.schema_satisfiable import Inhabitation, is_trivial
 
@@ -113,6 +114,8 @@ class Rewriter:
                 self.widen(pointer, "anyOf", "its siblings are checked at the end")
                 merged = widened(dict(branch)) if isinstance(branch, dict) else branch
             branches.append(self.node(merged, where))
+        if not branches:      # only where the analysis could not see it: stay sound
+            self.widen(pointer, "anyOf", "no branch could be masked: checked at the end")
         out: dict[str, Any] = {"anyOf": branches or [{}]}
         for k in ("$defs", "definitions"):
             if k in node:
@@ -133,15 +136,18 @@ class Rewriter:
                     root, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
             check = self._validator.evolve(schema=rest)
             values = [v for v in values if check.is_valid(v)]
-        # 1.0 is the integer 1: let both spellings through.
-        values += [float(v) for v in values if type(v) is int and abs(v) < 2 ** 53]
-        nested = [v for v in values if isinstance(v, (dict, list))]
         out: dict[str, Any] = {"enum": values}
-        if nested:
-            # The backend writes enum literals compactly; as schemas they take whitespace.
-            scalars = [v for v in values if not isinstance(v, (dict, list))]
-            out = {"anyOf": [literal(v) for v in nested] + ([{"enum": scalars}] if scalars
-                                                             else [])}
+        numbers = self.profile.numeric_bounds
+        tuples = self.profile.prefix_items_with_bounds
+        shaped = [(tuples and isinstance(v, (dict, list))) or (numbers and is_whole(v))
+                  for v in values]
+        if any(shaped):
+            # The backend writes enum literals compactly and numbers one way only; as
+            # schemas, objects take whitespace and 1 may be written 1.0.
+            plain = [v for v, s in zip(values, shaped) if not s]
+            out = {"anyOf": [self.node(literal(v, numbers=numbers), pointer)
+                             for v, s in zip(values, shaped) if s]
+                   + ([{"enum": plain}] if plain else [])}
         for k in ("$defs", "definitions"):
             if k in node:
                 out[k] = self.defs(node[k], join(pointer, k))
@@ -203,10 +209,11 @@ class Rewriter:
         for kw in drop:
             if node.pop(kw, None) is not None:
                 self.widen(pointer, kw, f"{p.name} does not enforce it here")
+        if "prefixItems" in drop and node.get("items") is False:
+            node["items"] = True          # the items the prefix held must stay possible
 
     def integer_bounds(self, node: dict, pointer: str) -> None:
         """Integer-only bounds as inclusive whole numbers (the backend takes no others)."""
-        import math
         for kw, fix in (("minimum", math.ceil), ("maximum", math.floor)):
             if kw in node:
                 node[kw] = fix(node[kw])
@@ -260,6 +267,13 @@ class Rewriter:
             open_needed = node.get("minProperties", 0) > len(node.get("properties") or {})
             if not self.strict or open_needed or not listed:
                 node["additionalProperties"] = True
+        extra = node.get("additionalProperties", False)
+        if "patternProperties" in node and extra is not False:
+            # The backend mis-parses keys when a pattern and other keys compete; any key
+            # then takes any of the schemas a key could have (wider: the end check decides).
+            branches = list(node.pop("patternProperties").values())
+            node["additionalProperties"] = {} if extra is True or {} in [extra, *branches] \
+                else {"anyOf": [extra, *branches]}
 
     def array(self, node: dict, pointer: str) -> None:
         prefix = node.get("prefixItems")

@@ -285,3 +285,26 @@ def test_multiple_of_next_to_a_range_is_still_enforced(compiler, tiny_vocab):
     assert accepts(compiler, tiny_vocab, constraint, "4")
     assert not accepts(compiler, tiny_vocab, constraint, "3")
     assert not accepts(compiler, tiny_vocab, constraint, "-2")
+
+
+@pytest.mark.parametrize("schema,valid,invalid", [
+    ({"const": 1}, ["1", "1.0"], ["true", "2", "1.5"]),
+    ({"enum": [0, False]}, ["0", "0.0", "false"], ["1", "true"]),
+    ({"enum": [[1], "a"]}, ["[1]", "[1.0]", '"a"'], ["[true]", "[2]"]),
+])
+def test_whole_numbers_in_enums_take_either_spelling(schema, valid, invalid, compiler,
+                                                     tiny_vocab):
+    for text in valid:
+        assert oracle(schema, text) and accepts(compiler, tiny_vocab, JsonSchema(schema), text)
+    for text in invalid:
+        assert not oracle(schema, text)
+        assert not accepts(compiler, tiny_vocab, JsonSchema(schema), text)
+
+
+def test_declared_2020_12_schema_still_understands_dependencies(compiler, tiny_vocab):
+    schema = {"$schema": "https://json-schema.org/draft/2020-12/schema",
+              "dependencies": {"bar": ["foo"], "baz": {"properties": {"foo": {"type": "integer"}}}}}
+    constraint = JsonSchema(schema, strict=False)
+    assert accepts(compiler, tiny_vocab, constraint, '{"bar":1,"foo":2}')
+    assert not accepts(compiler, tiny_vocab, constraint, '{"bar":2}')
+    assert not accepts(compiler, tiny_vocab, constraint, '{"baz":1,"foo":"x"}')
