@@ -12,7 +12,8 @@ it saw before would measure that cache, not the matcher (instances of one schema
 do share their grammar within a pass, as a server's requests do). Prints p50/p90/p99/mean
 per token and formcast's ratio to raw xgrammar (the target: within 1.3x at p50 and
 p99). Objects are closed (formcast's default for generation, xgrammar's
-strict_mode) unless ``--open``. ``--profile`` runs one pass of each under cProfile
+strict_mode), with the keys an instance's schema does not declare dropped, unless
+``--open``. ``--profile`` runs one pass of each under cProfile
 and prints where formcast's time goes beside xgrammar's.
 
     .venv/bin/python benchmarks/mask_speed.py [--limit 120] [--reps 5] [--open] [--profile]
@@ -83,7 +84,8 @@ def collect(args, s, systems) -> tuple[list[Stream], dict[str, int]]:
             counts["compile failed"] += 1
             continue
         for instance in made.valid:
-            tokens = s.exact_tokens(compact(in_schema_order(instance, entry.schema)))
+            tokens = s.exact_tokens(compact(in_schema_order(instance, entry.schema,
+                                                            closed=not args.open)))
             if tokens is None:
                 continue
             if all(run_instance(x.matcher(compiled[x.name]), tokens, s.eos, bitmask,

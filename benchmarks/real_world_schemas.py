@@ -195,9 +195,11 @@ def main() -> int:
           "order the systems write (JSON objects are unordered: the oracle's verdict stands)")
 
     tallies: dict[str, Tally] = {system.name: Tally() for system in s.systems}
-    for entry in corpus:
+    for i, entry in enumerate(corpus, 1):
         for system in s.systems:      # one schema at a time for all: noise hits all alike
             run_schema(system, entry, made[key(entry)], s, tallies[system.name])
+        if i % 25 == 0:
+            print(f"  {i}/{len(corpus)} schemas run", file=sys.stderr, flush=True)
     print_report(corpus, tallies, args.verbose)
     return 0
 

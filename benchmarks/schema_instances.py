@@ -300,15 +300,18 @@ def keywords_at(schema: Any, path: tuple) -> set[str]:
     return {k for node in nodes for k in node if k in ASSERTIONS}
 
 
-def in_schema_order(instance: Any, schema: Any) -> Any:
+def in_schema_order(instance: Any, schema: Any, *, closed: bool = False) -> Any:
     """``instance`` with each object's keys in the order its schema declares them
     (declared ones first, the rest after, as they were). The systems under test
     write properties in the schema's order; JSON objects are unordered, so this
-    is the same instance for the oracle."""
+    is the same instance for the oracle. ``closed``: keys an object's schema does
+    not declare are dropped where it declares some (the caller re-checks the result)."""
     def walk(value: Any, nodes: list[dict]) -> Any:
         if isinstance(value, dict):
             declared = [k for node in nodes for k in (node.get("properties") or {})]
             order = list(dict.fromkeys([k for k in declared if k in value] + list(value)))
+            if closed and declared:
+                order = [k for k in order if k in declared]
             return {k: walk(value[k], _step(nodes, k, schema)) for k in order}
         if isinstance(value, list):
             return [walk(v, _step(nodes, i, schema)) for i, v in enumerate(value)]
