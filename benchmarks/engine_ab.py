@@ -7,9 +7,9 @@ process: ``gpu_throughput.py``'s workloads (free text, and every row under its
 JSON Schema, greedy, ``--tokens`` a row) on one engine of random weights, the
 baseline (A) and the variant (B) taking turns run by run, the order flipped
 each round. B is A with tuning fields replaced (``--tuning``, fields of
-:class:`formcast.engine.tuning.EngineTuning`; B then runs on an engine of its own,
-built with them, same weights) and engine config fields replaced (``--config``,
-put back for A's runs); the change under test is written behind such a switch.
+:class:`formcast.engine.tuning.EngineTuning`) and engine config fields replaced
+(``--config``), on an engine of its own built with them (same weights); the
+change under test is written behind such a switch.
 
 Prints, per batch size and workload, the tokens/s of each side (best and
 median of ``--runs``) and B's over A's, then each side's JSON/free ratio (part
@@ -21,9 +21,9 @@ the same tokens.
     python benchmarks/engine_ab.py --tokenizer-dir DIR --device cpu --batch-sizes 4 --tokens 8 \\
         --tuning overlap_rows=1
 
-``--tuning NAME=LITERAL`` (repeatable): an EngineTuning field. ``--config`` takes
-the fields the engine reads as it runs (``unmasked_greedy``, ``native_accept``,
-...), not those it was built with (``max_num_seqs``, the KV cache's size).
+``--tuning NAME=LITERAL`` (repeatable): an EngineTuning field. ``--config
+NAME=LITERAL``: an EngineConfig field (``unmasked_greedy``, ``native_accept``,
+...; not those the benchmark sets itself: ``max_num_seqs``, the KV cache's size).
 """
 
 from __future__ import annotations
@@ -60,15 +60,9 @@ def config_changes(specs: list[str]) -> dict:
     return changes
 
 
-def run_side(eng, config, ps, sp, constraints):
-    """Tokens/s of one timed ``generate`` on ``eng`` under ``config``, and its
-    outputs' tokens."""
-    base = eng.config
-    eng.config = config
-    try:
-        secs, outs = bench.timed_outputs(eng, ps, sp, constraints)
-    finally:
-        eng.config = base
+def run_side(eng, ps, sp, constraints):
+    """Tokens/s of one timed ``generate`` on ``eng``, and its outputs' tokens."""
+    secs, outs = bench.timed_outputs(eng, ps, sp, constraints)
     tokens = [o.token_ids for o in outs]
     return sum(map(len, tokens)) / secs, tokens
 
@@ -107,10 +101,8 @@ def main() -> None:
     t = time.perf_counter()
     eng = bench.make_engine(args.shape, tok, max(sizes))
     print(f"engine built in {time.perf_counter() - t:.1f} s")
-    eng_b = eng
-    if args.tunings:  # (an engine fixes some of its tuning as it is built: B gets its own)
-        eng_b = bench.make_engine(args.shape, tok, max(sizes), tuning=tuning)
-    config_a, config_b = eng.config, dataclasses.replace(eng_b.config, **changes)
+    # (an engine's parts take their config as it is built: B gets an engine of its own)
+    eng_b = bench.make_engine(args.shape, tok, max(sizes), tuning=tuning, **changes)
     from formcast.grammars import JsonSchema, compile
 
     compiled = compile(JsonSchema(bench.SCHEMA), tok, vocab_size=eng.model.config.vocab_size)
@@ -127,8 +119,7 @@ def main() -> None:
             tokens = {}
             for r in range(args.runs):
                 for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
-                    rate, toks = run_side(*((eng, config_a) if side == "A" else
-                                            (eng_b, config_b)), ps, sp, constraints)
+                    rate, toks = run_side(eng if side == "A" else eng_b, ps, sp, constraints)
                     got[side].append(rate)
                     tokens.setdefault(side, toks)
             same = "" if tokens["A"] == tokens["B"] else "  (outputs differ)"

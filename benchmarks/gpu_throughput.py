@@ -34,7 +34,10 @@ import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from formcast.engine.config import DeepseekV4Config
-from formcast.engine.engine import build_model
+try:
+    from formcast.engine.loading import build_model
+except ImportError:  # (a commit before the engine's split, run for an old-vs-new comparison)
+    from formcast.engine.engine import build_model
 from formcast.engine.models.shapes import (DEEPSEEK_V4_SHAPES, SHAPES, random_deepseek_v4_weights,
                                            random_llama_weights)
 
@@ -198,8 +201,9 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
         ps = prompts(tok, bs)
         # alternate sides, best of five each: the host is shared and noisy
         free, json_, json_masked, json_no_jump = [], [], [], []
-        picks, refused, premasked = (eng.num_unmasked_picks, eng.num_refused_picks,
-                                     eng.num_premasked_picks)
+        stats = getattr(eng, "stats", eng)  # (the engine itself before its split)
+        picks, refused, premasked = (stats.num_unmasked_picks, stats.num_refused_picks,
+                                     stats.num_premasked_picks)
         for _ in range(5):
             secs, count = timed_generate(eng, ps, sp)
             free.append(count / secs)
@@ -215,9 +219,9 @@ def part_constrained(eng: Engine, tok: Tokenizer, sizes: list[int], n: int,
                                          lambda: [compiled.matcher() for _ in ps])
             json_no_jump.append(count / secs)
             eng.config = unmasked
-        picks, refused, premasked = (eng.num_unmasked_picks - picks,
-                                     eng.num_refused_picks - refused,
-                                     eng.num_premasked_picks - premasked)
+        picks, refused, premasked = (stats.num_unmasked_picks - picks,
+                                     stats.num_refused_picks - refused,
+                                     stats.num_premasked_picks - premasked)
         out = eng.generate(ps[:1], sp, constraints=[compiled.matcher()])[0]
         assert '"records"' in out.text[:60], out.text[:80]
         mid = statistics.median

@@ -41,7 +41,7 @@ import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from formcast.engine.cuda_graph import DecodeStaging
-from formcast.engine.engine import build_model
+from formcast.engine.loading import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 from formcast.engine.tuning import EngineTuning
 from formcast.grammars import JsonSchema, compile
@@ -133,16 +133,17 @@ def host_us_per_step(eng: Engine, masked_secs: list[float], ps, sp, constraints
         eng.add_request(p, sp, constraint=c)
     eng.step()  # prefill
     eng.step()  # the first pipelined step launches, takes nothing yet
-    steps, picks, refused = (eng.num_pipelined_steps, eng.num_unmasked_picks,
-                             eng.num_refused_picks)
+    stats = eng.stats
+    steps, picks, refused = (stats.num_pipelined_steps, stats.num_unmasked_picks,
+                             stats.num_refused_picks)
     masked_secs[0] = 0.0
     t = time.perf_counter()
     while eng.has_unfinished_requests():
         eng.step(finished_only=True)
     secs = time.perf_counter() - t - masked_secs[0]
-    steps = eng.num_pipelined_steps - steps
-    return (secs / max(steps, 1) * 1e6, eng.num_unmasked_picks - picks,
-            eng.num_refused_picks - refused, steps)
+    steps = stats.num_pipelined_steps - steps
+    return (secs / max(steps, 1) * 1e6, stats.num_unmasked_picks - picks,
+            stats.num_refused_picks - refused, steps)
 
 
 def main() -> None:

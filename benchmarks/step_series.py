@@ -59,7 +59,7 @@ import time
 
 import torch
 
-import formcast.engine.engine as engine_module
+from formcast.engine.constraint_ops import NativeCheck
 import gpu_throughput
 from formcast.engine import SamplingParams, Tokenizer
 from formcast.grammars import JsonSchema, compile
@@ -71,28 +71,42 @@ class StepParts:
     device's idle time before each decode forward: the engine's methods wrapped
     (on this engine instance, for the rest of its life)."""
 
-    # (pipelined steps' parts, then an ordinary step's forward and sampling)
-    PARTS = ("_take_begin", "_masks_for", "_sample_live", "_fast_lane", "_launch_inflight",
-             "_launch_ahead", "execute_decode", "_take_end", "execute", "_sample_and_append",
-             "_resample", "fill_masks", "sample_on_device", "_finish", "gc", "verdicts")
+    # (pipelined steps' parts, then an ordinary step's forward and sampling): the
+    # column's name, the engine part that owns the method (a path from the engine;
+    # None: not a method), the method
+    PARTS = (("_take_begin", "pipeline.taker", "begin"), ("_masks_for", "pipeline.rows", "masks_for"),
+             ("_sample_live", "pipeline.rows", "sample"), ("_fast_lane", "pipeline", "fast_lane"),
+             ("_launch_inflight", "pipeline", "launch_inflight"),
+             ("_launch_ahead", "pipeline", "launch_ahead"),
+             ("execute_decode", "runner", "execute_decode"), ("_take_end", "pipeline.taker", "end"),
+             ("execute", "runner", "execute"), ("_sample_and_append", "", "_sample"),
+             ("_resample", "pipeline.rows", "resample"),
+             # (the sampler's: fill_masks counts the mask thread's time too, in its step)
+             ("fill_masks", "sampler", "fill_masks"),
+             ("sample_on_device", "sampler", "sample_on_device"),
+             ("_finish", "output", "finish"), ("gc", None, None), ("verdicts", None, None))
     RUNNER = ("execute_decode", "execute")
-    # (the sampler's: fill_masks counts the mask thread's time too, in the step it ran in)
-    SAMPLER = ("fill_masks", "sample_on_device")
 
     def __init__(self, eng) -> None:
         self.cuda = eng.device.type == "cuda"
         self.step = 0
         self.now: dict[str, float] = collections.defaultdict(float)
         self.marks: list[tuple[str, int, object]] = []  # (kind, step, event)
-        for name in self.PARTS:
-            forward = name in self.RUNNER
-            owner = eng.runner if forward else eng.sampler if name in self.SAMPLER else eng
+        for key, path, name in self.PARTS:
+            if path is None:
+                continue
+            owner = eng
+            for part in filter(None, path.split(".")):
+                owner = getattr(owner, part, None)
+            if owner is None:  # (no pipeline: a synchronous engine's steps are ordinary)
+                continue
+            forward = key in self.RUNNER
             self._wrap(owner, name, before="start" if forward else None,
-                       after="end" if forward else None)
+                       after="end" if forward else None, key=key)
         self._wrap(eng.sampler, "greedy_masked_", after="end", timed=False)
         # (the class's: a step's check is made anew each step. Every engine of the
         # process then counts it, to this instance's figures, while it lives)
-        self._wrap(engine_module._NativeCheck, "result", key="verdicts")
+        self._wrap(NativeCheck, "result", key="verdicts")
         gc.callbacks.append(self._collected)  # (the garbage collector's passes, any thread)
         self._gc_start = 0.0
 
@@ -172,7 +186,7 @@ def series(eng, ps, sp, compiled=None, parts: StepParts | None = None):
 def print_parts(side: str, run, opening: int) -> None:
     """``series``' part figures of one run (see the module doc)."""
     times, masked, by_part, idle = run
-    names = StepParts.PARTS
+    names = [key for key, _, _ in StepParts.PARTS]
     print(f"    {side} parts: device idle before forwards {sum(idle.values()) / 1e3:.2f} ms")
     top = sorted(idle.items(), key=lambda kv: -kv[1])[:8]
     print("    longest waits (step: us, masked rows after): " + (", ".join(

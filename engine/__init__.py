@@ -10,7 +10,7 @@ import importlib
 _EXPORTS = {
     "Engine": "formcast.engine.engine",
     "EngineConfig": "formcast.engine.config",
-    "IncrementalDetokenizer": "formcast.engine.tokenizer",
+    "IncrementalDetokenizer": "formcast.engine.detokenizer",
     "LlamaConfig": "formcast.engine.config",
     "LogitsConstraint": "formcast.engine.constraint",
     "ParallelConfig": "formcast.engine.parallel.config",
@@ -19,7 +19,7 @@ _EXPORTS = {
     "SamplingParams": "formcast.engine.sampling_params",
     "TokenLogprob": "formcast.engine.sequence",
     "Tokenizer": "formcast.engine.tokenizer",
-    "load_tokenizer": "formcast.engine.tokenizer",
+    "load_tokenizer": "formcast.engine.tokenizer_files",
 }
 
 

@@ -124,7 +124,7 @@ class Sequence:
         self.agreements_due = 0
         self.refusal_streak = 0
         # (index into token_ids, parity of the double quotes of the output before
-        # it): how far the engine's premasking counted (Engine._leaves_string)
+        # it): how far the engine's premasking counted (Premasker.leaves_string)
         self.quote_scan = (self.num_prompt_tokens, 0)
         self.draft = None              # spec.Draft to verify in the next step, if any
         self.num_draft_tokens = 0
@@ -182,10 +182,7 @@ class Sequence:
 
         (Two after a first refusal rather than one: each refusal costs the
         request a step, and at the end of a batch the rows set back most are
-        what the batch waits for. On the H200, 256 rows of the GPU benchmark's
-        JSON workload, one process, 8 runs a side: refused picks 18 -> 14, one
-        step fewer, JSON/free medians 0.926 -> 0.941; at 64 rows 0.977 -> 0.980;
-        the same tokens.)"""
+        what the batch waits for: fewer refusals measured, the same tokens.)"""
         self.refusal_streak += 1
         self._mask_until_agreed()
 
@@ -237,8 +234,8 @@ class Sequence:
 
     def defer_text(self, token_id: int) -> None:
         """Append ``token_id``'s text the next time :attr:`text` is read. (The
-        engine's loop over a step's rows appends to ``_undecoded`` itself: at 256
-        rows the calls cost as much as the appends, 8 us a step on our CPU.)"""
+        engine's loop over a step's rows appends to ``_undecoded`` itself: at a
+        large batch the calls cost as much as the appends.)"""
         self._undecoded.append(token_id)
 
     @property

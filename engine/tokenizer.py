@@ -11,8 +11,8 @@ following llama.cpp, which is what the model's own ``tokenizer.json`` does. For
 numeric character stands alone, so a run of spaces before a digit stays one piece
 (``"a  1"`` -> ``a``, ``ĠĠ``, ``1``) and ``" ½"`` is ``Ġ``, ``Â½``. (transformers' GGUF
 loader has no ``smollm`` entry and splits those two differently; we follow the model's
-own tokenizer and llama.cpp.) Control tokens (type 3) become special added tokens and
-user-defined ones (type 4) plain added tokens, so both are matched whole in text.
+own tokenizer and llama.cpp.) The GGUF side lives in :mod:`.tokenizer_files`, the
+incremental detokenizer in :mod:`.detokenizer`.
 
 End-of-sequence rule (:attr:`Tokenizer.eos_token_ids`): the tokenizer's eos id, plus
 ``generation_config.json``'s eos ids (HF folders) or ``tokenizer.ggml.eot_token_id`` /
@@ -23,35 +23,26 @@ text appears in the chat template. For SmolLM2 that is ``{2}``: eos is already
 
 from __future__ import annotations
 
-import codecs
 import hashlib
 import json
-import operator
 import os
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Literal, overload
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
 from tokenizers import Tokenizer as _Backend
 
 from formcast.engine.chat_template import ChatTemplate
-from formcast.engine.errors import (CorruptModelError, ModelNotFoundError, RequestError,
-                             UnsupportedModelError)
+from formcast.engine.errors import CorruptModelError, ModelNotFoundError, RequestError
 
 # Special tokens that close a chat turn in common templates. One that is in the vocabulary
 # as a special token and written by the chat template also stops generation.
 TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>",
                    "<|return|>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>")
 
-_GGUF_CONTROL = 3
-_GGUF_USER_DEFINED = 4
-# llama.cpp pre-tokenizer names whose split is "each digit alone, then the GPT-2 regex".
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder"})
-_GPT2 = frozenset({"gpt2", "gpt-2"})
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -167,67 +158,10 @@ class Tokenizer:
         CorruptModelError, UnsupportedModelError
             As :meth:`from_gguf`.
         """
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise UnsupportedModelError(
-                f"{source}: tokenizer.ggml.model={kind!r}; formcast builds only byte-level BPE "
-                "('gpt2') tokenizers from GGUF. Load the model's HF folder (tokenizer.json) "
-                "instead.")
-        pre = meta.get("tokenizer.ggml.pre", "gpt2")
-        if pre in _DIGITS_THEN_GPT2:
-            pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Digits(individual_digits=True),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-        elif pre in _GPT2:
-            pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        else:
-            raise UnsupportedModelError(
-                f"{source}: GGUF pre-tokenizer {pre!r} is not supported (known: "
-                f"{', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))}). Load the model's HF folder "
-                "(tokenizer.json) instead.")
-        try:
-            tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-            merge_lines: list[str] = list(meta["tokenizer.ggml.merges"])
-        except KeyError as exc:
-            raise CorruptModelError(f"{source}: GGUF metadata lacks {exc.args[0]}") from exc
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        if len(types) != len(tokens):
-            raise CorruptModelError(f"{source}: {len(tokens)} tokens but {len(types)} token types")
+        from formcast.engine.tokenizer_files import gguf_backend
 
-        vocab: dict[str, int] = {}
-        for i, (text, ttype) in enumerate(zip(tokens, types)):
-            # Ordinary tokens are spelled in the byte alphabet already; an added token keeps
-            # its own text so that it maps to its id, never to a fresh one.
-            added = ttype in (_GGUF_CONTROL, _GGUF_USER_DEFINED)
-            if not added and not set(text) <= CHAR_TO_BYTE.keys():
-                text = "".join(BYTE_TO_CHAR[b] for b in text.encode("utf-8"))
-            vocab.setdefault(text, i)
-        merges = []
-        for line in merge_lines:
-            cut = line.find(" ", 1)  # a token may begin with a space; the separator cannot
-            if cut < 0:
-                raise CorruptModelError(f"{source}: malformed merge {line!r}")
-            merges.append((line[:cut], line[cut + 1:]))
-        backend = _Backend(models.BPE(vocab=vocab, merges=merges, ignore_merges=False))
-        backend.pre_tokenizer = pre_tokenizer
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, k in zip(tokens, types) if k == _GGUF_CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, k in zip(tokens, types) if k == _GGUF_USER_DEFINED])
-
-        def token_id(key: str) -> int | None:
-            value = meta.get(f"tokenizer.ggml.{key}")
-            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
-
-        bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
-        _set_bos_eos(backend, bos_id=bos if meta.get("tokenizer.ggml.add_bos_token") else None,
-                     eos_id=eos if meta.get("tokenizer.ggml.add_eos_token") else None)
-        extra = [t for t in (token_id("eot_token_id"), token_id("eom_token_id")) if t is not None]
-        return cls(backend, bos_token_id=bos, eos_token_id=eos,
-                   pad_token_id=token_id("padding_token_id"),
-                   unk_token_id=token_id("unknown_token_id"), extra_eos_token_ids=extra,
-                   chat_template=meta.get("tokenizer.chat_template"))
+        backend, ids = gguf_backend(meta, source)
+        return cls(backend, **ids)
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
@@ -452,7 +386,7 @@ class Tokenizer:
 
     @cached_property
     def _strips_leading_space(self) -> bool:
-        # the decoder's own state is its JSON: 50 us, against 60 ms for the whole
+        # the decoder's own state is its JSON: a thousandth of the whole
         # tokenizer's (a cost the first request would pay)
         decoder = self._backend.decoder
         state = decoder.__getstate__() if decoder is not None else None
@@ -538,146 +472,6 @@ class Tokenizer:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
                 f"eos={sorted(self.eos_token_ids)}, "
                 f"chat_template={self.chat_template is not None})")
-
-
-class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas.
-
-    Each :meth:`feed` returns only whole characters: bytes of a UTF-8 character split
-    across tokens are held back until it completes, so no delta ends in a spurious
-    U+FFFD. The deltas plus :meth:`flush` concatenate to ``tokenizer.decode(ids)``.
-    One instance per sequence; it is stateful.
-
-    Parameters
-    ----------
-    tokenizer : Tokenizer
-    skip_special_tokens : bool
-        Emit nothing for special tokens (as ``decode(..., skip_special_tokens=True)``).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
-        # (skipping special tokens: a table where they stand for no bytes)
-        self._bytes = tokenizer._text_bytes if skip_special_tokens else tokenizer._token_bytes
-        self._strip_space = tokenizer._strips_leading_space
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._started = False
-
-    def feed(self, token_id: int) -> str:
-        """Add one token; return the text it completes (maybe ``""``). Changes state.
-
-        Raises
-        ------
-        RequestError
-            ``token_id`` is outside the vocabulary.
-        """
-        if not 0 <= token_id < len(self._bytes):
-            raise RequestError(
-                f"token id {token_id} is outside the vocabulary [0, {len(self._bytes)})")
-        return self._emit(self._utf8.decode(self._bytes[token_id]))
-
-    def feed_many(self, token_ids: list[int]) -> str:
-        """:meth:`feed` of each of ``token_ids`` in turn, joined: the bytes are
-        decoded in one call (a request's deferred tokens, read at once).
-
-        Raises
-        ------
-        RequestError
-            An id is outside the vocabulary (nothing is fed then).
-        """
-        if not token_ids:
-            return ""
-        table = self._bytes
-        # (one itemgetter over the ids: the fastest gather of many table entries; an
-        # id past the table raises, a negative one would count from its end)
-        try:
-            got = operator.itemgetter(*token_ids)(table) if min(token_ids) >= 0 else None
-        except IndexError:
-            got = None
-        if got is None:
-            bad = next(t for t in token_ids if not 0 <= t < len(table))
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {len(table)})")
-        return self._emit(self._utf8.decode(b"".join(got) if len(token_ids) > 1 else got))
-
-    def flush(self) -> str:
-        """Return what is held back (an unfinished character becomes U+FFFD). Changes state."""
-        return self._emit(self._utf8.decode(b"", final=True))
-
-    def _emit(self, text: str) -> str:
-        # Sentencepiece decoders drop the space the encoder put before the first word.
-        if text and not self._started:
-            self._started = True
-            if self._strip_space and text.startswith(" "):
-                text = text[1:]
-        return text
-
-
-def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:
-    """The tokenizer of a registry model, a GGUF file or an HF folder; loads no weights.
-
-    Parameters
-    ----------
-    name_or_path : str or path
-        As :func:`formcast.engine.hub.resolve_model` takes it; a folder holding only a
-        ``tokenizer.json`` also works.
-
-    Returns
-    -------
-    Tokenizer
-
-    Raises
-    ------
-    ModelNotFoundError
-        Nothing loadable there (or an unknown registry name).
-    ModelFetchError
-        A registry model had to be fetched and the fetch failed.
-    CorruptModelError, UnsupportedModelError
-        As :meth:`Tokenizer.from_gguf` / :meth:`Tokenizer.from_hf_dir`.
-    """
-    from formcast.engine.hub import resolve_model
-
-    path = Path(os.fspath(name_or_path)).expanduser()
-    if path.is_dir() and (path / "tokenizer.json").is_file():
-        return Tokenizer.from_hf_dir(path)
-    source = resolve_model(name_or_path)
-    if source.kind == "gguf":
-        return cached_gguf_tokenizer(source.path)
-    return Tokenizer.from_hf_dir(source.path)
-
-
-def cached_gguf_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """:meth:`Tokenizer.from_gguf`, served from an HF-folder copy next to the file.
-
-    Parsing a GGUF's vocabulary takes seconds; the copy (``<file>.formcast-tokenizer``,
-    stamped with the GGUF's size and mtime) loads in a fraction of that. When the
-    folder cannot be written the tokenizer is simply built from the GGUF each time.
-    """
-    gguf_path = Path(path)
-    folder = gguf_path.with_name(gguf_path.name + ".formcast-tokenizer")
-    stat = gguf_path.stat()
-    stamp = f"{stat.st_size}:{stat.st_mtime_ns}:{_TOKENIZER_CACHE_VERSION}"
-    stamp_file = folder / "formcast-stamp"
-    if stamp_file.is_file() and stamp_file.read_text() == stamp:
-        try:
-            return Tokenizer.from_hf_dir(folder)
-        except (CorruptModelError, ModelNotFoundError):
-            pass  # a damaged copy: rebuild it below
-    tokenizer = Tokenizer.from_gguf(gguf_path)
-    try:
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        tokenizer.save_pretrained(tmp)
-        (tmp / "formcast-stamp").write_text(stamp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except OSError:
-        pass
-    return tokenizer
-
-
-_TOKENIZER_CACHE_VERSION = "1"
-
-
-# ------------------------------------------------------------------ helpers
 
 
 def _read_json(path: Path) -> dict[str, Any]:

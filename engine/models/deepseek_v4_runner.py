@@ -178,6 +178,9 @@ class DeepseekV4Runner:
         """Free the state of ``seq`` (finished, aborted or preempted); no-op if none."""
         self._tracks.pop(seq.request_id, None)
 
+    def forget_rows(self) -> None:
+        """(As :meth:`ModelRunner.forget_rows`; no rows are kept between steps here.)"""
+
     # -- MTP drafting --------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -70,7 +70,8 @@ class ParallelEngine:
         from formcast.engine.hub import resolve_model
         from formcast.engine.loader.deepseek_v4 import (is_deepseek_v4_folder,
                                                         read_deepseek_v4_config)
-        from formcast.engine.tokenizer import Tokenizer, cached_gguf_tokenizer
+        from formcast.engine.tokenizer import Tokenizer
+        from formcast.engine.tokenizer_files import cached_gguf_tokenizer
 
         resolved = resolve_model(source)
         model_config = (read_deepseek_v4_config(resolved.path)

@@ -6,7 +6,7 @@ the recent context found earlier in the prompt or output, followed forward). The
 draft is cut at the first token the request's constraint rejects
 (``valid_prefix``) and where its estimated survival probability drops below
 ``SpecConfig.min_confidence``. One forward pass of the target model scores the
-last token and every draft position; ``Engine._verify`` (with
+last token and every draft position; ``SpeculativeDecoder.verify`` (with
 ``Sampler.verify`` at each position) accepts the longest prefix the target agrees with (rejection sampling against the masked
 target distribution; exact match under greedy), then adds one token of its own,
 so every step yields at least the token a plain step would. Rejected positions

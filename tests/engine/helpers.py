@@ -113,13 +113,13 @@ def count_word_risky(monkeypatch, word: int) -> None:
     wherever it stands, as one that leaves a string (a tiny random model's
     quotes mostly stand where none belongs, its word inside a string). Masked
     rows' agreements on risky tokens count as any other (premasking alone is
-    under test, not the rule of :meth:`Engine._ends_string`)."""
-    from formcast.engine import Engine
+    under test, not the rule of :meth:`Premasker.ends_string`)."""
+    from formcast.engine.pipeline.premask import Premasker
 
-    risky = Engine._risky_tokens
-    monkeypatch.setattr(Engine, "_risky_tokens", lambda self: risky(self) | {word})
-    monkeypatch.setattr(Engine, "_leaves_string", lambda self, seq, token, appended: True)
-    monkeypatch.setattr(Engine, "_ends_string", lambda self, seq, token: False)
+    risky = Premasker.risky_tokens
+    monkeypatch.setattr(Premasker, "risky_tokens", lambda self: risky(self) | {word})
+    monkeypatch.setattr(Premasker, "leaves_string", lambda self, seq, token, appended: True)
+    monkeypatch.setattr(Premasker, "ends_string", lambda self, seq, token: False)
 
 
 def count_calls(monkeypatch, owner, name: str) -> list:

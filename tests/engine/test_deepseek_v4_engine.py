@@ -203,7 +203,7 @@ def test_mtp_state_follows_accepts_and_rollbacks(folders, monkeypatch):
     ids = prompt(name, 11, 40)
     target = engine(folders, name).generate([ids], GREEDY)[0].token_ids
     eng = engine(folders, name, spec=SpecConfig(method="mtp", scheduled=False, min_confidence=0.0))
-    mtp_drafts = eng._mtp.propose_batch
+    mtp_drafts = eng.speculative.mtp.propose_batch
 
     def oracle(seqs):
         drafts = mtp_drafts(seqs)  # the MTP layer runs (and advances) as ever
@@ -213,9 +213,9 @@ def test_mtp_state_follows_accepts_and_rollbacks(folders, monkeypatch):
                 draft.tokens[0] = target[j]
         return drafts
 
-    monkeypatch.setattr(eng._mtp, "propose_batch", oracle)
+    monkeypatch.setattr(eng.speculative.mtp, "propose_batch", oracle)
     rid = eng.add_request(ids, GREEDY)
-    seq = eng._seqs[rid]
+    seq = eng.output.requests[rid]
     while seq.num_output_tokens < 17:
         eng.step()
     assert tuple(seq.output_ids) == target[:seq.num_output_tokens]

@@ -125,7 +125,7 @@ def test_a_request_makes_its_generator_only_when_it_draws(smollm2_engine):
     greedy = smollm2_engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0))
     drawn = smollm2_engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.8,
                                                            seed=4321))
-    seqs = {rid: smollm2_engine._seqs[rid] for rid in (greedy, drawn)}
+    seqs = {rid: smollm2_engine.output.requests[rid] for rid in (greedy, drawn)}
     assert not any(isinstance(s._generator, torch.Generator) for s in seqs.values())
     while smollm2_engine.has_unfinished_requests():
         smollm2_engine.step()
@@ -230,7 +230,7 @@ def test_pipelined_decoding_caches_the_blocks_it_generates(smollm2_engine):
     while eng.has_unfinished_requests():
         eng.step()
         backlog.append(eng.block_manager.num_deferred)
-    assert eng.num_pipelined_steps > 40 and max(backlog) <= 1
+    assert eng.stats.num_pipelined_steps > 40 and max(backlog) <= 1
     first = eng.generate([prompt], sp)[0]
     follow = eng.generate([prompt + list(first.token_ids)], SamplingParams(max_tokens=1))[0]
     # every full block of prompt and answer but the last token's
@@ -416,8 +416,8 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
     def run(asynchronous: bool):
         engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none")
         dropped = [0]
-        drop = engine._drop_ahead
-        engine._drop_ahead = lambda: (dropped.__setitem__(0, dropped[0] + (engine._ahead is not None)),
+        drop = engine.pipeline.lane.drop_ahead
+        engine.pipeline.lane.drop_ahead = lambda: (dropped.__setitem__(0, dropped[0] + (engine.pipeline.lane.ahead is not None)),
                                       drop())
         ids = [engine.add_request(p, sp, constraint=compiled.matcher() if c else None)
                for p, sp, c in work[:4]]
@@ -431,12 +431,12 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
                 ids += [engine.add_request(p, sp) for p, sp, _ in work[4:]]
             if steps == 9:
                 assert engine.abort_request(victim)
-        assert engine._inflight is None and engine._ahead is None
-        assert (engine.num_pipelined_steps > 20) == asynchronous
-        assert (engine._accept_pool is not None) == asynchronous
+        assert engine.pipeline.inflight is None and engine.pipeline.lane.ahead is None
+        assert (engine.stats.num_pipelined_steps > 20) == asynchronous
+        assert (engine.pipeline.accept.pool is not None) == asynchronous
         # steps launched before the last one's tokens were appended (every pick
         # taken, none ending its request), and some dropped when rows changed
-        assert (engine.num_launched_ahead > 0) == asynchronous
+        assert (engine.stats.num_launched_ahead > 0) == asynchronous
         assert (dropped[0] > 0) == asynchronous
         return [(done[i].token_ids, done[i].text, done[i].finish_reason) for i in ids], done[victim]
 
@@ -453,7 +453,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
 def test_pipelined_rows_ending_on_length_end_where_synchronous_ones_do(smollm2_engine,
                                                                        monkeypatch):
     """The pipelined steps check what every row's room and way of ending allow
-    once per run of steps over the same rows (``Engine._room_of``), not row by
+    once per run of steps over the same rows (``Pipeline.room_of``), not row by
     row each step: rows whose budgets run out one after another, under a
     grammar or not, still end on exactly their ``max_tokens``."""
 
@@ -464,8 +464,8 @@ def test_pipelined_rows_ending_on_length_end_where_synchronous_ones_do(smollm2_e
     def run(asynchronous: bool):
         engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none")
         quiet = []
-        room_of = engine._room_of
-        engine._room_of = lambda seqs: quiet.append(room_of(seqs)) or quiet[-1]
+        room_of = engine.pipeline.room_of
+        engine.pipeline.room_of = lambda seqs: quiet.append(room_of(seqs)) or quiet[-1]
         outs = engine.generate(
             [chat(smollm2_engine, f"Write {n} words about rivers.") for n in budgets],
             [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets],
@@ -548,7 +548,7 @@ def test_a_frozen_heap_is_handed_back_at_exit():
     script = """
 import dataclasses, gc, torch
 from formcast.engine import Engine, EngineConfig, load_tokenizer
-from formcast.engine.engine import build_model
+from formcast.engine.loading import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 import triton.language
 cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=1, hidden_size=32,
@@ -603,10 +603,10 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
                          spec="none", tuning=tuning)
         engine.sampler.batch_fill = batch_fill
         drained = []
-        settle = engine._settle_on_host
-        engine._settle_on_host = lambda *a: (drained.append(len(a[0])), settle(*a))
-        take_begin, engine.filled_ahead = engine._take_begin, []
-        engine._take_begin = lambda *a, **k: (
+        settle = engine.output.settle_on_host
+        engine.output.settle_on_host = lambda *a: (drained.append(len(a[0])), settle(*a))
+        take_begin, engine.filled_ahead = engine.pipeline.taker.begin, []
+        engine.pipeline.taker.begin = lambda *a, **k: (
             taking := take_begin(*a, **k), engine.filled_ahead.append(taking.ahead is not None))[0]
         ids = [engine.add_request(chat(engine, t), greedy, constraint=compiled.matcher())
                for t in texts[:4]]
@@ -623,13 +623,13 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
 
     masked, _, _ = run(False, False)
     pipelined_masked, eng, _ = run(True, False)
-    assert eng.num_pipelined_steps > 10 and eng.num_unmasked_picks == 0
+    assert eng.stats.num_pipelined_steps > 10 and eng.stats.num_unmasked_picks == 0
     unmasked, eng, drained = run(True, True)
-    assert eng._accept_pool is None
+    assert eng.pipeline.accept.pool is None
     overlapped, eng, drained = run(True, True, overlap=True)
-    assert eng._accept_pool is not None and not any(eng.filled_ahead)
+    assert eng.pipeline.accept.pool is not None and not any(eng.filled_ahead)
     # steps launched before the last one's tokens were appended
-    assert eng.num_launched_ahead > 10 and eng._ahead is None
+    assert eng.stats.num_launched_ahead > 10 and eng.pipeline.lane.ahead is None
     filled_ahead, ahead_eng, _ = run(True, True, overlap=True, async_fill=True)
     assert any(ahead_eng.filled_ahead)
     shared = []
@@ -642,8 +642,8 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
     texts_out = [(tok.decode(list(t), skip_special_tokens=True), r) for t, r in masked]
     assert all(json.loads(t) for k, (t, r) in enumerate(texts_out) if r == "stop" and k != 4)
     assert re.fullmatch(r"[A-Z][a-z]+( [a-z]+)*\.", texts_out[4][0]), texts_out[4]
-    assert eng.num_unmasked_picks > 30
-    assert 0 < eng.num_refused_picks < eng.num_unmasked_picks
+    assert eng.stats.num_unmasked_picks > 30
+    assert 0 < eng.stats.num_refused_picks < eng.stats.num_unmasked_picks
     assert drained  # refused picks were in flight when the pipeline drained
 
 
@@ -680,8 +680,8 @@ def test_the_native_accept_worker_gives_the_synchronous_outputs(smollm2_engine, 
     masked, _ = run(async_scheduling=False, unmasked_greedy=False)
     native, eng = run(async_scheduling=True, native_accept=True)
     assert native == masked
-    assert eng.num_native_accepts >= 5 and eng._accept_pool is None
-    assert 0 < eng.num_refused_picks < eng.num_unmasked_picks
+    assert eng.stats.num_native_accepts >= 5 and eng.pipeline.accept.pool is None
+    assert 0 < eng.stats.num_refused_picks < eng.stats.num_unmasked_picks
 
 
 def test_agreements_where_the_grammar_leaves_few_tokens_do_not_unmask(smollm2_engine,
@@ -694,15 +694,16 @@ def test_agreements_where_the_grammar_leaves_few_tokens_do_not_unmask(smollm2_en
     agreement due after a refusal (the schedule before it was doubled, patched
     in here) the rule halves the refusals; the shipped schedule refuses no more
     than that. Outputs equal synchronous masked decoding's in every case."""
-    import formcast.engine.engine as engine_module
+    from formcast.engine.pipeline import take as take_module
+    from formcast.engine.pipeline.premask import Premasker
     from formcast.engine.sequence import Sequence
 
     tok = smollm2_engine.tokenizer
     model, compiled, prompts = _records_batch(tok, 8)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     # (the rule for a string's closing quote left out: the next test's)
-    monkeypatch.setattr(engine_module.Engine, "_ends_string", lambda self, seq, token: False)
-    narrow = engine_module._narrow_choice
+    monkeypatch.setattr(Premasker, "ends_string", lambda self, seq, token: False)
+    narrow = take_module.narrow_choice
     refused, seen, missed = (Sequence.pick_refused, Sequence.masked_pick_seen,
                              Sequence.masked_picks_missed)
     asked = []
@@ -723,7 +724,7 @@ def test_agreements_where_the_grammar_leaves_few_tokens_do_not_unmask(smollm2_en
             seq.agreements_due = 1
 
     def run(rule: bool, once: bool = False, **config):
-        monkeypatch.setattr(engine_module, "_narrow_choice",
+        monkeypatch.setattr(take_module, "narrow_choice",
                             (lambda seq: asked.append(seq) or narrow(seq)) if rule
                             else (lambda seq: False))
         monkeypatch.setattr(Sequence, "pick_refused", refused_once if once else refused)
@@ -756,7 +757,7 @@ def test_agreements_where_few_tokens_are_allowed_leave_the_row_masked(smollm2_en
     Counted at the second position, the row goes unmasked and its third pick is
     refused; with the rule it is not, and the row goes back to unmasked picks at
     the fourth. Outputs equal synchronous masked decoding's either way."""
-    import formcast.engine.engine as engine_module
+    from formcast.engine.pipeline import take as take_module
 
     tok = smollm2_engine.tokenizer
     model, _, prompts = _records_batch(tok, 6)
@@ -764,7 +765,7 @@ def test_agreements_where_few_tokens_are_allowed_leave_the_row_masked(smollm2_en
 
     def run(scripts, rule: bool = True, **config):
         if not rule:
-            monkeypatch.setattr(engine_module, "_narrow_choice", lambda seq: False)
+            monkeypatch.setattr(take_module, "narrow_choice", lambda seq: False)
         engine = Engine(model, tok, config=EngineConfig(
             max_num_seqs=len(prompts), num_kv_blocks=256, spec="none", **config),
             device=torch.device("cpu"))
@@ -782,9 +783,9 @@ def test_agreements_where_few_tokens_are_allowed_leave_the_row_masked(smollm2_en
     ruled, eng = run(scripts, async_scheduling=True)
     counted, eng_counted = run(scripts, rule=False, async_scheduling=True)
     assert ruled == masked and counted == masked
-    assert eng_counted.num_refused_picks == len(prompts)  # (the third pick of every row)
-    assert eng.num_refused_picks == 0
-    assert eng.num_unmasked_picks >= len(prompts) * 6  # (back to unmasked picks from the 4th)
+    assert eng_counted.stats.num_refused_picks == len(prompts)  # (the third pick of every row)
+    assert eng.stats.num_refused_picks == 0
+    assert eng.stats.num_unmasked_picks >= len(prompts) * 6  # (back to unmasked picks from the 4th)
 
 
 def test_agreements_on_the_quote_that_ends_a_string_do_not_unmask(smollm2_engine,
@@ -796,15 +797,15 @@ def test_agreements_on_the_quote_that_ends_a_string_do_not_unmask(smollm2_engine
     mask, and (unmasked) picks `:"` again where the schema wants a comma: one
     refusal a row without the rule, none with it, the rows still going back to
     unmasked picks later; outputs equal synchronous masked decoding's."""
-    import formcast.engine.engine as engine_module
+    from formcast.engine.pipeline.premask import Premasker
 
     tok = smollm2_engine.tokenizer
     model, compiled, prompts = _records_batch(tok, 16)
     greedy = SamplingParams(max_tokens=48, temperature=0.0)
-    ends = engine_module.Engine._ends_string
+    ends = Premasker.ends_string
 
     def run(rule: bool, **config):
-        monkeypatch.setattr(engine_module.Engine, "_ends_string",
+        monkeypatch.setattr(Premasker, "ends_string",
                             ends if rule else (lambda self, seq, token: False))
         return _run_records(model, tok, compiled, prompts, greedy, **config)
 
@@ -822,31 +823,35 @@ def test_premasking_watches_the_quotes_that_leave_a_string(smollm2_engine):
     even number of unescaped quotes: a key's or a value's end, not an opening.
     Counted on from where the last look stopped, and afresh after tokens are
     taken back."""
+    from formcast.engine.pipeline import PipelineStats
+    from formcast.engine.pipeline.premask import Premasker
+
     engine = smollm2_engine
     tok = engine.tokenizer
-    risky = engine._risky_tokens()
+    premasker = Premasker(tok, EngineTuning(), PipelineStats())
+    risky = premasker.risky_tokens()
     text = '{"name": "Bob \\"B\\" Lee", "city": "Oslo", "age": 4}'
     output = tok.encode(text, add_special_tokens=False)
     assert tok.decode(output) == text
     prompt = tok.encode('Say "hi" in JSON: "', add_special_tokens=False)  # (odd, ignored)
-    seq = engine._make_sequence(prompt, SamplingParams(max_tokens=64), None, None)
+    seq = engine.intake.make(prompt, SamplingParams(max_tokens=64), None, None)
     got, want = [], []
     for i, token in enumerate(output):
         if token in risky:
             want += [tok.decode(output[:i + 1]).replace('\\"', "").count('"') % 2 == 0] * 2
-            got.append(engine._leaves_string(seq, token, False))
+            got.append(premasker.leaves_string(seq, token, False))
         seq.token_ids.append(token)
         if token in risky:  # (asked again once appended: the same answer)
-            got.append(engine._leaves_string(seq, token, True))
+            got.append(premasker.leaves_string(seq, token, True))
     assert got == want and True in got and False in got
     # the same output's tokens, every risky one counted: leaving, not leaving
-    leaving = [engine._leaves_string(seq, t, False) for t in tok.encode(
+    leaving = [premasker.leaves_string(seq, t, False) for t in tok.encode(
         ' "x', add_special_tokens=False) if t in risky]
     assert leaving == [False]  # (after the whole object: even, so a quote opens)
     assert seq.quote_scan == (len(seq.token_ids), 0)
     del seq.token_ids[len(prompt) + 2:]  # (taken back to '{"name': inside the key)
     closing = tok.encode('":', add_special_tokens=False)[0]
-    assert closing in risky and engine._leaves_string(seq, closing, False)
+    assert closing in risky and premasker.leaves_string(seq, closing, False)
     assert seq.quote_scan == (len(prompt) + 2, 1)
 
 
@@ -883,21 +888,23 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
     word = collections.Counter(t for out in masked for t in out).most_common(1)[0][0]
     count_word_risky(monkeypatch, word)
     tuning = EngineTuning(premask_after=0.0, overlap_rows=10**9 if path == "host" else 1)
-    unpremask, voided = Engine._unpremask, []
+    from formcast.engine.pipeline import pipeline as pipeline_module
+
+    unpremask, voided = pipeline_module.unpremask, []
 
     def spied(refused, masked_rows, watched, agree):
         out = unpremask(refused, masked_rows, watched, agree)
         voided.append(len(out[0]) < len(masked_rows))
         return out
 
-    monkeypatch.setattr(Engine, "_unpremask", staticmethod(spied))
+    monkeypatch.setattr(pipeline_module, "unpremask", spied)
     premasked, engine = run(async_scheduling=True, native_accept=path == "native")
     assert premasked == masked
-    assert engine.num_premasked_picks > 20 and engine.num_refused_picks > 0
+    assert engine.stats.num_premasked_picks > 20 and engine.stats.num_refused_picks > 0
     if path != "host":
         assert any(voided)  # (a premasked row's landed pick refused)
     if path == "native":
-        assert engine.num_native_accepts > 5
+        assert engine.stats.num_native_accepts > 5
 
     def interrupted(**config):  # a request joins (the pipeline drains), another is aborted
         engine = Engine(model, tok, config=EngineConfig(tuning=tuning, max_num_seqs=16, num_kv_blocks=160,
@@ -916,7 +923,7 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
 
     reference, _ = interrupted(async_scheduling=False, unmasked_greedy=False)
     got, engine = interrupted(async_scheduling=True, native_accept=path == "native")
-    assert got == reference and engine.num_premasked_picks > 20
+    assert got == reference and engine.stats.num_premasked_picks > 20
 
 
 def test_premasked_rows_masks_wait_for_the_check_of_their_landed_picks(smollm2_engine):
@@ -933,13 +940,13 @@ def test_premasked_rows_masks_wait_for_the_check_of_their_landed_picks(smollm2_e
     engine.sampler.fill_masks = lambda seqs: (seen.append(waited.done()), fill(seqs))[1]
     for waited in (Future(), Future()):
         if not seen:
-            engine._premask_wait = waited
+            engine.pipeline.premasker.wait = waited
         else:
-            engine._masks_ahead = ([object()], waited)  # (for other rows: not what is asked)
+            engine.pipeline.rows.masks_ahead = ([object()], waited)  # (for other rows: not what is asked)
         threading.Timer(0.05, waited.set_result, (None,)).start()
-        engine._masks_for([])
+        engine.pipeline.rows.masks_for([])
     assert seen == [True, True]
-    assert engine._premask_wait is None and engine._masks_ahead is None
+    assert engine.pipeline.premasker.wait is None and engine.pipeline.rows.masks_ahead is None
 
 
 def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engine,
@@ -964,18 +971,18 @@ def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engin
                       device=torch.device("cpu"))
 
     fresh = engine_for(async_scheduling=True)
-    assert not fresh._premasking()
-    assert tok.encode('"', add_special_tokens=False)[0] in fresh._risky_tokens()
-    assert tok.encode(" word", add_special_tokens=False)[0] not in fresh._risky_tokens()
+    assert not fresh.pipeline.premasker.active()
+    assert tok.encode('"', add_special_tokens=False)[0] in fresh.pipeline.premasker.risky_tokens()
+    assert tok.encode(" word", add_special_tokens=False)[0] not in fresh.pipeline.premasker.risky_tokens()
     for _ in range(3):
-        fresh._risky_seen(True)
-    assert not fresh._premasking()  # (a few misses are not yet the rule)
+        fresh.pipeline.premasker.seen(True)
+    assert not fresh.pipeline.premasker.active()  # (a few misses are not yet the rule)
     for _ in range(3):
-        fresh._risky_seen(True)
-    assert fresh._premasking()
+        fresh.pipeline.premasker.seen(True)
+    assert fresh.pipeline.premasker.active()
     for _ in range(4):
-        fresh._risky_seen(False)
-    assert not fresh._premasking()
+        fresh.pipeline.premasker.seen(False)
+    assert not fresh.pipeline.premasker.active()
 
     masked = engine_for(async_scheduling=False, unmasked_greedy=False).generate(
         prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
@@ -986,14 +993,14 @@ def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engin
     for forced in (False, True):
         engine = engine_for(async_scheduling=True, tuning=tuning)
         if forced:
-            engine._premask_rate = 1.0
+            engine.pipeline.premasker.rate = 1.0
         outs = engine.generate(prompts, greedy, constraints=[compiled.matcher() for _ in prompts])
         assert [o.token_ids for o in outs] == masked
-        assert not engine._premasking()
+        assert not engine.pipeline.premasker.active()
         if forced:  # (premasked until the agreements it saw brought the average down)
-            assert 0 < engine.num_premasked_picks < 40
+            assert 0 < engine.stats.num_premasked_picks < 40
         else:
-            assert engine.num_premasked_picks == 0 and engine._premask_rate == 0.0
+            assert engine.stats.num_premasked_picks == 0 and engine.pipeline.premasker.rate == 0.0
 
 
 def test_masked_picks_taken_on_known_text_masks_give_the_same_outputs(smollm2_engine,
@@ -1057,8 +1064,8 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
         engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none",
                          unmasked_greedy=asynchronous)
         counts = {"ahead_with_refused": 0, "lowered": 0}
-        launch = engine._launch_sampled
-        switches = engine._quick_switches
+        launch = engine.pipeline.launch_sampled
+        switches = engine.pipeline.accept.quick_switches
 
         def counted(prev, rows, logits, picked, ok, refused, finishes, filled=None, **kw):
             counts["ahead_with_refused"] += filled is not None and bool(refused)
@@ -1068,18 +1075,18 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
             switches(on)
             counts["lowered"] += sys.getswitchinterval() < interval
 
-        engine._launch_sampled = counted
-        engine._quick_switches = watched
+        engine.pipeline.launch_sampled = counted
+        engine.pipeline.accept.quick_switches = watched
         outs = engine.generate([chat(engine, t) for t in texts], greedy,
                                constraints=[compiled.matcher() for _ in texts])
-        assert engine._ahead is None and sys.getswitchinterval() == interval
+        assert engine.pipeline.lane.ahead is None and sys.getswitchinterval() == interval
         return [(o.token_ids, o.finish_reason) for o in outs], counts, engine
 
     synchronous, _, _ = run(False)
     pipelined, counts, engine = run(True)
     assert pipelined == synchronous
     assert counts["ahead_with_refused"] > 0 and counts["lowered"] > 5
-    assert engine.num_refused_picks > 0 and engine.num_launched_ahead > 5
+    assert engine.stats.num_refused_picks > 0 and engine.stats.num_launched_ahead > 5
 
 
 def test_an_ordinary_step_between_pipelined_runs_leaves_no_stale_room(smollm2_engine,
@@ -1112,7 +1119,7 @@ def test_an_ordinary_step_between_pipelined_runs_leaves_no_stale_room(smollm2_en
         execute = engine.runner.execute_decode
 
         def launched(seqs, tokens, **kw):
-            if engine._inflight is not None:  # (pipelined: each row's token is in flight)
+            if engine.pipeline.inflight is not None:  # (pipelined: each row's token is in flight)
                 late.extend(s.request_id for s in seqs if len(s.token_ids) + 1 >= s.max_total_len)
             return execute(seqs, tokens, **kw)
 
@@ -1130,7 +1137,7 @@ def test_an_ordinary_step_between_pipelined_runs_leaves_no_stale_room(smollm2_en
     pipelined, late, engine = run(True)
     assert pipelined == synchronous and not late
     assert [r for _, r in pipelined] == ["length"] * 3
-    assert engine.num_pipelined_steps > 20 and engine.num_launched_ahead > 5
+    assert engine.stats.num_pipelined_steps > 20 and engine.stats.num_launched_ahead > 5
 
 
 def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(smollm2_engine):
@@ -1156,7 +1163,7 @@ def test_a_masked_pick_that_is_not_the_models_argmax_starts_the_pipeline_masked(
                 for k, p in prompts.items()}
         engine.step()  # prefill: each request's first token, masked
         if unmasked:
-            first = {k: (engine._seqs[r].output_ids[0], engine._seqs[r].masked)
+            first = {k: (engine.output.requests[r].output_ids[0], engine.output.requests[r].masked)
                      for k, r in rids.items()}
         done = {}
         while engine.has_unfinished_requests():
@@ -1203,13 +1210,13 @@ def test_a_large_batchs_first_tokens_go_in_flight_as_an_ordinary_step_picks_them
                for p, sp, c in work]
         first = engine.step()
         if asynchronous:  # (in flight: taken by the next step, which launches first)
-            assert first == [] and engine._inflight is not None
+            assert first == [] and engine.pipeline.inflight is not None
             first = engine.step()
-            assert engine.num_pipelined_steps == 1
+            assert engine.stats.num_pipelined_steps == 1
         else:
-            assert engine._inflight is None
+            assert engine.pipeline.inflight is None
         assert sorted(o.request_id for o in first) == sorted(ids)
-        seqs = [engine._seqs[r] for r in ids[:6]]
+        seqs = [engine.output.requests[r] for r in ids[:6]]
         assert all(len(s.output_ids) == 1 for s in seqs)
         masked = [s.masked for s in seqs]
         done = {o.request_id: o for o in first if o.finished}
@@ -1242,7 +1249,7 @@ def test_requests_aborted_or_arriving_while_a_batchs_first_tokens_are_in_flight(
         engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
         ids = [engine.add_request(p, greedy) for p in prompts]
         done = {o.request_id: o for o in engine.step() if o.finished}
-        assert (engine._inflight is not None) == asynchronous
+        assert (engine.pipeline.inflight is not None) == asynchronous
         gone = engine.abort_request(ids[3])
         late = engine.add_request(chat(smollm2_engine, "Name a colour."), greedy)
         while engine.has_unfinished_requests():
@@ -1260,7 +1267,7 @@ def test_requests_aborted_or_arriving_while_a_batchs_first_tokens_are_in_flight(
 def test_rows_whose_first_tokens_went_in_flight_are_found_quiet_once_they_took_them(
         smollm2_engine):
     """The pipelined steps' check of every row's room and way of ending, found
-    once per run of steps (``Engine._room_of``), is found again once the rows
+    once per run of steps (``Pipeline.room_of``), is found again once the rows
     whose first tokens went in flight took them: rows that end on their length
     only then append their tokens plainly (``quiet``) for the rest of the run."""
 
@@ -1270,9 +1277,9 @@ def test_rows_whose_first_tokens_went_in_flight_are_found_quiet_once_they_took_t
                            SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     engine.step()
     engine.step()  # (takes the first tokens: no row is quiet before it)
-    assert engine._room is not None and not engine._room.quiet
+    assert engine.pipeline.room is not None and not engine.pipeline.room.quiet
     engine.step()
-    assert engine._room.quiet and engine.num_pipelined_steps == 2
+    assert engine.pipeline.room.quiet and engine.stats.num_pipelined_steps == 2
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -1353,8 +1360,8 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     if not masked:  # (rows masked since a refused pick: the others' picks are a part)
         assert parts[0] > 0
-    assert engine.num_pipelined_steps >= 5
-    assert (engine.num_unmasked_picks == 0) if masked else engine.num_refused_picks > 0
+    assert engine.stats.num_pipelined_steps >= 5
+    assert (engine.stats.num_unmasked_picks == 0) if masked else engine.stats.num_refused_picks > 0
     for cls, error in ((BreaksWhenPrepared, "no batch today"),
                        (BreaksWhenCalled, "grammar service down")):
         engine = variant(smollm2_engine, tuning=tuning, async_scheduling=True, spec="none",
@@ -1421,8 +1428,8 @@ def test_a_failing_batch_accept_hook_fails_only_its_requests(smollm2_engine, mon
                                      chat(engine, "Count to three.")], greedy)
     for rid, out in zip((plain, free), alone):
         assert done[rid].finish_reason == "length" and done[rid].token_ids == out.token_ids
-    assert engine.num_unmasked_picks > 0 and engine.num_refused_picks > 0
-    assert (engine._accept_pool is not None) == overlap
+    assert engine.stats.num_unmasked_picks > 0 and engine.stats.num_refused_picks > 0
+    assert (engine.pipeline.accept.pool is not None) == overlap
 
 
 def test_a_take_waits_for_the_accept_threads_reading_only_while_its_job_can_run():
@@ -1433,7 +1440,7 @@ def test_a_take_waits_for_the_accept_threads_reading_only_while_its_job_can_run(
     import types
     from concurrent.futures import Future
 
-    from formcast.engine.engine import _wait_landed
+    from formcast.engine.pipeline.state import wait_landed as _wait_landed
 
     step = types.SimpleNamespace(landed=threading.Event(), early=Future())
     threading.Timer(0.12, step.landed.set).start()
@@ -1512,14 +1519,14 @@ def _run_records(model, tok, compiled, prompts, params, **config):
                                                     num_kv_blocks=256, spec="none", **config),
                     device=torch.device("cpu"))
     outs = engine.generate(prompts, params, constraints=[compiled.matcher() for _ in prompts])
-    return [o.token_ids for o in outs], engine.num_refused_picks, engine.num_unmasked_picks
+    return [o.token_ids for o in outs], engine.stats.num_refused_picks, engine.stats.num_unmasked_picks
 
 
 def _tiny_smollm2_shaped():
     """A two-layer random-weights Llama of SmolLM2's vocabulary (CPU, float32)."""
     import dataclasses
 
-    from formcast.engine.engine import build_model
+    from formcast.engine.loading import build_model
     from formcast.engine.models.shapes import SHAPES, random_llama_weights
 
     cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
@@ -1553,7 +1560,7 @@ def test_an_idle_engine_keeps_no_finished_request(smollm2_engine, monkeypatch):
         done += [o for o in engine.step() if o.finished]
         ran.update(id(s) for s in engine.scheduler.running)
     assert len(done) == 6 and all(len(o.token_ids) == 20 for o in done)
-    assert engine.num_pipelined_steps > 10 and len(ran) == 6
+    assert engine.stats.num_pipelined_steps > 10 and len(ran) == 6
     gc.collect()
     kept = [o for o in gc.get_objects() if type(o) is Sequence and id(o) in ran]
     assert kept == [], f"{len(kept)} finished requests still referenced"
@@ -1571,7 +1578,7 @@ def test_a_batch_of_greedy_constrained_rows_sorts_as_any_batch_does(smollm2_engi
     from .helpers import make_seq
 
     engine = variant(smollm2_engine, async_scheduling=True, unmasked_greedy=True)
-    general = engine._all_greedy_constrained
+    general = engine.pipeline.rows.all_greedy_constrained
     rng = random.Random(0)
     live = []
     for i in range(40):
@@ -1580,10 +1587,10 @@ def test_a_batch_of_greedy_constrained_rows_sorts_as_any_batch_does(smollm2_engi
         live.append(seq)
 
     def both(rows):
-        fast = engine._sort_rows(live, rows)
+        fast = engine.pipeline.rows.sort(live, rows)
         with monkeypatch.context() as m:
             m.setattr(engine, "_all_greedy_constrained", lambda _live: False)
-            return fast, engine._sort_rows(live, rows)
+            return fast, engine.pipeline.rows.sort(live, rows)
 
     for _ in range(12):
         for seq in live:
@@ -1610,7 +1617,7 @@ def test_the_hosts_idle_waits_detokenize_deferred_tokens_in_turn(smollm2_engine,
     them, going on where the last wait stopped; the texts are those that one
     detokenization of every token makes (a character split across tokens
     included)."""
-    from formcast.engine.tokenizer import IncrementalDetokenizer
+    from formcast.engine.detokenizer import IncrementalDetokenizer
 
     from .helpers import make_seq
 
@@ -1633,17 +1640,17 @@ def test_the_hosts_idle_waits_detokenize_deferred_tokens_in_turn(smollm2_engine,
     def busy(n):
         return lambda: looks.append(1) or len(looks) <= n
 
-    engine._detok_at = 0
-    engine._detokenize_while(seqs, busy(1))  # one look: the first rows only
+    engine.chores.detok_at = 0
+    engine.chores.detokenize_while(seqs, busy(1))  # one look: the first rows only
     made = [not s._undecoded for s in seqs]
     assert made == [i < rows_a_look and seqs[i] is not short for i in range(len(seqs))]
-    assert engine._detok_at == rows_a_look
+    assert engine.chores.detok_at == rows_a_look
     looks.clear()
-    engine._detokenize_while(seqs, busy(10))  # on from there, round to the start
+    engine.chores.detokenize_while(seqs, busy(10))  # on from there, round to the start
     assert all(not s._undecoded for s in seqs if s is not short)
     assert len(short._undecoded) == chore - 1  # (too few to be worth a call)
     looks.clear()
-    engine._detokenize_while(seqs, busy(10))  # nothing left to make: one look
+    engine.chores.detokenize_while(seqs, busy(10))  # nothing left to make: one look
     assert len(looks) == 1
     for seq in seqs:
         n = chore - 1 if seq is short else chore + 3
@@ -1699,24 +1706,24 @@ def test_ended_requests_constraints_are_kept_until_the_device_is_busy(smollm2_en
     greedy = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     tuning = EngineTuning(graves_at_once=3, graves_kept=4)
     engine = variant(smollm2_engine, spec="none", tuning=tuning)
-    assert not engine._keep_graves and engine.device.type == "cpu"
+    assert not engine.output.keep_graves and engine.device.type == "cpu"
     engine.generate([chat(engine, "Say hi.")], greedy, constraints=[AllowOnly(every)])
-    assert engine._graves == []
-    engine._keep_graves = True  # (as on CUDA)
+    assert engine.output.graves == []
+    engine.output.keep_graves = True  # (as on CUDA)
     kept = [AllowOnly(every) for _ in range(3)]
     engine.generate([chat(engine, t) for t in ("Say hi.", "Name a fruit.", "Count.")],
                     greedy, constraints=kept)
     rid = engine.add_request(chat(engine, "Bye."), greedy, constraint=AllowOnly(every))
     assert engine.abort_request(rid)
-    assert sorted(map(id, engine._graves[:3])) == sorted(map(id, kept))
-    assert len(engine._graves) == 4
-    engine._bury_while(lambda: False)  # (the device idle: nothing dropped)
-    assert len(engine._graves) == 4
+    assert sorted(map(id, engine.output.graves[:3])) == sorted(map(id, kept))
+    assert len(engine.output.graves) == 4
+    engine.chores.bury_while(lambda: False)  # (the device idle: nothing dropped)
+    assert len(engine.output.graves) == 4
     busy = iter([True, False])
-    engine._bury_while(lambda: next(busy))  # (busy for one drop)
-    assert len(engine._graves) == 1
-    engine._bury_while(lambda: True)
-    assert engine._graves == []
+    engine.chores.bury_while(lambda: next(busy))  # (busy for one drop)
+    assert len(engine.output.graves) == 1
+    engine.chores.bury_while(lambda: True)
+    assert engine.output.graves == []
     engine.generate([chat(engine, "Count.")] * 5, greedy,
                     constraints=[AllowOnly(every) for _ in range(5)])
-    assert len(engine._graves) == 3  # (the fifth trimmed the oldest two)
+    assert len(engine.output.graves) == 3  # (the fifth trimmed the oldest two)

@@ -10,7 +10,7 @@ import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from formcast.engine.tuning import EngineTuning
-from formcast.engine.engine import build_model
+from formcast.engine.loading import build_model
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 
 from .helpers import (AllowOnly, count_calls, count_word_risky,
@@ -262,7 +262,7 @@ def test_cuda_async_scheduling_gives_the_synchronous_outputs(weights, tokenizer,
                                    constraints=[compiled.matcher() for _ in range(6)])
         results[asynchronous] = ([o.token_ids for o in free], [o.token_ids for o in greedy],
                                  [(o.token_ids, o.finish_reason) for o in constrained])
-        assert (eng.num_pipelined_steps > 0) == asynchronous
+        assert (eng.stats.num_pipelined_steps > 0) == asynchronous
         if graphs and asynchronous:  # unmasked greedy steps took the graph's own samples
             assert eng.runner.graphs.greedy_reads > 0
     assert results[True] == results[False]
@@ -309,7 +309,7 @@ def test_cuda_jump_forward_takes_the_opening_in_the_prefill(weights, tokenizer, 
             if jump is None:
                 assert list(o.token_ids[:len(forced)]) == forced
         results[jump, asynchronous] = [o.token_ids for o in outs], steps
-        assert (eng.num_pipelined_steps > 0) == asynchronous
+        assert (eng.stats.num_pipelined_steps > 0) == asynchronous
     assert results[None, True][0] == results[None, False][0]
     longest = max(len(ids) for ids in results[None, True][0])
     assert results[None, True][1] <= longest - len(forced) + 3
@@ -321,7 +321,7 @@ def test_cuda_texts_made_while_the_device_runs_are_the_texts_made_at_the_end(
     """With the host's waits for the device detokenizing rows' deferred tokens
     (``EngineTuning.detok_chore_tokens``), outputs have the texts they have without: free,
     seeded and JSON-constrained rows; the waits did make texts."""
-    import formcast.engine.engine as engine_module
+    from formcast.engine.chores import HostChores
 
     grammars = pytest.importorskip("formcast.grammars")
     schema = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
@@ -331,14 +331,14 @@ def test_cuda_texts_made_while_the_device_runs_are_the_texts_made_at_the_end(
     params = [SamplingParams(max_tokens=40 + i, temperature=0.0 if i % 3 else 0.9, seed=i,
                              ignore_eos=True) for i in range(12)]
     made = []
-    chores = engine_module.Engine._detokenize_while
+    chores = HostChores.detokenize_while
 
     def counted(self, seqs, busy):
         before = sum(len(s._undecoded) for s in seqs)
         chores(self, seqs, busy)
         made.append(before - sum(len(s._undecoded) for s in seqs))
 
-    monkeypatch.setattr(engine_module.Engine, "_detokenize_while", counted)
+    monkeypatch.setattr(HostChores, "detokenize_while", counted)
     results = {}
     for tokens in (None, 8):
         tuning = EngineTuning(detok_chore_tokens=tokens)
@@ -363,18 +363,20 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
     ones sampled again over the graph's own picks, and the step after launched
     before the tokens are appended (dropped, its graph output reused, when rows
     end)."""
-    import formcast.engine.engine as engine_module
+    from formcast.engine.constraint_ops import forces_text
+    from formcast.engine.pipeline import take as take_module
+    from formcast.engine.pipeline.premask import Premasker
 
     grammars = pytest.importorskip("formcast.grammars")
     schema = {"type": "object", "required": ["name", "age"], "properties": {
         "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
         "additionalProperties": False}
     # (masked rows unmasked by an agreement on a string's closing quote, as before
-    # Engine._ends_string, and on one where the grammar leaves few tokens, as before
+    # Premasker.ends_string, and on one where the grammar leaves few tokens, as before
     # _narrow_choice (forced text alone counted out): the refusals those rules spare
     # are what this test takes)
-    monkeypatch.setattr(engine_module.Engine, "_ends_string", lambda self, seq, token: False)
-    monkeypatch.setattr(engine_module, "_narrow_choice", engine_module._forces_text)
+    monkeypatch.setattr(Premasker, "ends_string", lambda self, seq, token: False)
+    monkeypatch.setattr(take_module, "narrow_choice", forces_text)
     results = {}
     for unmasked, overlap, native in ((False, False, None), (True, False, None),
                                       (True, True, None), (True, True, False)):
@@ -392,8 +394,8 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
                             constraints=[compiled.matcher() for _ in ps])
         results[unmasked, overlap, native] = [(o.token_ids, o.finish_reason) for o in outs]
         if unmasked:
-            assert eng.num_refused_picks > 0
-            assert eng.num_unmasked_picks > eng.num_refused_picks
+            assert eng.stats.num_refused_picks > 0
+            assert eng.stats.num_unmasked_picks > eng.stats.num_refused_picks
             # (the rows masked since a refusal, a few: their picks read their lists
             # and masks in pinned memory)
             assert any(got is not None for got in pinned)
@@ -402,10 +404,10 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         from formcast.grammars.backends.xgrammar import native as native_accept
 
         on_worker = overlap and native is None and native_accept.worker() is not None
-        assert (eng.num_native_accepts > 0) == on_worker
-        assert (eng._accept_pool is not None) == (overlap and not on_worker)
+        assert (eng.stats.num_native_accepts > 0) == on_worker
+        assert (eng.pipeline.accept.pool is not None) == (overlap and not on_worker)
         # (overlap: steps launched before the last one's tokens were appended)
-        assert (eng.num_launched_ahead > 0) == overlap and eng._ahead is None
+        assert (eng.stats.num_launched_ahead > 0) == overlap and eng.pipeline.lane.ahead is None
         if graphs:  # (the steps launched ahead were staged, and their copies queued,
             # while the picks were checked)
             assert (eng.runner.graphs.staged_replays > 0) == overlap
@@ -460,7 +462,7 @@ def test_cuda_premasked_picks_give_the_masked_outputs(tokenizer, graphs, monkeyp
     for overlap, native in ((False, None), (True, None), (True, False)):
         premasked, eng = run(True, overlap, native)
         assert premasked == masked, (overlap, native)
-        assert eng.num_premasked_picks > 10
+        assert eng.stats.num_premasked_picks > 10
 
 
 def test_cuda_a_preload_no_replay_takes_loses_no_table_entry(weights, tokenizer):

@@ -183,7 +183,7 @@ def test_a_batch_jumps_forward_alike_in_every_scheduling(smollm2_engine, compile
     assert all(list(o.token_ids[:len(forced)]) == forced for o in outs[:-1])
     assert outs[-1].metrics.num_forced_tokens == 0
     if asynchronous:
-        assert engine.num_pipelined_steps > 5
+        assert engine.stats.num_pipelined_steps > 5
 
 
 def test_on_the_cpu_the_opening_is_decoded_unless_asked(smollm2_engine, compiled):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams
-from formcast.engine.engine import build_model
+from formcast.engine.loading import build_model
 from formcast.engine.models import llama
 from formcast.engine.models.shapes import SHAPES, random_llama_weights
 

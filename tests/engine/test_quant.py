@@ -142,7 +142,7 @@ def test_int4_engine_on_smollm2_stays_close_to_float(smollm2_engine, smollm2_sou
 
 
 def test_quantization_is_cpu_only():
-    from formcast.engine.engine import build_model
+    from formcast.engine.loading import build_model
     from formcast.engine.models.shapes import SHAPES
 
     with pytest.raises(ValueError, match="CPU only"):
@@ -177,7 +177,7 @@ def test_int4_blocks_split_gguf_bytes_into_the_values_gguf_defines(qtype):
 
 
 def test_the_smollm2_gguf_q4_1_blocks_are_its_float_weights(smollm2_engine, smollm2_gguf):
-    from formcast.engine.engine import fuse_int4_blocks
+    from formcast.engine.loading import fuse_int4_blocks
     from formcast.engine.loader.gguf import read_int4_blocks
 
     blocks = read_int4_blocks(smollm2_gguf)

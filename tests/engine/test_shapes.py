@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from formcast.engine.config import DeepseekV4Config
-from formcast.engine.engine import build_model
+from formcast.engine.loading import build_model
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.shapes import DEEPSEEK_V4_SHAPES, random_deepseek_v4_weights
 
@@ -68,7 +68,7 @@ def run_benchmark(script: str, gguf, tmp_path, *args: str) -> str:
     import sys
     from pathlib import Path
 
-    from formcast.engine.tokenizer import cached_gguf_tokenizer
+    from formcast.engine.tokenizer_files import cached_gguf_tokenizer
 
     cached_gguf_tokenizer(gguf).save_pretrained(str(tmp_path / "tok"))
     root = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ def test_host_overhead_times_a_stubbed_pipeline_on_the_cpu(tmp_path, smollm2_ggu
 
 @pytest.mark.slow
 def test_host_overhead_compares_a_switch_in_one_process(tmp_path, smollm2_gguf):
-    # --set: sides A and B alternate, a line each, then B's JSON time over A's. Here
+    # --tuning: sides A and B alternate, a line each, then B's JSON time over A's. Here
     # B turns premasking off (the stub's mixed picks break the grammar after a
     # closing quote, which turns it on in A): B refuses those picks too, A only the
     # quotes that are themselves refused ('"]' where the schema wants a comma)
@@ -120,7 +120,7 @@ def test_host_overhead_compares_a_switch_in_one_process(tmp_path, smollm2_gguf):
 
     out = run_benchmark("host_overhead.py", smollm2_gguf, tmp_path, "--batch-sizes", "16",
                         "--tokens", "64", "--reps", "2", "--picks", "mixed", "--closing", "40",
-                        "--set", "formcast.engine.engine:_PREMASK_AFTER=2")
+                        "--tuning", "premask_after=2")
     sides = {side: list(map(float, rest)) for side, *rest in re.findall(
         r"^ +16 (A|B) +(\d+) +(\d+) +([0-9.]+) +(\d+) +(\d+) +(\d+) +([0-9.]+)$", out, re.M)}
     assert set(sides) == {"A", "B"}
@@ -173,8 +173,8 @@ def test_step_series_splits_a_constrained_run_on_the_cpu(tmp_path, smollm2_gguf)
 def test_engine_ab_compares_two_variants_on_the_cpu(tmp_path, smollm2_gguf):
     # the benchmark's smoke mode: a line per workload with both sides' tokens/s and
     # their ratio, the sides' JSON/free line; a switch that changes the tokens is
-    # said to (masks at every step do not: they give the same picks), and one that
-    # names nothing is refused before any work
+    # said to (masks at every step do not: they give the same picks; nor does a
+    # tuning knob), and one that names nothing is refused before any work
     import re
 
     out = run_benchmark("engine_ab.py", smollm2_gguf, tmp_path, "--device", "cpu",
@@ -190,11 +190,8 @@ def test_engine_ab_compares_two_variants_on_the_cpu(tmp_path, smollm2_gguf):
     assert "(outputs differ)" not in out
     out = run_benchmark("engine_ab.py", smollm2_gguf, tmp_path, "--device", "cpu",
                         "--shape", "deepseek-v4-tiny", "--batch-sizes", "2", "--tokens", "4",
-                        "--runs", "1", "--workloads", "free",
-                        "--set", "formcast.engine.models.deepseek_v4:DeepseekV4ForCausalLM.logits="
-                        "lambda self, h: -self.lm_head(self.model.norm(self.model.hc_head(h)))"
-                        ".float()")  # (B picks each row's least likely token)
-    assert "(outputs differ)" in out
-    with pytest.raises(AssertionError, match="has no _NO_SUCH_SWITCH"):
+                        "--runs", "1", "--workloads", "free", "--tuning", "detok_chore_tokens=None")
+    assert "B: detok_chore_tokens=None" in out and "(outputs differ)" not in out
+    with pytest.raises(AssertionError, match="no field 'no_such_switch'"):
         run_benchmark("engine_ab.py", smollm2_gguf, tmp_path, "--device", "cpu",
-                      "--set", "formcast.engine.engine:_NO_SUCH_SWITCH=1")
+                      "--tuning", "no_such_switch=1")

@@ -273,7 +273,7 @@ def test_draft_masks_stop_at_a_draft_that_ends_the_grammar():
     pytest.importorskip("xgrammar")
     from formcast.engine.hub import resolve_model
     from formcast.engine.speculative.proposers import fill_draft_masks
-    from formcast.engine.tokenizer import cached_gguf_tokenizer
+    from formcast.engine.tokenizer_files import cached_gguf_tokenizer
     from formcast.grammars import Regex, compile
 
     tok = cached_gguf_tokenizer(resolve_model("smollm2").path)

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
-from formcast.engine.tokenizer import (IncrementalDetokenizer, Tokenizer, _decoder_strips_space,
-                                       load_tokenizer)
+from formcast.engine.detokenizer import IncrementalDetokenizer
+from formcast.engine.tokenizer import Tokenizer, _decoder_strips_space
+from formcast.engine.tokenizer_files import load_tokenizer
 from formcast.errors import (CorruptModelError, ModelNotFoundError, RequestError,
                              UnsupportedModelError)
 
@@ -502,7 +503,7 @@ def test_gguf_tokenizer_is_cached_as_an_hf_folder_and_invalidated_by_changes(smo
     import os
     import shutil
 
-    from formcast.engine.tokenizer import cached_gguf_tokenizer
+    from formcast.engine.tokenizer_files import cached_gguf_tokenizer
 
     copy = tmp_path / smollm2_gguf.name
     shutil.copyfile(smollm2_gguf, copy)

@@ -171,7 +171,7 @@ def test_the_engines_acceptor_launches_its_rows_part_and_reports_failures(compil
     those rows give alone; a failed accept fails every row offered (-1, its
     error set), as the ordinary check does."""
     _worker_or_skip()
-    from formcast.engine.engine import _Acceptor
+    from formcast.engine.constraint_ops import Acceptor as _Acceptor
 
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
     rows = [_Row(digits.matcher()), _Row(None), _Row(digits.matcher()), _Row(digits.matcher())]

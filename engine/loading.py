@@ -1,0 +1,204 @@
+"""Loading a model for the engine: resolving the device, building the model
+from a checkpoint's weights (quantized on the CPU when asked), its runner and
+cache size, and the process settings an engine asks for.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+
+import torch
+
+from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
+from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
+from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
+from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
+from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
+                                                        state_bytes_per_token)
+from formcast.engine.models.llama import LlamaForCausalLM
+from formcast.engine.tokenizer import Tokenizer
+from formcast.engine.tokenizer_files import cached_gguf_tokenizer
+
+
+def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | None,
+         quantization: str | None) -> tuple[LlamaForCausalLM | DeepseekV4ForCausalLM, Tokenizer,
+                                            torch.device, str, str | None]:
+    """The model and tokenizer of ``name_or_path`` (see :meth:`Engine.from_pretrained`),
+    the device they are on, the model's name and the quantization its linears took."""
+    from formcast.engine.hub import resolve_model
+    from formcast.engine.loader import load_checkpoint
+
+    dev = resolve_device(device)
+    dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    source = resolve_model(name_or_path)
+    tokenizer = (cached_gguf_tokenizer(source.path) if source.kind == "gguf"
+                 else Tokenizer.from_hf_dir(source.path))
+    ckpt = load_checkpoint(source)
+    if quantization not in (None, "auto") + QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose 'auto', "
+                         f"{', '.join(map(repr, QUANTIZATIONS))} or None")
+    blocks = {}
+    if source.kind == "gguf" and dev.type == "cpu" and quantization in ("auto", "int4"):
+        blocks = fuse_int4_blocks(read_int4_blocks(source.path))
+    if quantization == "auto":
+        quantization = "int4" if blocks else None
+    model = build_model(ckpt.config, ckpt.weights, device=dev, dtype=dtype,
+                        quantization=quantization, int4_blocks=blocks)
+    return model, tokenizer, dev, source.name, quantization
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise ValueError(f"unknown device {device!r}: use 'auto', 'cpu' or 'cuda[:N]'") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available here")
+    return dev
+
+
+def build_model(config: LlamaConfig | DeepseekV4Config, weights: dict[str, torch.Tensor], *,
+                device: torch.device, dtype: torch.dtype, quantization: str | None = None,
+                int4_blocks: dict | None = None) -> LlamaForCausalLM | DeepseekV4ForCausalLM:
+    """Instantiate the model without random init, load weights, move to device/dtype,
+    and optionally quantize its linear layers ("int4" or "int8", CPU only, Llama only).
+
+    A DeepSeek-V4 model gets its MTP layer when ``weights`` hold ``mtp.0.*`` tensors,
+    and keeps in float32 what DeepSeek keeps there (norms, hyper-connection maps, sinks).
+    """
+    if quantization is not None and device.type != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on the CPU only; "
+                         f"use quantization=None on {device.type}")
+    if isinstance(config, DeepseekV4Config):
+        if quantization is not None:
+            raise ValueError(f"quantization={quantization!r} is not available for DeepSeek-V4; "
+                             "use quantization=None")
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(config, with_mtp=any(n.startswith("mtp.0.") for n in weights))
+        model.to_empty(device="cpu")
+        model.load_weights(weights)
+        return model.cast_(dtype).to(device).eval()
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.load_weights(weights)
+    model = model.to(device=device, dtype=dtype).eval()
+    if quantization is not None:
+        quantize_linears(model, quantization, blocks=int4_blocks)
+    return model
+
+
+def fuse_int4_blocks(blocks: dict[str, Int4Blocks]) -> dict[str, Int4Blocks]:
+    """A GGUF's per-projection 4-bit blocks (transformers names) under the engine's
+    layer names, fused as its Llama runs them (q, k, v -> qkv_proj; gate, up ->
+    gate_up_proj). A fused layer whose parts are not all 4-bit is left out (it is
+    quantized from float instead)."""
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    out: dict[str, Int4Blocks] = {}
+    for name in blocks:
+        stem, part, _ = name.rsplit(".", 2)  # "model.layers.0.mlp", "up_proj", "weight"
+        for layer, parts in fused.items():
+            if part == parts[0]:
+                names = [f"{stem}.{p}.weight" for p in parts]
+                if all(n in blocks for n in names):
+                    out[f"{stem}.{layer}"] = Int4Blocks.cat([blocks[n] for n in names])
+        if part in ("o_proj", "down_proj"):
+            out[f"{stem}.{part}"] = blocks[name]
+    return out
+
+
+def state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: torch.dtype,
+                  max_rollback: int) -> int:
+    """Admission blocks for a DeepSeek-V4 engine: the tokens whose growing state fits
+    in ``kv_cache_memory`` after every request's fixed part (windows, raw rows), capped
+    at what ``max_num_seqs`` full-length requests could use and at 2**16 blocks."""
+    bs = config.block_size
+    fixed = config.max_num_seqs * state_bytes_per_sequence(model_config, dtype, max_rollback)
+    free = max(config.kv_cache_memory - fixed, config.kv_cache_memory // 4)
+    fit = free // (bs * state_bytes_per_token(model_config, dtype))
+    longest = -(-min(config.max_model_len or model_config.max_position_embeddings,
+                     model_config.max_position_embeddings) // bs)
+    return max(1, min(fit, config.max_num_seqs * longest, 2 ** 16))
+
+
+def max_len(config: EngineConfig, model_config: LlamaConfig | DeepseekV4Config,
+            num_blocks: int) -> int:
+    """The longest sequence: the model's context, capped by the config and by the
+    cache (a sequence must always fit alone in it)."""
+    mpe = model_config.max_position_embeddings
+    return min(config.max_model_len or mpe, mpe, num_blocks * config.block_size)
+
+
+def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tokenizer,
+                 config: EngineConfig, *, device: torch.device, dtype: torch.dtype):
+    """The model runner for ``model``, its number of KV blocks, whether prefix
+    caching is on, and the MTP proposer when the model drafts with its own head.
+
+    Raises
+    ------
+    ValueError
+        Speculative method "mtp" for a model without an MTP layer.
+    """
+    from formcast.engine.cuda_graph import graph_ladder
+    from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
+    from formcast.engine.models.deepseek_v4_runner import DeepseekV4Runner
+    from formcast.engine.speculative.mtp import MTPProposer
+
+    mcfg, bs, spec = model.config, config.block_size, config.spec
+    mtp = None
+    if isinstance(model, DeepseekV4ForCausalLM):
+        max_rollback = max(16, spec.max_draft + 1)  # a whole rejected draft truncates
+        num_blocks = config.num_kv_blocks or state_blocks(config, mcfg, dtype, max_rollback)
+        # "auto" drafts on float32 engines only (see SpeculativeDecoder.draft_mode)
+        uses_mtp = len(model.mtp) > 0 and spec.enabled and (
+            spec.method == "mtp" or (spec.method == "auto" and dtype == torch.float32))
+        # per-request states, not paged KV: blocks only admit requests, nothing is shared
+        prefix_caching = False
+        runner = DeepseekV4Runner(model, max_rollback=max_rollback, keep_hidden=uses_mtp)
+        if uses_mtp:
+            mtp = MTPProposer(runner, valid_vocab_size=tokenizer.vocab_size)
+    else:
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_memory // kv_bytes_per_block(mcfg, bs, dtype))
+        prefix_caching = config.enable_prefix_caching
+        graph_sizes = graph_ladder(config.max_num_seqs) \
+            if config.cuda_graphs and device.type == "cuda" else ()
+        runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs, device=device,
+                             dtype=dtype, cuda_graph_sizes=graph_sizes,
+                             max_model_len=max_len(config, mcfg, num_blocks),
+                             sample_vocab=min(tokenizer.vocab_size, mcfg.vocab_size),
+                             max_prefill_tokens=config.max_num_batched_tokens,
+                             max_prefill_chunks=config.max_num_seqs, tuning=config.tuning)
+    if spec.enabled and spec.method == "mtp" and mtp is None:
+        raise ValueError("spec method 'mtp' needs a model with an MTP layer (a DeepSeek-V4 "
+                         "checkpoint with mtp.0.* weights); use 'prompt_lookup' or 'auto'")
+    return runner, num_blocks, prefix_caching, mtp
+
+
+def settle_process(config: EngineConfig, device: torch.device) -> None:
+    """The process-wide settings an engine asks for as it is built: torch's CPU
+    threads (``num_threads``), and the heap moved out of the collector's way
+    (``freeze_gc``)."""
+    if config.num_threads is not None and device.type == "cpu":
+        torch.set_num_threads(config.num_threads)
+    freeze = config.freeze_gc
+    if freeze if freeze is not None else device.type == "cuda":
+        gc.collect()
+        gc.freeze()
+        _unfreeze_at_exit()
+
+
+@functools.cache
+def _unfreeze_at_exit() -> None:
+    """Hand frozen objects back to the collector when the interpreter exits: its
+    last collection skips the permanent generation, and extension modules that
+    count their objects at shutdown (Triton's, through nanobind) would report
+    every one of them as leaked."""
+    atexit.register(gc.unfreeze)
