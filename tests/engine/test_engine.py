@@ -898,7 +898,7 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
         return out
 
     monkeypatch.setattr(pipeline_module, "unpremask", spied)
-    premasked, engine = run(async_scheduling=True, native_accept=path == "native")
+    premasked, engine = run(async_scheduling=True, native_accept=path == "native", tuning=tuning)
     assert premasked == masked
     assert engine.stats.num_premasked_picks > 20 and engine.stats.num_refused_picks > 0
     if path != "host":
@@ -907,8 +907,8 @@ def test_premasked_picks_give_the_masked_outputs(smollm2_engine, monkeypatch, pa
         assert engine.stats.num_native_accepts > 5
 
     def interrupted(**config):  # a request joins (the pipeline drains), another is aborted
-        engine = Engine(model, tok, config=EngineConfig(tuning=tuning, max_num_seqs=16, num_kv_blocks=160,
-                                                        spec="none", **config),
+        engine = Engine(model, tok, config=EngineConfig(tuning=tuning, max_num_seqs=16,
+                                                        num_kv_blocks=160, spec="none", **config),
                         device=torch.device("cpu"))
         ids = [engine.add_request(p, greedy, constraint=compiled.matcher()) for p in prompts]
         done, steps = {}, 0
