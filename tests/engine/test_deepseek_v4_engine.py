@@ -76,7 +76,7 @@ def test_configs_cover_every_part(folders):
         assert not eng.prefix_caching and not eng.block_manager.enable_prefix_caching
         assert eng.tokenizer.vocab_size == eng.model.config.vocab_size
         # "auto" drafts with the MTP layer where the model has one
-        assert (engine(folders, name, spec="auto")._mtp is not None) == (name in WITH_MTP)
+        assert (engine(folders, name, spec="auto").speculative.mtp is not None) == (name in WITH_MTP)
 
 
 @pytest.mark.parametrize("budget", [2048, 5, 1], ids=["prefill", "chunked", "decode"])
