@@ -416,9 +416,12 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
     def run(asynchronous: bool):
         engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none")
         dropped = [0]
-        drop = engine.pipeline.lane.drop_ahead
-        engine.pipeline.lane.drop_ahead = lambda: (dropped.__setitem__(0, dropped[0] + (engine.pipeline.lane.ahead is not None)),
-                                      drop())
+        assert (engine.pipeline is not None) == asynchronous
+        if asynchronous:
+            lane = engine.pipeline.lane
+            drop = lane.drop_ahead
+            lane.drop_ahead = lambda: (dropped.__setitem__(0, dropped[0] + (lane.ahead is not None)),
+                                       drop())
         ids = [engine.add_request(p, sp, constraint=compiled.matcher() if c else None)
                for p, sp, c in work[:4]]
         victim = engine.add_request(chat(smollm2_engine, "Write a long poem."),
@@ -431,9 +434,10 @@ def test_async_scheduling_gives_the_synchronous_outputs(smollm2_engine, monkeypa
                 ids += [engine.add_request(p, sp) for p, sp, _ in work[4:]]
             if steps == 9:
                 assert engine.abort_request(victim)
-        assert engine.pipeline.inflight is None and engine.pipeline.lane.ahead is None
+        if asynchronous:
+            assert engine.pipeline.inflight is None and engine.pipeline.lane.ahead is None
+            assert engine.pipeline.accept.pool is not None
         assert (engine.stats.num_pipelined_steps > 20) == asynchronous
-        assert (engine.pipeline.accept.pool is not None) == asynchronous
         # steps launched before the last one's tokens were appended (every pick
         # taken, none ending its request), and some dropped when rows changed
         assert (engine.stats.num_launched_ahead > 0) == asynchronous
@@ -464,8 +468,9 @@ def test_pipelined_rows_ending_on_length_end_where_synchronous_ones_do(smollm2_e
     def run(asynchronous: bool):
         engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none")
         quiet = []
-        room_of = engine.pipeline.room_of
-        engine.pipeline.room_of = lambda seqs: quiet.append(room_of(seqs)) or quiet[-1]
+        if asynchronous:
+            room_of = engine.pipeline.room_of
+            engine.pipeline.room_of = lambda seqs: quiet.append(room_of(seqs)) or quiet[-1]
         outs = engine.generate(
             [chat(smollm2_engine, f"Write {n} words about rivers.") for n in budgets],
             [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in budgets],
@@ -605,9 +610,12 @@ def test_unmasked_greedy_picks_give_the_masked_outputs(smollm2_engine, monkeypat
         drained = []
         settle = engine.output.settle_on_host
         engine.output.settle_on_host = lambda *a: (drained.append(len(a[0])), settle(*a))
-        take_begin, engine.filled_ahead = engine.pipeline.taker.begin, []
-        engine.pipeline.taker.begin = lambda *a, **k: (
-            taking := take_begin(*a, **k), engine.filled_ahead.append(taking.ahead is not None))[0]
+        engine.filled_ahead = []
+        if asynchronous:
+            take_begin = engine.pipeline.taker.begin
+            engine.pipeline.taker.begin = lambda *a, **k: (
+                taking := take_begin(*a, **k),
+                engine.filled_ahead.append(taking.ahead is not None))[0]
         ids = [engine.add_request(chat(engine, t), greedy, constraint=compiled.matcher())
                for t in texts[:4]]
         ids.append(engine.add_request(chat(engine, "Name two rivers."), greedy,
@@ -1064,6 +1072,10 @@ def test_steps_launched_ahead_give_the_synchronous_outputs(smollm2_engine, monke
         engine = variant(smollm2_engine, tuning=tuning, async_scheduling=asynchronous, spec="none",
                          unmasked_greedy=asynchronous)
         counts = {"ahead_with_refused": 0, "lowered": 0}
+        if not asynchronous:
+            outs = engine.generate([chat(engine, t) for t in texts], greedy,
+                                   constraints=[compiled.matcher() for _ in texts])
+            return [(o.token_ids, o.finish_reason) for o in outs], counts, engine
         launch = engine.pipeline.launch_sampled
         switches = engine.pipeline.accept.quick_switches
 
@@ -1214,7 +1226,7 @@ def test_a_large_batchs_first_tokens_go_in_flight_as_an_ordinary_step_picks_them
             first = engine.step()
             assert engine.stats.num_pipelined_steps == 1
         else:
-            assert engine.pipeline.inflight is None
+            assert engine.pipeline is None
         assert sorted(o.request_id for o in first) == sorted(ids)
         seqs = [engine.output.requests[r] for r in ids[:6]]
         assert all(len(s.output_ids) == 1 for s in seqs)
@@ -1249,7 +1261,7 @@ def test_requests_aborted_or_arriving_while_a_batchs_first_tokens_are_in_flight(
         engine = variant(smollm2_engine, async_scheduling=asynchronous, spec="none")
         ids = [engine.add_request(p, greedy) for p in prompts]
         done = {o.request_id: o for o in engine.step() if o.finished}
-        assert (engine.pipeline.inflight is not None) == asynchronous
+        assert (engine.pipeline is not None and engine.pipeline.inflight is not None) == asynchronous
         gone = engine.abort_request(ids[3])
         late = engine.add_request(chat(smollm2_engine, "Name a colour."), greedy)
         while engine.has_unfinished_requests():
@@ -1589,7 +1601,7 @@ def test_a_batch_of_greedy_constrained_rows_sorts_as_any_batch_does(smollm2_engi
     def both(rows):
         fast = engine.pipeline.rows.sort(live, rows)
         with monkeypatch.context() as m:
-            m.setattr(engine, "_all_greedy_constrained", lambda _live: False)
+            m.setattr(engine.pipeline.rows, "all_greedy_constrained", lambda _live: False)
             return fast, engine.pipeline.rows.sort(live, rows)
 
     for _ in range(12):
