@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from formcast.grammars.native_log import native_log
 from formcast.grammars.schema_coverage import SchemaCoverage
 from formcast.grammars.schema_prepare import prepare
 from formcast.grammars.vocab import TokenizerLike, Vocabulary
+
+if TYPE_CHECKING:     # importing it loads xgrammar, which a compiler may never use
+    from formcast.grammars.backends.xgrammar.tuning import XGrammarTuning
 
 BACKENDS = ("xgrammar", "outlines-core")
 EndCheck = Callable[[bytes], EndViolation | None]
@@ -50,50 +54,91 @@ def _backend_class(name: str) -> type[Backend]:
     raise ValueError(f"unknown grammar backend {name!r}; choose 'auto' or one of {BACKENDS}")
 
 
+class _Job:
+    """A queued compile: its future and when a worker took it up."""
+
+    __slots__ = ("future", "fn", "args", "started", "started_at", "abandoned")
+
+    def __init__(self, fn: Callable, args: tuple) -> None:
+        self.future: cf.Future = cf.Future()
+        self.fn = fn
+        self.args = args
+        self.started = threading.Event()
+        self.started_at = 0.0
+        self.abandoned = False
+
+
 class _DaemonPool:
     """Worker threads that never keep the process alive.
 
     A compile that misses its deadline cannot be stopped (it runs in C++); on daemon
     threads it at least does not block interpreter exit, as a ThreadPoolExecutor's
-    joined workers would.
+    joined workers would. Its caller gives it up (:meth:`abandon`) and a spare thread
+    takes its place, so that later compiles do not queue behind it; at most
+    ``spares`` such threads run at once.
     """
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, spares: int) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._workers = workers
-        self._threads: list[threading.Thread] = []
+        self._spares = spares
+        self._live = 0            # threads started and not yet ended
+        self._abandoned = 0       # jobs given up by their callers, still running
         self._lock = threading.Lock()
 
-    def submit(self, fn, *args) -> cf.Future:
-        future: cf.Future = cf.Future()
+    def _wanted(self) -> int:
+        return self._workers + min(self._abandoned, self._spares)
+
+    def _start_thread(self) -> None:
+        """Start one worker (the lock held)."""
+        self._live += 1
+        threading.Thread(target=self._run, daemon=True,
+                         name=f"formcast-grammar-{self._live}").start()
+
+    def submit(self, fn: Callable, *args: object) -> _Job:
+        job = _Job(fn, args)
         with self._lock:
-            if not self._threads:
-                self._threads = [threading.Thread(target=self._run, daemon=True,
-                                                  name=f"formcast-grammar-{i}")
-                                 for i in range(self._workers)]
-                for t in self._threads:
-                    t.start()
-        self._jobs.put((future, fn, args))
-        return future
+            while self._live < self._wanted():
+                self._start_thread()
+        self._jobs.put(job)
+        return job
+
+    def abandon(self, job: _Job) -> None:
+        """Let a spare thread stand in for ``job``'s worker until the job ends."""
+        with self._lock:
+            if job.abandoned or job.future.done():
+                return
+            job.abandoned = True
+            self._abandoned += 1
+            while self._live < self._wanted():
+                self._start_thread()
 
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
+                with self._lock:
+                    self._live -= 1
                 return
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
+            if not job.future.set_running_or_notify_cancel():
                 continue
+            job.started_at = time.monotonic()
+            job.started.set()
             try:
-                future.set_result(fn(*args))
+                job.future.set_result(job.fn(*job.args))
             except BaseException as exc:  # handed to the waiting caller
-                future.set_exception(exc)
+                job.future.set_exception(exc)
+            with self._lock:
+                if job.abandoned:
+                    self._abandoned -= 1
+                    if self._live > self._wanted():   # a spare is no longer needed
+                        self._live -= 1
+                        return
 
     def shutdown(self) -> None:
         with self._lock:
-            for _ in self._threads:
+            for _ in range(self._live):
                 self._jobs.put(None)
-            self._threads = []
 
 
 @dataclass(frozen=True, kw_only=True, eq=False)
@@ -183,20 +228,32 @@ class GrammarCompiler:
     cache_bytes : int
         Budget of the compile cache (default 512 MiB).
     timeout_s : float
-        Default compile deadline in seconds (default 10).
+        Default compile deadline in seconds (default 10). It counts a compile's own
+        running time, not the time it waited for a worker.
     max_workers : int
         Compile threads.
+    spare_workers : int
+        Threads that may stand in for workers still busy with compiles that missed
+        their deadline (they cannot be stopped), so that later compiles do not wait
+        for them.
+    xgrammar_tuning : XGrammarTuning or None
+        Passed to every xgrammar backend this compiler makes (None: its defaults).
     """
 
     def __init__(self, *, cache_bytes: int = DEFAULT_CACHE_BYTES,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, max_workers: int = 2) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_workers: int = 2,
+                 spare_workers: int = 4, xgrammar_tuning: XGrammarTuning | None = None) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_workers < 1 or spare_workers < 0:
+            raise ValueError(f"max_workers must be >= 1 and spare_workers >= 0, got "
+                             f"{max_workers} and {spare_workers}")
         self.timeout_s = timeout_s
+        self.xgrammar_tuning = xgrammar_tuning
         self.cache: ByteBoundedLRU[CompiledGrammar] = ByteBoundedLRU(cache_bytes)
-        self._pool = _DaemonPool(max_workers)
+        self._pool = _DaemonPool(max_workers, spare_workers)
         self._lock = threading.Lock()
-        self._inflight: dict[tuple, cf.Future] = {}
+        self._inflight: dict[tuple, _Job] = {}
         self._vocabs: OrderedDict[tuple[str, int], Vocabulary] = OrderedDict()
         self._backends: OrderedDict[tuple[str, str], Backend] = OrderedDict()
 
@@ -266,15 +323,20 @@ class GrammarCompiler:
             raise ConstraintError(hit.message)
         if hit is not None:
             return hit
+        arrived = time.monotonic()
         with self._lock:
-            future = self._inflight.get(key)
-            if future is None:
-                future = self._inflight[key] = self._pool.submit(self._compile_job, key,
-                                                                 constraint, vocab, name)
+            job = self._inflight.get(key)
+            if job is None:
+                job = self._inflight[key] = self._pool.submit(self._compile_job, key,
+                                                              constraint, vocab, name)
         deadline = self.timeout_s if timeout_s is None else timeout_s
+        # the deadline counts the compile's own time, not time queued behind others
+        job.started.wait()
+        left = deadline - (time.monotonic() - max(arrived, job.started_at))
         try:
-            compiled = future.result(timeout=deadline)
+            compiled = job.future.result(timeout=max(left, 0.0))
         except cf.TimeoutError:
+            self._pool.abandon(job)
             message = (f"compiling the {constraint.kind} constraint took longer than "
                        f"{deadline:g} s; simplify it or raise the deadline")
             if self.cache.get(key) is None:
@@ -314,7 +376,10 @@ class GrammarCompiler:
             if found is not None:
                 self._backends.move_to_end(key)
                 return found
-        made = _backend_class(name)(vocab)
+        if name == "xgrammar":
+            made = _backend_class(name)(vocab, tuning=self.xgrammar_tuning)
+        else:
+            made = _backend_class(name)(vocab)
         with self._lock:
             made = self._backends.setdefault(key, made)
             while len(self._backends) > _MAX_BACKENDS:

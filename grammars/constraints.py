@@ -127,6 +127,8 @@ class JsonSchema(Constraint):
             return json.dumps(self.schema, ensure_ascii=False, separators=(",", ":"))
         except (TypeError, ValueError) as exc:
             raise ConstraintError(f"schema is not JSON-serialisable: {exc}") from exc
+        except RecursionError:
+            raise ConstraintError("#: the schema is nested too deeply to serialise") from None
 
     @property
     def canonical_text(self) -> str:

@@ -154,3 +154,44 @@ def test_vocabulary_of_a_tokenizer_is_cached(compiler, smollm2_tokenizer):
     assert compiler.vocabulary(smollm2_tokenizer, 49216) is not a
     assert all(a.token_bytes[i] == b"" for i in smollm2_tokenizer.special_token_ids)
     assert a.segment("hello world".encode()) is not None
+
+
+class StallingCompiler(GrammarCompiler):
+    """Builds of regexes starting with "stall" take ``stall_s``; others are real."""
+
+    def __init__(self, *, stall_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.stall_s = stall_s
+
+    def _build(self, constraint, *args):
+        if constraint.pattern.startswith("stall"):
+            time.sleep(self.stall_s)
+        return super()._build(constraint, *args)
+
+
+@pytest.mark.parametrize("spares", [4, 0])
+def test_time_behind_compiles_that_missed_their_deadline_is_not_charged(tiny_vocab, spares):
+    """With spares a later compile runs at once; without, it waits for a worker, and
+    the wait does not count against its deadline either."""
+    c = StallingCompiler(stall_s=2.0, timeout_s=0.3, max_workers=2, spare_workers=spares)
+    for pattern in ("stall1", "stall2"):           # both workers stay busy for 2 s
+        with pytest.raises(ConstraintError, match="longer than"):
+            c.compile(Regex(pattern), tiny_vocab)
+    assert c.compile(Regex("[a-c]+"), tiny_vocab).constraint == Regex("[a-c]+")
+    c.close()
+
+
+def test_xgrammar_tuning_reaches_the_backend(tiny_vocab):
+    from formcast.grammars.backends.xgrammar import XGrammarTuning
+
+    tuning = XGrammarTuning(text_masks=False)
+    c = GrammarCompiler(xgrammar_tuning=tuning)
+    compiled = c.compile(Regex("[a-c]+"), tiny_vocab)
+    assert compiled.grammar.backend.tuning is tuning
+    c.close()
+
+
+@pytest.mark.parametrize("kw", [{"max_workers": 0}, {"spare_workers": -1}])
+def test_bad_pool_sizes_are_refused(kw):
+    with pytest.raises(ValueError):
+        GrammarCompiler(**kw)

@@ -15,7 +15,7 @@ import jsonschema
 import jsonschema.validators
 import pytest
 
-from formcast import ConstraintError
+from formcast import ConstraintError, grammars
 from formcast.grammars import JsonSchema, explain
 
 from .conftest import EOS, bit_set
@@ -213,9 +213,11 @@ def test_deep_nesting_is_a_constraint_error_not_a_recursion_error(compiler, tiny
     schema: dict = {"type": "integer"}
     for _ in range(depth):
         schema = {"type": "array", "items": schema}
-    with pytest.raises(ConstraintError, match="nested"):
-        compiler.compile(JsonSchema(text), tiny_vocab)
     for given in (text, schema):
+        with pytest.raises(ConstraintError, match="nested"):
+            compiler.compile(JsonSchema(given), tiny_vocab)
+        with pytest.raises(ConstraintError, match="nested"):
+            grammars.compile(JsonSchema(given), tiny_vocab)
         with pytest.raises(ConstraintError, match="nested"):
             explain(given)
 
