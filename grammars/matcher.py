@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from formcast.engine.constraint import accept_forced_tokens, bitmask_words
+from formcast.engine.constraint import BaseConstraint, accept_forced_tokens, bitmask_words
 
 
-class Matcher(ABC):
+class Matcher(BaseConstraint):
     """Grammar state of one request; implements :class:`formcast.engine.LogitsConstraint`.
 
     ``rollback`` counts steps: one per accepted token, one per :meth:`accept_text`.
