@@ -2,11 +2,17 @@
 
 The engine imports no grammar library: it drives any object that implements
 :class:`LogitsConstraint`. ``formcast.grammars`` provides the real matchers.
+What a constraint may do beyond the protocol (fill or accept many rows in one
+call, answer how wide its next choice is, fork, explain a dead end) is typed by
+:class:`BaseConstraint`, whose defaults do what the engine does without them;
+the engine finds a class's operations once per class with :func:`ops_for`, so a
+bare :class:`LogitsConstraint` works unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -195,6 +201,7 @@ class BaseConstraint(ABC):
         """Tokens to roll back to leave a dead end an end check caused (0: none)."""
         return 0
 
+    @property
     def last_violation(self) -> str | None:
         """Why the finished value failed its end check, for the error (None: it did not)."""
         return None
@@ -250,7 +257,7 @@ class ConstraintOps:
     forces_text: Callable[[Any], bool]
     narrow_choice: Callable[[Any], bool]
     rollback_hint: Callable[[Any], int]
-    last_violation: Callable[[Any], "str | None"]
+    last_violation: Callable[[Any], "str | None"]  # (the attribute's value)
     take_forced_tokens: Callable[[Any, int], list[int]]
     fork: Callable[[Any], Any]
 
@@ -280,7 +287,7 @@ def ops_for(kind: type) -> ConstraintOps:
         batch_acceptor=own("batch_acceptor", kind.batch_acceptor),
         prepare=own("prepare", kind.prepare), tidy=own("tidy", kind.tidy),
         forces_text=kind.forces_text, narrow_choice=kind.narrow_choice,
-        rollback_hint=kind.rollback_hint, last_violation=kind.last_violation,
+        rollback_hint=kind.rollback_hint, last_violation=operator.attrgetter("last_violation"),
         take_forced_tokens=kind.take_forced_tokens, fork=kind.fork)
 
 
