@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from formcast.engine.block_manager import BlockManager
-from formcast.engine.constraint import LogitsConstraint
+from formcast.engine.constraint import LogitsConstraint, ops_for
 from formcast.engine.sequence import Sequence
 from formcast.engine.tuning import EngineTuning
 
@@ -81,7 +81,7 @@ class HostChores:
         kept = self._tidy_hooks
         if kept is None or kept[0] != seqs:  # (identity compares, in C)
             kinds = {type(s.constraint) for s in seqs if s.constraint is not None}
-            hooks = [h for h in (getattr(k, "tidy", None) for k in kinds) if h is not None]
+            hooks = [h for h in (ops_for(k).tidy for k in kinds) if h is not None]
             kept = self._tidy_hooks = (list(seqs), hooks)
         for hook in kept[1]:
             try:

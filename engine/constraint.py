@@ -2,11 +2,21 @@
 
 The engine imports no grammar library: it drives any object that implements
 :class:`LogitsConstraint`. ``formcast.grammars`` provides the real matchers.
+What a constraint may do beyond the protocol (fill or accept many rows in one
+call, answer how wide its next choice is, fork, explain a dead end) is typed by
+:class:`BaseConstraint`, whose defaults do what the engine does without them;
+the engine finds a class's operations once per class with :func:`ops_for`, so a
+bare :class:`LogitsConstraint` works unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import functools
+import operator
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -42,62 +52,249 @@ class LogitsConstraint(Protocol):
         """How many leading tokens of ``draft`` the constraint allows (state unchanged)."""
 
 
-# Optional: a constraint class may offer ``fill_bitmasks(constraints, bitmask, rows)``
-# (a static or class method) that fills ``bitmask[rows[i]]`` for each of several of its
-# instances in one call, writing those rows whole (every word: the engine does not
-# clear them first). On CUDA the engine uses it for a step's rows of that class
-# (falling back to ``fill_bitmask`` row by row, on cleared rows, if it raises).
-#
-# Optional: ``fill_distinct_bitmasks(constraints, bitmask) -> list[int] | None`` (a
-# static or class method) fills one row of ``bitmask`` per distinct state among
-# several of its instances, rows ``0..k-1`` written whole, and returns the row
-# holding each instance's mask (None: row ``i`` is instance ``i``'s). On CUDA the
-# engine prefers it to ``fill_bitmasks`` when a step's constrained rows are all of
-# that class: the device then reads the shared rows where they are.
-#
-# Optional: ``accept_tokens(constraints, tokens) -> list[int]`` (static or class
-# method) accepts ``tokens[i]`` into ``constraints[i]`` for several instances in one
-# call, giving per row 0 (refused, state unchanged), 1 (taken) or 2 (taken, and the
-# constraint is now terminated). The engine uses it for the unmasked greedy picks of
-# a pipelined step; if it raises, every constraint in the call fails its request.
-#
-# Optional: ``forces_text() -> bool`` (a method): whether the constraint fixes the
-# next bytes of text whatever token comes (a JSON key, punctuation). A greedy request
-# masked since its model's pick broke the grammar goes back to unmasked picks once its
-# masked picks are the model's own argmax; the engine does not count an agreement
-# where this is True, which shows nothing of how well the model follows the grammar.
-#
-# Optional: ``narrow_choice() -> bool`` (a method): whether the constraint allows
-# fewer than half of the vocabulary's tokens next (punctuation, a number's digits;
-# forced text among them). When a constraint has it, the engine asks it rather than
-# ``forces_text``: an agreement counts only where the choice is wide (inside a JSON
-# string), since the row's next pick goes unmasked, and where the grammar leaves few
-# tokens that pick is often refused.
-#
-# Optional: ``batch_acceptor(constraints) -> Callable[[list[int]], list[int]]``
-# (static or class method) prepares ``accept_tokens`` for a fixed list of its
-# instances: the engine calls the answer once a step, with that step's tokens, for
-# as many steps as the same rows run (the steady state of a large batch), so the
-# per-instance preparation is paid once. Verdicts and failures as ``accept_tokens``.
-#
-# Optional: ``prepare(constraints)`` (static or class method) readies several of its
-# instances for their first step (xgrammar's matchers fork their grammar's start
-# state then, not when made). The engine calls it for the step that launches their
-# requests' prefill, once that step is on its way to the device.
+class BatchAcceptor:
+    """A prepared accept of one token by each of a fixed list of constraints
+    (what :meth:`BaseConstraint.batch_acceptor` gives): called with a token per
+    constraint, it changes their states and gives per row 0 (refused, state
+    unchanged), 1 (taken) or 2 (taken, and the constraint is now terminated)."""
+
+    __slots__ = ()
+
+    def __call__(self, tokens: list[int]) -> list[int]:
+        raise NotImplementedError
+
+    def subset(self, rows: list[int]) -> "BatchAcceptor | None":
+        """This accept for the constraints at ``rows`` only, made from its
+        preparation; None (the default) when it cannot (the engine then asks the
+        class for a fresh one)."""
+        return None
+
+    def launch(self, host: torch.Tensor, cols: list[int], poll: Any) -> Any:
+        """This accept of the tokens at columns ``cols`` of ``host`` (``[2, B]``
+        int64: tokens, then dead-end flags) run off the interpreter as soon as
+        ``poll`` says they landed: a job with ``done``, ``wait`` and ``result``
+        (the verdicts, or None when a row failed to sample). None (the default):
+        the engine checks the tokens itself."""
+        return None
 
 
-# Optional: ``take_forced_tokens(limit) -> list[int]`` (a method) accepts the tokens
-# the constraint fixes from here, at most ``limit``, and returns them (the engine's
-# jump-forward at a request's start, ``EngineConfig.jump_forward``): a class may take
-# them faster than :func:`accept_forced_tokens` does (xgrammar's new matchers fork a
-# matcher that took their grammar's opening).
+class CallableAcceptor(BatchAcceptor):
+    """A plain function of the tokens as a :class:`BatchAcceptor` (no subsets, no launch)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[list[int]], list[int]]) -> None:
+        self.fn = fn
+
+    def __call__(self, tokens: list[int]) -> list[int]:
+        return self.fn(tokens)
+
+
+def as_acceptor(prepared: Any) -> BatchAcceptor:
+    """``prepared`` (a ``batch_acceptor``'s answer) as a :class:`BatchAcceptor`."""
+    return prepared if isinstance(prepared, BatchAcceptor) else CallableAcceptor(prepared)
+
+
+class BaseConstraint(ABC):
+    """The typed optional side of the contract: a :class:`LogitsConstraint` with
+    the batch operations of its class and the per-instance hooks the engine may
+    use, each with a default that does what the engine does without it.
+
+    A constraint need not derive from it: the engine drives any
+    :class:`LogitsConstraint` with these defaults (see :func:`ops_for`). A class
+    overrides what it can do faster or knows better; the class-level ones may be
+    class or static methods.
+    """
+
+    __slots__ = ()
+
+    @abstractmethod
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """As :meth:`LogitsConstraint.fill_bitmask`."""
+
+    @abstractmethod
+    def accept(self, token_id: int) -> bool:
+        """As :meth:`LogitsConstraint.accept`."""
+
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """As :meth:`LogitsConstraint.rollback`."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """As :meth:`LogitsConstraint.is_terminated`."""
+
+    @abstractmethod
+    def forced_tokens(self) -> list[int]:
+        """As :meth:`LogitsConstraint.forced_tokens`."""
+
+    @abstractmethod
+    def valid_prefix(self, draft: list[int]) -> int:
+        """As :meth:`LogitsConstraint.valid_prefix`."""
+
+    # -- class-level batch operations --------------------------------------------
+
+    @classmethod
+    def fill_bitmasks(cls, constraints: list, bitmask: torch.Tensor,
+                      rows: list[int]) -> None:
+        """Fill ``bitmask[rows[i]]`` for ``constraints[i]``, each row written whole
+        (the engine does not clear them first). On CUDA the engine uses it for a
+        step's rows of the class; if it raises, the rows are cleared and filled
+        one by one so only a broken constraint fails. Default: that loop."""
+        rows = list(rows)
+        bitmask[rows] = 0
+        for constraint, row in zip(constraints, rows):
+            constraint.fill_bitmask(bitmask, row)
+
+    @classmethod
+    def fill_distinct_bitmasks(cls, constraints: list, bitmask: torch.Tensor
+                               ) -> list[int] | None:
+        """Fill one row of ``bitmask`` per distinct state among ``constraints``
+        (rows ``0..k-1`` written whole) and give the row holding each one's mask
+        (None: row ``i`` is constraint ``i``'s). Preferred on CUDA when a step's
+        constrained rows are all of the class. Default: :meth:`fill_bitmasks`."""
+        cls.fill_bitmasks(constraints, bitmask, list(range(len(constraints))))
+        return None
+
+    @classmethod
+    def accept_tokens(cls, constraints: list, tokens: list[int]) -> list[int]:
+        """Accept ``tokens[i]`` into ``constraints[i]``: per row 0 (refused, state
+        unchanged), 1 (taken) or 2 (taken, now terminated). Used for a pipelined
+        step's unmasked greedy picks; if it raises, every constraint of the call
+        fails its request. Default: one ``accept`` per row."""
+        return [0 if not c.accept(t) else 2 if c.is_terminated() else 1
+                for c, t in zip(constraints, tokens)]
+
+    @classmethod
+    def batch_acceptor(cls, constraints: list) -> BatchAcceptor:
+        """:meth:`accept_tokens` prepared for a fixed list of constraints, called
+        once a step for as long as the same rows run (the per-constraint
+        preparation paid once). Verdicts and failures as :meth:`accept_tokens`."""
+        constraints = list(constraints)
+        return CallableAcceptor(lambda tokens: cls.accept_tokens(constraints, tokens))
+
+    @classmethod
+    def prepare(cls, constraints: list) -> None:
+        """Ready ``constraints`` for their first step; the engine calls it once
+        their prefill is on its way to the device. Default: nothing."""
+
+    @classmethod
+    def tidy(cls) -> None:
+        """Housekeeping the engine runs while the device is busy. Default: nothing."""
+
+    # -- per-instance hooks ------------------------------------------------------
+
+    def forces_text(self) -> bool:
+        """Whether the next bytes of text are fixed whatever token comes (a JSON
+        key, punctuation): a masked pick that meets the model's argmax there shows
+        nothing of how well the model follows the grammar, and does not end the
+        row's masking. Default: False."""
+        return False
+
+    def narrow_choice(self) -> bool:
+        """Whether fewer than half of the vocabulary's tokens are allowed next
+        (forced text among them): as :meth:`forces_text`, an agreement there does
+        not end a row's masking. Default: :meth:`forces_text`."""
+        return self.forces_text()
+
+    def rollback_hint(self) -> int:
+        """Tokens to roll back to leave a dead end an end check caused (0: none)."""
+        return 0
+
+    @property
+    def last_violation(self) -> str | None:
+        """Why the finished value failed its end check, for the error (None: it did not)."""
+        return None
+
+    def take_forced_tokens(self, limit: int) -> list[int]:
+        """Accept the tokens the constraint fixes from here, at most ``limit``,
+        and give them (the engine's jump-forward at a request's start). Default:
+        :func:`accept_forced_tokens`."""
+        return accept_forced_tokens(self, limit)
+
+    def fork(self) -> LogitsConstraint | None:
+        """An independent copy in the same state (draft masks are made on one);
+        None (the default): the constraint cannot fork."""
+        return None
+
+
+def _false(_constraint: Any) -> bool:
+    return False
+
+
+def _zero(_constraint: Any) -> int:
+    return 0
+
+
+def _none(_constraint: Any) -> None:
+    return None
+
+
+def _overrides(kind: type, name: str) -> bool:
+    """Whether ``kind`` defines ``name`` below :class:`BaseConstraint`."""
+    for klass in kind.__mro__:
+        if name in klass.__dict__:
+            return klass is not BaseConstraint
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class ConstraintOps:
+    """The optional operations of one constraint class, resolved once.
+
+    Batch operations are None where the class keeps :class:`BaseConstraint`'s
+    default (a bare :class:`LogitsConstraint` always does): the engine then
+    loops over the rows itself, so that one failing constraint fails its own
+    request only. Per-instance hooks are plain functions of the constraint.
+    """
+
+    fill_bitmasks: Callable | None
+    fill_distinct_bitmasks: Callable | None
+    accept_tokens: Callable | None
+    batch_acceptor: Callable | None
+    prepare: Callable | None
+    tidy: Callable | None
+    forces_text: Callable[[Any], bool]
+    narrow_choice: Callable[[Any], bool]
+    rollback_hint: Callable[[Any], int]
+    last_violation: Callable[[Any], "str | None"]  # (the attribute's value)
+    take_forced_tokens: Callable[[Any, int], list[int]]
+    fork: Callable[[Any], Any]
+
+
+def _bare_ops() -> ConstraintOps:
+    """The operations of a class that is only a :class:`LogitsConstraint`."""
+    return ConstraintOps(None, None, None, None, None, None, forces_text=_false,
+                         narrow_choice=_false, rollback_hint=_zero, last_violation=_none,
+                         take_forced_tokens=accept_forced_tokens, fork=_none)
+
+
+@functools.cache
+def ops_for(kind: type) -> ConstraintOps:
+    """The optional operations of constraint class ``kind``, resolved once per
+    class: its own for a :class:`BaseConstraint`, the defaults for a bare
+    :class:`LogitsConstraint`."""
+    if not issubclass(kind, BaseConstraint):
+        return _bare_ops()
+
+    def own(name: str, hook: Callable) -> Callable | None:
+        return hook if _overrides(kind, name) else None
+
+    return ConstraintOps(
+        fill_bitmasks=own("fill_bitmasks", kind.fill_bitmasks),
+        fill_distinct_bitmasks=own("fill_distinct_bitmasks", kind.fill_distinct_bitmasks),
+        accept_tokens=own("accept_tokens", kind.accept_tokens),
+        batch_acceptor=own("batch_acceptor", kind.batch_acceptor),
+        prepare=own("prepare", kind.prepare), tidy=own("tidy", kind.tidy),
+        forces_text=kind.forces_text, narrow_choice=kind.narrow_choice,
+        rollback_hint=kind.rollback_hint, last_violation=operator.attrgetter("last_violation"),
+        take_forced_tokens=kind.take_forced_tokens, fork=kind.fork)
 
 
 def take_forced_tokens(constraint: LogitsConstraint, limit: int) -> list[int]:
     """The tokens ``constraint`` fixes from here, at most ``limit``, accepted into
-    it: its ``take_forced_tokens`` hook's, else :func:`accept_forced_tokens`."""
-    hook = getattr(constraint, "take_forced_tokens", None)
-    return list(hook(limit)) if hook is not None else accept_forced_tokens(constraint, limit)
+    it: its class's ``take_forced_tokens``, else :func:`accept_forced_tokens`."""
+    return list(ops_for(type(constraint)).take_forced_tokens(constraint, limit))
 
 
 def accept_forced_tokens(constraint: LogitsConstraint, limit: int) -> list[int]:

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from formcast.engine.constraint import as_acceptor, ops_for
 from formcast.engine.sampler import FilledMasks, Sampler
 from formcast.engine.sequence import Sequence
 
@@ -34,13 +35,13 @@ def accept_batch(seqs: list[Sequence], tokens: list[int]) -> list[int]:
     constraints = [seq.constraint for seq in seqs]
     kinds = set(map(type, constraints))
     if len(kinds) == 1:  # (the usual batch: one kind of constraint, one call)
-        many = getattr(kinds.pop(), "accept_tokens", None)
+        many = ops_for(kinds.pop()).accept_tokens
         if many is not None:
             return accept_many(many, seqs, constraints, tokens)
     verdicts = [0] * len(seqs)
     groups: dict = {}
     for j, seq in enumerate(seqs):
-        many = getattr(type(seq.constraint), "accept_tokens", None)
+        many = ops_for(type(seq.constraint)).accept_tokens
         if many is not None:
             groups.setdefault(many, []).append(j)
             continue
@@ -70,7 +71,7 @@ def prepare_constraints(scheduled) -> None:
         if seq.constraint is not None and seq.first_token_time is None:
             kinds.setdefault(type(seq.constraint), []).append(seq.constraint)
     for kind, constraints in kinds.items():
-        hook = getattr(kind, "prepare", None)
+        hook = ops_for(kind).prepare
         if hook is not None:
             try:
                 hook(constraints)
@@ -89,11 +90,9 @@ def forces_text(seq: Sequence) -> bool:
     the next unmasked pick is refused at once (a step of the row lost). Counted
     only where the grammar leaves a choice, the rows stay masked through the
     punctuation, with the same tokens."""
-    hook = getattr(seq.constraint, "forces_text", None)
-    if hook is None:
-        return False
+    constraint = seq.constraint
     try:
-        return bool(hook())
+        return bool(ops_for(type(constraint)).forces_text(constraint))
     except Exception:
         return False
 
@@ -110,11 +109,9 @@ def narrow_choice(seq: Sequence) -> bool:
     step lost, and the batch's last step waiting on that row). Counted only
     where the grammar leaves a wide choice, an agreement on a digit leaves the
     row masked through the number."""
-    hook = getattr(seq.constraint, "narrow_choice", None)
-    if hook is None:
-        return forces_text(seq)
+    constraint = seq.constraint
     try:
-        return bool(hook())
+        return bool(ops_for(type(constraint)).narrow_choice(constraint))
     except Exception:
         return False
 
@@ -196,10 +193,10 @@ class Acceptor:
         when the rows change (a hook without subsets: prepared for the rows
         themselves). Raises what the hook raises."""
         if self.part_rows != index:
-            subset = getattr(self.prepared, "subset", None)
             try:
-                self.part = subset(index) if subset is not None else \
-                    self.hook([s.constraint for s in rows])
+                part = self.prepared.subset(index)
+                self.part = part if part is not None else \
+                    as_acceptor(self.hook([s.constraint for s in rows]))
                 self.part_rows = index
             except Exception:
                 self.part = self.part_rows = None
@@ -226,8 +223,7 @@ class Acceptor:
         rows = seqs if len(at) == len(seqs) else [seqs[i] for i in at]
         try:
             part = self.prepared if index == self.every else self._part(index, rows)
-            launch = getattr(part, "launch", None)
-            job = launch(host, at, poll) if launch is not None else None
+            job = part.launch(host, at, poll)
         except Exception:  # (the ordinary check reports it)
             return None
         return None if job is None else NativeCheck(job, rows)
@@ -244,10 +240,10 @@ class Acceptor:
             self.index = [next(at) if s.constraint is not None else -1 for s in seqs]
         kinds = set(map(type, constraints))
         hook = self.hook = \
-            getattr(kinds.pop(), "batch_acceptor", None) if len(kinds) == 1 else None
+            ops_for(kinds.pop()).batch_acceptor if len(kinds) == 1 else None
         if hook is not None:
             try:
-                self.prepared = hook(constraints)
+                self.prepared = as_acceptor(hook(constraints))
             except Exception as exc:
                 self.failure = exc
 

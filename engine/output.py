@@ -13,7 +13,7 @@ import time
 import torch
 
 from formcast.engine.block_manager import BlockManager
-from formcast.engine.constraint import LogitsConstraint
+from formcast.engine.constraint import LogitsConstraint, ops_for
 from formcast.engine.sampler import Sampler
 from formcast.engine.scheduler import Scheduler
 from formcast.engine.sequence import Sequence, SequenceStatus, TokenLogprob
@@ -104,11 +104,11 @@ class OutputProcessor:
         there, so the next step samples something else. At most ``max_rollbacks``
         times per request.
         """
-        hint = getattr(seq.constraint, "rollback_hint", None)
-        if hint is None or seq.num_rollbacks >= self.max_rollbacks:
+        constraint = seq.constraint
+        if constraint is None or seq.num_rollbacks >= self.max_rollbacks:
             return False
         try:
-            k = int(hint())
+            k = int(ops_for(type(constraint)).rollback_hint(constraint))
         except Exception:
             return False
         if not 0 < k <= seq.num_output_tokens:
@@ -230,7 +230,9 @@ class OutputProcessor:
 
 def dead_end_message(seq: Sequence, error: str) -> str:
     """The sampler's error, with why the constraint refused to end and what was tried."""
-    why = getattr(seq.constraint, "last_violation", None)
+    constraint = seq.constraint
+    why = ops_for(type(constraint)).last_violation(constraint) if constraint is not None \
+        else None
     parts = [error]
     if why:
         parts.append(f"the finished value fails its end check: {why}")

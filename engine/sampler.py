@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from formcast.engine.constraint import bitmask_words
+from formcast.engine.constraint import bitmask_words, ops_for
 from formcast.engine.kernels import current_stream, to_device, triton_available, wait_event
 from formcast.engine.kernels.bitmask import apply_token_bitmask_, masked_argmax_
 from formcast.engine.kernels.sampling import greedy_picks, row_seed, sample
@@ -298,7 +298,8 @@ class Sampler:
         if self.batch_fill and len(rows) > 1:
             kinds = set(map(type, constraints))
             kind = kinds.pop() if len(kinds) == 1 else None
-            distinct = getattr(kind, "fill_distinct_bitmasks", None)
+            ops = ops_for(kind) if kind is not None else None
+            distinct = ops.fill_distinct_bitmasks if ops is not None else None
             if distinct is not None:  # (the usual batch: shared states read shared)
                 try:
                     shared = distinct(constraints, bitmask)
@@ -313,13 +314,13 @@ class Sampler:
                     return FilledMasks(rows=rows, bitmask=bitmask, errors=errors,
                                        ring_slot=slot, shared=shared)
             if kind is not None:  # (the usual batch: one class of constraint)
-                many = getattr(kind, "fill_bitmasks", None)
+                many = ops.fill_bitmasks
                 groups = {many: single} if many is not None else {}
                 single = [] if many is not None else single
             else:
                 groups, single = {}, []
                 for j, constraint in enumerate(constraints):
-                    many = getattr(type(constraint), "fill_bitmasks", None)
+                    many = ops_for(type(constraint)).fill_bitmasks
                     if many is None:
                         single.append(j)
                     else:

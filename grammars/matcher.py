@@ -9,16 +9,16 @@ mask.
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from formcast.engine.constraint import accept_forced_tokens, bitmask_words
+from formcast.engine.constraint import BaseConstraint, accept_forced_tokens, bitmask_words
 
 
-class Matcher(ABC):
+class Matcher(BaseConstraint):
     """Grammar state of one request; implements :class:`formcast.engine.LogitsConstraint`.
 
     ``rollback`` counts steps: one per accepted token, one per :meth:`accept_text`.
@@ -268,16 +268,12 @@ class EndCheckedMatcher(Matcher):
         return taken
 
     def forces_text(self) -> bool:
-        """The inner matcher's ``forces_text`` (the engine's optional hook), False
-        without one."""
-        hook = getattr(self._inner, "forces_text", None)
-        return bool(hook()) if hook is not None else False
+        """The inner matcher's."""
+        return self._inner.forces_text()
 
     def narrow_choice(self) -> bool:
-        """The inner matcher's ``narrow_choice`` (the engine's optional hook), else
-        its ``forces_text``."""
-        hook = getattr(self._inner, "narrow_choice", None)
-        return bool(hook()) if hook is not None else self.forces_text()
+        """The inner matcher's."""
+        return self._inner.narrow_choice()
 
     def fork(self) -> EndCheckedMatcher:
         return EndCheckedMatcher(self._inner.fork(), self._check, self._token_bytes, self._eos,

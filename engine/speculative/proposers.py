@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from formcast.engine.constraint import ops_for
+
 if TYPE_CHECKING:
     from formcast.engine.sequence import Sequence
     from formcast.engine.speculative.config import SpecConfig
@@ -151,9 +153,8 @@ class DraftMemory:
 
 
 def _forces_next(constraint) -> bool:
-    forced_tokens = getattr(constraint, "forced_tokens", None)
     try:
-        return bool(forced_tokens and forced_tokens())
+        return constraint is not None and bool(constraint.forced_tokens())
     except Exception:
         return False
 
@@ -167,7 +168,7 @@ class JumpForwardProposer(Proposer):
 
     def propose(self, seq: "Sequence", context: list[int], max_tokens: int) -> Draft:
         constraint = seq.constraint
-        if getattr(constraint, "forced_tokens", None) is None or max_tokens <= 0:
+        if constraint is None or max_tokens <= 0:
             return Draft()
         ahead = context[len(seq.token_ids):]  # earlier proposers' tokens
         tokens: list[int] = []
@@ -407,10 +408,9 @@ def fill_draft_masks(constraint, tokens: list[int], words: int) -> torch.Tensor 
     (empty after a draft token that terminates the constraint).
     None when the constraint cannot fork (its masks are then filled in place, one
     position at a time, during verification)."""
-    fork = getattr(constraint, "fork", None)
-    if fork is None:
+    walker = ops_for(type(constraint)).fork(constraint)
+    if walker is None:
         return None
-    walker = fork()
     masks = torch.zeros(len(tokens) + 1, words, dtype=torch.int32)
     for j in range(len(tokens) + 1):
         if walker.is_terminated():  # the draft ended the constraint (its stop token):

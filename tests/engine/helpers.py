@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from formcast.engine.constraint import BaseConstraint
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.sequence import Sequence
 
@@ -22,7 +23,7 @@ def packed(tokens: set[int], words: int) -> torch.Tensor:
     return torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in row], dtype=torch.int32)
 
 
-class AllowOnly:
+class AllowOnly(BaseConstraint):
     """A hand-written LogitsConstraint: only the given token ids are ever allowed,
     and it terminates after ``length`` tokens when ``length`` is set."""
 

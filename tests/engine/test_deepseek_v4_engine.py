@@ -18,6 +18,7 @@ import torch
 
 from formcast import grammars
 from formcast.engine import Engine, SamplingParams
+from formcast.engine.constraint import BaseConstraint
 from formcast.engine.models.deepseek_v4_runner import DeepseekV4Runner
 from formcast.engine.scheduler import ScheduledSeq
 from formcast.engine.speculative import SpecConfig
@@ -231,7 +232,7 @@ def test_mtp_state_follows_accepts_and_rollbacks(folders, monkeypatch):
     assert (got - want).abs().max().item() <= 1e-5
 
 
-class DeadEndOnce:
+class DeadEndOnce(BaseConstraint):
     """A LogitsConstraint that allows every token, meets a dead end after ``length``
     tokens and asks to roll ``back`` tokens back (as an end check that fails does);
     the second time there, it ends."""

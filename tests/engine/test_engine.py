@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams
+from formcast.engine.constraint import BatchAcceptor
 from formcast.engine.tuning import EngineTuning
 from formcast.errors import ModelNotFoundError, RequestError
 
@@ -1353,7 +1354,7 @@ def test_a_prepared_batch_acceptor_serves_the_accept_thread_step_after_step(smol
         def batch_acceptor(constraints):
             made[0] += 1
 
-            class Accept:
+            class Accept(BatchAcceptor):
                 def __call__(self, tokens):
                     calls[0] += 1
                     return [int(c.accept(t)) for c, t in zip(constraints, tokens)]

@@ -12,6 +12,7 @@ import numpy
 import torch
 import xgrammar as xgr
 
+from formcast.engine.constraint import BatchAcceptor
 from formcast.grammars.backends.xgrammar import ffi, native
 from formcast.grammars.backends.xgrammar.tuning import XGrammarTuning
 from formcast.grammars.backends.xgrammar.worker_jobs import (
@@ -40,7 +41,7 @@ def offer(matchers: list[XGrammarMatcher], tokens: list[int]) -> list[int]:
         [m._m for m in matchers], tokens)]
 
 
-class PreparedAccept:
+class PreparedAccept(BatchAcceptor):
     """The accept of one token by each of a fixed list of matchers, its
     per-matcher preparation done once (the native call's array of handles, the
     check that the matchers share one vocabulary): :meth:`XGrammarMatcher.
