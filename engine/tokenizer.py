@@ -26,40 +26,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Literal, overload
 
-from tokenizers import processors
 from tokenizers import Tokenizer as _Backend
 
 from formcast.engine.chat_template import ChatTemplate
 from formcast.engine.errors import CorruptModelError, ModelNotFoundError, RequestError
+from formcast.engine.token_spelling import decoder_spelling, decoder_strips_space, set_bos_eos
 
 # Special tokens that close a chat turn in common templates. One that is in the vocabulary
 # as a special token and written by the chat template also stops generation.
 TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>",
                    "<|return|>", "<|END_OF_TURN_TOKEN|>", "<｜end▁of▁sentence｜>")
-
-
-
-def _byte_alphabet() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
-
-
-BYTE_TO_CHAR: Mapping[int, str] = MappingProxyType(_byte_alphabet())
-CHAR_TO_BYTE: Mapping[str, int] = MappingProxyType({c: b for b, c in BYTE_TO_CHAR.items()})
 
 
 class Tokenizer:
@@ -209,7 +190,7 @@ class Tokenizer:
         bos, eos = named("bos_token"), named("eos_token")
         explicit = "add_bos_token" in config or "add_eos_token" in config
         if explicit or backend.post_processor is None:
-            _set_bos_eos(backend, bos_id=bos if config.get("add_bos_token") else None,
+            set_bos_eos(backend, bos_id=bos if config.get("add_bos_token") else None,
                          eos_id=eos if config.get("add_eos_token") else None)
         template_file = folder / "chat_template.jinja"
         template = template_file.read_text(encoding="utf-8") if template_file.is_file() \
@@ -351,7 +332,7 @@ class Tokenizer:
     @cached_property
     def _token_bytes(self) -> tuple[bytes, ...]:
         added = self._backend.get_added_tokens_decoder()
-        spelled = _decoder_spelling(json.loads(self._backend.to_str()).get("decoder"))
+        spelled = decoder_spelling(json.loads(self._backend.to_str()).get("decoder"))
         out = []
         for i in range(self.vocab_size):
             text = self._backend.id_to_token(i)
@@ -391,8 +372,8 @@ class Tokenizer:
         decoder = self._backend.decoder
         state = decoder.__getstate__() if decoder is not None else None
         if isinstance(state, (bytes, str)):
-            return _decoder_strips_space(json.loads(state))
-        return _decoder_strips_space(json.loads(self._backend.to_str()).get("decoder"))
+            return decoder_strips_space(json.loads(state))
+        return decoder_strips_space(json.loads(self._backend.to_str()).get("decoder"))
 
     def save_pretrained(self, folder: str | os.PathLike[str]) -> Path:
         """Write this tokenizer as an HF folder that :meth:`from_hf_dir` reads back.
@@ -482,54 +463,3 @@ def _read_json(path: Path) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CorruptModelError(f"{path} is not valid JSON: {exc}") from exc
     return data if isinstance(data, dict) else {}
-
-
-def _set_bos_eos(backend: _Backend, *, bos_id: int | None, eos_id: int | None) -> None:
-    """Make ``encode(add_special_tokens=True)`` add bos and/or eos (or nothing)."""
-    if bos_id is None and eos_id is None:
-        backend.post_processor = None
-        return
-    bos = [f"{backend.id_to_token(bos_id)}"] if bos_id is not None else []
-    eos = [f"{backend.id_to_token(eos_id)}"] if eos_id is not None else []
-    single = [*bos, "$A", *eos]
-    pair = [*single, *(f"{t}:1" for t in bos), "$B:1", *(f"{t}:1" for t in eos)]
-    specials = [(backend.id_to_token(i), i) for i in {bos_id, eos_id} if i is not None]
-    backend.post_processor = processors.TemplateProcessing(
-        single=" ".join(single), pair=" ".join(pair), special_tokens=specials)
-
-
-def _decoder_steps(decoder: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
-    if not decoder:
-        return []
-    if decoder.get("type") == "Sequence":
-        return [s for d in decoder.get("decoders", []) for s in _decoder_steps(d)]
-    return [decoder]
-
-
-def _decoder_spelling(decoder: Mapping[str, Any] | None) -> Callable[[str], bytes]:
-    """A function from a vocabulary string to the bytes the decoder makes of it."""
-    types = {step.get("type") for step in _decoder_steps(decoder)}
-    if "ByteLevel" in types:
-        def byte_level(text: str) -> bytes:
-            # A token with any character outside the alphabet decodes as its own UTF-8.
-            if set(text) <= CHAR_TO_BYTE.keys():
-                return bytes(CHAR_TO_BYTE[c] for c in text)
-            return text.encode("utf-8")
-        return byte_level
-    byte_fallback = "ByteFallback" in types
-
-    def sentencepiece(text: str) -> bytes:
-        if byte_fallback and len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
-            return bytes([int(text[3:5], 16)])
-        return text.replace("\u2581", " ").encode("utf-8")
-    return sentencepiece
-
-
-def _decoder_strips_space(decoder: Mapping[str, Any] | None) -> bool:
-    for step in _decoder_steps(decoder):
-        if step.get("type") == "Metaspace" and step.get("prepend_scheme", "always") != "never" \
-                and step.get("add_prefix_space", True):
-            return True
-        if step.get("type") == "Strip" and step.get("content") == " " and step.get("start", 0) > 0:
-            return True
-    return False

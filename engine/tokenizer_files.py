@@ -21,7 +21,8 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from formcast.engine.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
-from formcast.engine.tokenizer import BYTE_TO_CHAR, CHAR_TO_BYTE, Tokenizer, _set_bos_eos
+from formcast.engine.token_spelling import BYTE_TO_CHAR, CHAR_TO_BYTE, set_bos_eos
+from formcast.engine.tokenizer import Tokenizer
 
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
@@ -93,7 +94,7 @@ def gguf_backend(meta: Mapping[str, Any], source: str) -> tuple[_Backend, dict[s
         return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
 
     bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
-    _set_bos_eos(backend, bos_id=bos if meta.get("tokenizer.ggml.add_bos_token") else None,
+    set_bos_eos(backend, bos_id=bos if meta.get("tokenizer.ggml.add_bos_token") else None,
                  eos_id=eos if meta.get("tokenizer.ggml.add_eos_token") else None)
     extra = [t for t in (token_id("eot_token_id"), token_id("eom_token_id")) if t is not None]
     return backend, {"bos_token_id": bos, "eos_token_id": eos,

@@ -21,6 +21,7 @@ required property the object cannot have) are errors too, with a JSON pointer.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -265,7 +266,7 @@ def check_satisfiable(root: Any, node: dict, pointer: str, p: BackendProfile) ->
         if props.get(name) is False:
             raise fail("required", f"required property {name!r} has the schema false")
         if name not in props and node.get("additionalProperties") is False and not any(
-                _search(pat, name) for pat in node.get("patternProperties") or {}):
+                pattern_search(pat, name) for pat in node.get("patternProperties") or {}):
             raise fail("required", f"required property {name!r} is not allowed "
                                    "(additionalProperties is false and it is not in properties)")
 
@@ -305,8 +306,9 @@ def _some_value_fits(root: Any, node: dict, values: list) -> bool:
         return True
 
 
-def _search(pattern: str, text: str) -> bool:
-    import re
+def pattern_search(pattern: str, text: str) -> bool:
+    """Whether ``pattern`` matches somewhere in ``text`` (False for a pattern
+    Python's ``re`` cannot read)."""
     try:
         return re.search(pattern, text) is not None
     except re.error:

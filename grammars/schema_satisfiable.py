@@ -10,13 +10,13 @@ When the root comes out empty, :func:`check_root` names the part responsible.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from typing import Any
 
 import jsonschema
 
 from formcast.grammars.errors import ConstraintError
+from formcast.grammars.schema_coverage import pattern_search
 from formcast.grammars.schema_refs import children, join, lookup
 
 ALL = frozenset({"null", "boolean", "integer", "fraction", "string", "array", "object"})
@@ -197,7 +197,7 @@ class Inhabitation:
         required = list(node.get("required") or ())
         for name in required:
             schemas = [props[name]] if name in props else []
-            schemas += [s for p, s in patterns.items() if _search(p, name)]
+            schemas += [s for p, s in patterns.items() if pattern_search(p, name)]
             if name not in props and len(schemas) == 0:
                 schemas = [extra]
             if any(not self._sub(s) for s in schemas):
@@ -275,10 +275,3 @@ def _target(root: Any, ref: str) -> Any:
         return lookup(root, ref)
     except KeyError:
         return True
-
-
-def _search(pattern: str, text: str) -> bool:
-    try:
-        return re.search(pattern, text) is not None
-    except re.error:
-        return False

@@ -9,12 +9,9 @@ Progress and status go to stderr, results to stdout (or the --output file), so
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import platform
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -28,6 +25,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.table import Table
 from rich.text import Text
 
+from formcast.cli_inputs import load_schema, read_json_schema, read_text, read_texts, read_vars
 from formcast.cli_reports import DatasetRateColumn, print_dataset_summary, print_eval_summary
 from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
                              ModelNotFoundError, OutputValidationError, RequestError)
@@ -237,11 +235,11 @@ def generate(
     if regex is not None:
         constraint["regex"] = regex
     elif json_schema is not None:
-        constraint["json_schema"] = _read_json_schema(json_schema, "--json-schema")
+        constraint["json_schema"] = read_json_schema(json_schema, "--json-schema")
     elif grammar is not None:
-        constraint["grammar"] = _read_text(grammar, "--grammar")
+        constraint["grammar"] = read_text(grammar, "--grammar")
     elif lark is not None:
-        constraint["lark"] = _read_text(lark, "--lark")
+        constraint["lark"] = read_text(lark, "--lark")
     elif choices is not None:
         options = [c.strip() for c in choices.split(",") if c.strip()]
         if not options:
@@ -258,25 +256,6 @@ def generate(
     rate = u.completion_tokens / u.latency_s if u.latency_s > 0 else 0.0
     _err().print(f"[dim]{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens, "
                  f"{u.latency_s:.2f} s ({rate:.1f} tok/s), finish={out.finish_reason}[/dim]")
-
-
-def _read_text(path: Path, hint: str) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint=hint)
-
-
-def _read_json_schema(value: str, hint: str) -> dict:
-    inline = not Path(value).is_file() and value.lstrip()[:1] in ("{", "[")
-    text = value if inline else _read_text(Path(value), hint)
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint=hint)
-    if not isinstance(schema, dict):
-        raise typer.BadParameter("a JSON Schema must be a JSON object", param_hint=hint)
-    return schema
 
 
 # -- extract ------------------------------------------------------------------------
@@ -306,8 +285,8 @@ def extract(
     {"index": i, "error": {"type": ..., "message": ...}} (plus "text", the raw
     output, when there is one). The run goes on past failed items.
     """
-    target = _load_schema(schema)
-    texts = _read_texts(input, text_field)
+    target = load_schema(schema)
+    texts = read_texts(input, text_field)
     try:  # before loading the model, so a bad path fails fast
         sink = sys.stdout if str(output) == "-" else output.open("w", encoding="utf-8")
     except OSError as exc:
@@ -375,73 +354,6 @@ def _extract_all(llm: Any, texts: list[str], target: Any, sink: Any, *, batch_si
     return failed, tokens
 
 
-def _read_texts(path: Path, field: str) -> list[str]:
-    """The texts of a JSONL file; a malformed line is a usage error naming its number."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise typer.BadParameter(f"cannot read {path}: {exc.strerror or exc}", param_hint="--input")
-    texts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise typer.BadParameter(f"{path}:{number} is not JSON: {exc.msg}",
-                                     param_hint="--input")
-        if isinstance(item, dict) and isinstance(item.get(field), str):
-            item = item[field]
-        if not isinstance(item, str):
-            raise typer.BadParameter(f"{path}:{number} is neither a string nor an object with a "
-                                     f"string {field!r} field", param_hint="--input")
-        texts.append(item)
-    if not texts:
-        raise typer.BadParameter(f"{path} holds no texts", param_hint="--input")
-    return texts
-
-
-def _load_schema(spec: str) -> Any:
-    """A JSON Schema dict from a .json file, or a class (``module:Class``, ``file.py:Class``)."""
-    if spec.endswith(".json") or (":" not in spec and Path(spec).exists()):
-        return _read_json_schema(str(Path(spec)), "--schema")
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise typer.BadParameter(f"{spec!r} is neither a .json file nor module:Class",
-                                 param_hint="--schema")
-    try:
-        if module_name.endswith(".py"):
-            module = _import_file(Path(module_name))
-        else:
-            if "" not in sys.path:  # as `python -m` does, so a module next to the data imports
-                sys.path.insert(0, "")
-            module = importlib.import_module(module_name)
-    except Exception as exc:  # the user's module: anything it raises is their usage error
-        raise typer.BadParameter(f"cannot import {module_name}: {type(exc).__name__}: {exc}",
-                                 param_hint="--schema")
-    target: Any = module
-    for part in attr.split("."):
-        target = getattr(target, part, None)
-        if target is None:
-            raise typer.BadParameter(f"{module_name} has no attribute {attr!r}",
-                                     param_hint="--schema")
-    if not isinstance(target, type):
-        raise typer.BadParameter(f"{spec} is not a class", param_hint="--schema")
-    return target
-
-
-def _import_file(path: Path) -> Any:
-    if not path.is_file():
-        raise FileNotFoundError(f"no such file {path}")
-    name = f"formcast_user_schema_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pydantic look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 # -- dataset ------------------------------------------------------------------------
 @app.command()
 def dataset(
@@ -478,10 +390,10 @@ def dataset(
     """
     from formcast import dataset as ds
 
-    target = _load_schema(schema)
+    target = load_schema(schema)
     if template is not None and Path(template).is_file():
-        template = _read_text(Path(template), "--template")
-    variables = _read_vars(vars) if vars is not None else None
+        template = read_text(Path(template), "--template")
+    variables = read_vars(vars) if vars is not None else None
     try:  # fail on bad prompts before loading the model
         ds.build_prompts(prompts=prompts, template=template, variables=variables)
     except (ValueError, OSError) as exc:
@@ -499,16 +411,6 @@ def dataset(
                 resume=not overwrite, max_attempts=max_attempts, system=system,
                 progress=lambda p: bar.update(task, completed=p.done, progress=p))
     print_dataset_summary(_err(), summary)
-
-
-def _read_vars(path: Path) -> Any:
-    text = _read_text(path, "--vars")
-    try:
-        if path.suffix == ".jsonl":
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"{path} is not valid JSON: {exc}", param_hint="--vars")
 
 
 # -- eval ---------------------------------------------------------------------------

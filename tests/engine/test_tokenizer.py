@@ -10,7 +10,8 @@ import pytest
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 
 from formcast.engine.detokenizer import IncrementalDetokenizer
-from formcast.engine.tokenizer import Tokenizer, _decoder_strips_space
+from formcast.engine.token_spelling import decoder_strips_space as _decoder_strips_space
+from formcast.engine.tokenizer import Tokenizer
 from formcast.engine.tokenizer_files import load_tokenizer
 from formcast.errors import (CorruptModelError, ModelNotFoundError, RequestError,
                              UnsupportedModelError)
