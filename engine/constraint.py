@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -217,6 +217,29 @@ class BaseConstraint(ABC):
         None (the default): the constraint cannot fork."""
         return None
 
+    # -- spans: where a model that does not follow the grammar errs -------------
+
+    @classmethod
+    def span_closing_tokens(cls, token_bytes: Sequence[bytes]) -> frozenset[int] | None:
+        """The tokens (of a vocabulary spelled ``token_bytes``) that may close a
+        span of free text in this class's languages (a JSON string), after
+        which the grammar wants a narrow choice (punctuation): where a model
+        that writes the span's inside well but ignores the grammar breaks it.
+        The engine's premasking watches the picks after them (see
+        :meth:`closes_span`); asked once per class. None (the default): the
+        class has no spans."""
+        return None
+
+    def closes_span(self, token_ids: list[int], start: int, end: int, token: int) -> bool:
+        """Whether ``token`` (one of :meth:`span_closing_tokens`), written after
+        the output ``token_ids[start:end]``, closes a span rather than opening
+        one. Does not change the constraint's grammar state, nor waits for it
+        (the engine may ask while the constraint's accept runs on another
+        thread); it may keep what it counted of ``token_ids`` to go on from
+        there at the next call (an ``end`` below it, or a :meth:`rollback`,
+        starts it again). Default: False."""
+        return False
+
 
 def _false(_constraint: Any) -> bool:
     return False
@@ -228,6 +251,11 @@ def _zero(_constraint: Any) -> int:
 
 def _none(_constraint: Any) -> None:
     return None
+
+
+def _closes_no_span(_constraint: Any, _token_ids: list[int], _start: int, _end: int,
+                    _token: int) -> bool:
+    return False
 
 
 def _overrides(kind: type, name: str) -> bool:
@@ -260,13 +288,16 @@ class ConstraintOps:
     last_violation: Callable[[Any], "str | None"]  # (the attribute's value)
     take_forced_tokens: Callable[[Any, int], list[int]]
     fork: Callable[[Any], Any]
+    span_closing_tokens: Callable[[Sequence[bytes]], "frozenset[int] | None"] | None
+    closes_span: Callable[[Any, list[int], int, int, int], bool]
 
 
 def _bare_ops() -> ConstraintOps:
     """The operations of a class that is only a :class:`LogitsConstraint`."""
     return ConstraintOps(None, None, None, None, None, None, forces_text=_false,
                          narrow_choice=_false, rollback_hint=_zero, last_violation=_none,
-                         take_forced_tokens=accept_forced_tokens, fork=_none)
+                         take_forced_tokens=accept_forced_tokens, fork=_none,
+                         span_closing_tokens=None, closes_span=_closes_no_span)
 
 
 @functools.cache
@@ -288,7 +319,9 @@ def ops_for(kind: type) -> ConstraintOps:
         prepare=own("prepare", kind.prepare), tidy=own("tidy", kind.tidy),
         forces_text=kind.forces_text, narrow_choice=kind.narrow_choice,
         rollback_hint=kind.rollback_hint, last_violation=operator.attrgetter("last_violation"),
-        take_forced_tokens=kind.take_forced_tokens, fork=kind.fork)
+        take_forced_tokens=kind.take_forced_tokens, fork=kind.fork,
+        span_closing_tokens=own("span_closing_tokens", kind.span_closing_tokens),
+        closes_span=kind.closes_span)
 
 
 def take_forced_tokens(constraint: LogitsConstraint, limit: int) -> list[int]:

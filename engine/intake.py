@@ -84,7 +84,7 @@ class RequestIntake:
             raise RequestError(f"request id {request_id!r} is already in flight")
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         return Sequence(request_id, ids, params, constraint, (self.device, seed),
-                        self.max_model_len)
+                        self.max_model_len, epochs=self.scheduler.epochs)
 
     def queue(self, seq: Sequence) -> bool:
         """Hand ``seq`` to the scheduler, its constraint's fixed opening appended

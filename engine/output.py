@@ -123,7 +123,6 @@ class OutputProcessor:
             return False
         banned = seq.token_ids[keep]
         del seq.token_ids[keep:]
-        seq.quote_scan = (seq.num_prompt_tokens, 0)  # (premasking's count: tokens replaced)
         if seq.logprobs is not None:
             del seq.logprobs[seq.num_output_tokens:]
         seq.ban(keep, banned)

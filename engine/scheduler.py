@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from formcast.engine.block_manager import BlockManager
-from formcast.engine.sequence import Sequence, SequenceStatus
+from formcast.engine.sequence import SamplingEpochs, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +50,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.epochs = SamplingEpochs()  # (its sequences' ways of sampling: see Sequence)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING

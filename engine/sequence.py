@@ -81,20 +81,34 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class Sequence:
-    """The engine's state of one request: tokens, KV blocks, progress, sampler state."""
+class SamplingEpochs:
+    """Counts of the changes in how a group of sequences (one engine's) sample.
 
-    # counts the changes of any sequence's way of sampling (``masked``, banned
-    # tokens): a list of sequences sorted by it once stays sorted while it holds
-    sampling_epoch = 0
-    # counts the bans (:meth:`ban`) of any sequence
-    ban_epoch = 0
+    ``sampling`` counts the changes of any one's way of sampling (``masked``,
+    banned tokens): a list of them sorted by it once stays sorted while the
+    count holds. ``bans`` counts their bans (:meth:`Sequence.ban`).
+    """
+
+    __slots__ = ("sampling", "bans")
+
+    def __init__(self) -> None:
+        self.sampling = 0
+        self.bans = 0
+
+
+class Sequence:
+    """The engine's state of one request: tokens, KV blocks, progress, sampler state.
+
+    ``epochs`` counts the changes in how it samples, shared by the sequences of
+    one engine (its scheduler's; a fresh count when None).
+    """
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  constraint: LogitsConstraint | None,
                  generator: torch.Generator | tuple[torch.device, int],
-                 max_total_len: int) -> None:
+                 max_total_len: int, *, epochs: SamplingEpochs | None = None) -> None:
         self.request_id = request_id
+        self.epochs = epochs if epochs is not None else SamplingEpochs()
         self.token_ids: list[int] = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self._prompt_tuple: tuple[int, ...] | None = None  # (for outputs)
@@ -123,9 +137,6 @@ class Sequence:
         self.masked = False
         self.agreements_due = 0
         self.refusal_streak = 0
-        # (index into token_ids, parity of the double quotes of the output before
-        # it): how far the engine's premasking counted (Premasker.leaves_string)
-        self.quote_scan = (self.num_prompt_tokens, 0)
         self.draft = None              # spec.Draft to verify in the next step, if any
         self.num_draft_tokens = 0
         self.num_accepted_draft_tokens = 0
@@ -197,7 +208,7 @@ class Sequence:
             self.agreements_due -= 1
             if self.agreements_due <= 0:
                 self.masked = False
-                Sequence.sampling_epoch += 1
+                self.epochs.sampling += 1
 
     @staticmethod
     def masked_picks_missed(seqs: Iterable[Sequence]) -> None:
@@ -205,13 +216,13 @@ class Sequence:
         masked picks in a row are its unmasked argmax: :meth:`masked_pick_seen`
         of picks that were not, in one loop (a batch's opening: 256 rows masked
         while the grammar fixes the text, every step)."""
-        changed = False
+        changed = None  # (one that changed: they share their epochs)
         for s in seqs:
             if not s.masked:
-                s.masked = changed = True
+                s.masked, changed = True, s
             s.agreements_due = 1 << min(s.refusal_streak, 4)
-        if changed:
-            Sequence.sampling_epoch += 1
+        if changed is not None:
+            changed.epochs.sampling += 1
 
     def premask(self) -> None:
         """Masked from its next pick on, before any pick of it was refused (the
@@ -229,8 +240,8 @@ class Sequence:
         backed out of); bans at later positions are dropped."""
         self.banned_tokens = {p: t for p, t in self.banned_tokens.items() if p <= position}
         self.banned_tokens.setdefault(position, set()).add(token_id)
-        Sequence.sampling_epoch += 1
-        Sequence.ban_epoch += 1
+        self.epochs.sampling += 1
+        self.epochs.bans += 1
 
     def defer_text(self, token_id: int) -> None:
         """Append ``token_id``'s text the next time :attr:`text` is read. (The

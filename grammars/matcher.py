@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from formcast.engine.constraint import BaseConstraint, accept_forced_tokens, bitmask_words
+from formcast.grammars.constraints import JsonSchema
+from formcast.grammars.json_quotes import NO_SPANS, NoSpans, QuoteParity, quote_tokens
 
 
 class Matcher(BaseConstraint):
@@ -40,8 +42,9 @@ class Matcher(BaseConstraint):
         """Whether no token was accepted yet (False when unsure)."""
         return False
 
-
-    __slots__ = ()
+    # _spans: what closes_span counted (made on first use; a subclass's rollback
+    # calls _restart_spans)
+    __slots__ = ("_spans",)
 
     @abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
@@ -104,6 +107,38 @@ class Matcher(BaseConstraint):
     @abstractmethod
     def fork(self) -> Matcher:
         """An independent copy of this matcher with the same state."""
+
+    @classmethod
+    def span_closing_tokens(cls, token_bytes: Sequence[bytes]) -> frozenset[int]:
+        """The tokens holding an unescaped double quote: those that may close a
+        JSON string (the engine's premasking watches the picks after them). Does
+        not change state."""
+        return quote_tokens(token_bytes)
+
+    def closes_span(self, token_ids: list[int], start: int, end: int, token: int) -> bool:
+        """Whether ``token`` after the output ``token_ids[start:end]`` closes a
+        JSON string (:class:`~formcast.grammars.json_quotes.QuoteParity`, counted
+        on from the last call); never for a matcher of another language. Does
+        not change the grammar state."""
+        try:
+            spans = self._spans
+        except AttributeError:
+            spans = self._spans = self._span_counter()
+        return spans.closes(token_ids, start, end, token)
+
+    def _span_counter(self) -> QuoteParity | NoSpans:
+        """What :meth:`closes_span` counts with: quotes for a JSON Schema's
+        matcher (made by ``CompiledGrammar.matcher``), nothing otherwise."""
+        recipe = getattr(self, "_recipe", None)
+        if recipe is None or not isinstance(recipe[0], JsonSchema):
+            return NO_SPANS
+        return QuoteParity(recipe[2].quote_counts)
+
+    def _restart_spans(self) -> None:
+        """Count the output's quotes from its start again (a rollback replaced tokens)."""
+        spans = getattr(self, "_spans", None)
+        if spans is not None:
+            spans.restart()
 
     def rollback_hint(self) -> int:
         """Steps to roll back to leave a dead end the end check caused (0: none).
@@ -247,6 +282,7 @@ class EndCheckedMatcher(Matcher):
         if num_tokens:
             del self._parts[-num_tokens:]
             self._version += 1
+            self._restart_spans()
 
     def is_terminated(self) -> bool:
         return self._inner.is_terminated()

@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import Protocol
 
 from formcast.engine.constraint import bitmask_words
+from formcast.grammars.json_quotes import quote_counts
 
 
 class TokenizerLike(Protocol):
@@ -116,6 +117,12 @@ class Vocabulary:
     def bitmask_words(self) -> int:
         """int32 words of one bitmask row."""
         return bitmask_words(self.vocab_size)
+
+    @cached_property
+    def quote_counts(self) -> list[int]:
+        """Each token's unescaped double quotes, by id (see
+        :func:`~formcast.grammars.json_quotes.quote_counts`); found once."""
+        return quote_counts(self.token_bytes)
 
     @cached_property
     def _by_bytes(self) -> dict[bytes, int]:

@@ -71,7 +71,7 @@ class Pipeline:
         self.device, self.eos_token_ids = device, eos_token_ids
         self.stats = PipelineStats()
         self.premasker = Premasker(tokenizer, tuning, self.stats)
-        self.rows = RowSampler(sampler, runner, output, self.premasker, masks,
+        self.rows = RowSampler(sampler, runner, output, self.premasker, masks, scheduler.epochs,
                                unmasked_greedy=config.unmasked_greedy, tuning=tuning)
         self.accept = AcceptThread(tuning)
         self.taker = Taker(output, chores, self.premasker, self.rows, lambda seqs: self.room_of(seqs),

@@ -17,7 +17,7 @@ from formcast.engine.output import OutputProcessor
 from formcast.engine.pipeline.premask import Premasker
 from formcast.engine.pipeline.state import InFlight, without
 from formcast.engine.sampler import FilledMasks, Sampler
-from formcast.engine.sequence import Sequence
+from formcast.engine.sequence import SamplingEpochs, Sequence
 from formcast.engine.tuning import EngineTuning
 
 IS_MASKED = operator.attrgetter("masked")
@@ -40,6 +40,8 @@ class RowSampler:
         The check a premasked row's mask waits for.
     masks : MaskThread
         Fills masks while the host does other work.
+    epochs : SamplingEpochs
+        Counts the changes in how the engine's sequences sample.
     unmasked_greedy : bool
         ``EngineConfig.unmasked_greedy``.
     tuning : EngineTuning
@@ -47,18 +49,20 @@ class RowSampler:
     """
 
     def __init__(self, sampler: Sampler, runner, output: OutputProcessor, premasker: Premasker,
-                 masks: MaskThread, *, unmasked_greedy: bool, tuning: EngineTuning) -> None:
+                 masks: MaskThread, epochs: SamplingEpochs, *, unmasked_greedy: bool,
+                 tuning: EngineTuning) -> None:
         self.sampler = sampler
         self.runner = runner
         self.output = output
         self.premasker = premasker
         self.masks = masks
+        self.epochs = epochs
         self.unmasked_greedy = unmasked_greedy
         self.tuning = tuning
-        # (rows, Sequence.sampling_epoch, unmasked_greedy, sort's answer) of the
+        # (rows, epochs.sampling, unmasked_greedy, sort's answer) of the
         # last sample over a whole step's rows
         self._sorted_rows: tuple | None = None
-        # (rows, Sequence.ban_epoch, whether every one is a greedy constrained row
+        # (rows, epochs.bans, whether every one is a greedy constrained row
         # without bans) of the last sort
         self._uniform_rows: tuple | None = None
         # (rows, their masks: a future) filled while a pipelined step's picks were
@@ -88,7 +92,7 @@ class RowSampler:
         kept = self._sorted_rows
         if first is not None:
             plain, drawn, unchecked, watch, free, masked, masked_only = first
-        elif kept is not None and rows is None and kept[1] == Sequence.sampling_epoch and \
+        elif kept is not None and rows is None and kept[1] == self.epochs.sampling and \
                 kept[2] == unmasked and kept[0] == live:  # (identity compares, in C)
             # the rows as the last step sorted them: nothing changed their way since
             plain, drawn, unchecked, watch, free, masked, masked_only = kept[3]
@@ -97,7 +101,7 @@ class RowSampler:
             plain, drawn, unchecked, watch, free, masked, masked_only = \
                 self.sort(live, rows)
             if rows is None:
-                self._sorted_rows = (list(live), Sequence.sampling_epoch, unmasked,
+                self._sorted_rows = (list(live), self.epochs.sampling, unmasked,
                                      (plain, drawn, dict(unchecked), watch, free, masked,
                                       masked_only))
         dev = logits.device
@@ -227,10 +231,11 @@ class RowSampler:
         sequences' bans stay the same (a row's constraint and parameters are
         its own for good)."""
         kept = self._uniform_rows
-        if kept is None or kept[1] != Sequence.ban_epoch or kept[0] != live:  # (identities, in C)
+        bans = self.epochs.bans
+        if kept is None or kept[1] != bans or kept[0] != live:  # (identities, in C)
             every = all(s.constraint is not None and not s.banned_tokens and s.params.greedy
                         for s in live)
-            kept = self._uniform_rows = (list(live), Sequence.ban_epoch, every)
+            kept = self._uniform_rows = (list(live), bans, every)
         return kept[2]
 
     def picks_unmasked(self, s: Sequence) -> bool:

@@ -39,7 +39,7 @@ class Taker:
     chores : HostChores
         Done while the host waits for a step's tokens.
     premasker : Premasker
-        Sees the verdicts on risky picks.
+        Sees the verdicts on the picks after span-closing tokens.
     rows : RowSampler
         Samples refused rows again; its mask thread fills the next masks.
     room_of : Callable[[list[Sequence]], Room]
@@ -105,7 +105,8 @@ class Taker:
             token_list = Sampler.finish_rows(token_list, dead_list, errors)
         seqs = prev.seqs
         if prev.watched:
-            premasked = self.premasker.premasked
+            premasker = self.premasker
+            premasked = premasker.premasked
             agrees = prev.agree.tolist()
             if not premasked and not any(agrees):  # (a batch's opening: none met its argmax)
                 Sequence.masked_picks_missed(map(seqs.__getitem__, prev.watched))
@@ -114,13 +115,14 @@ class Taker:
                 seq = seqs[i]
                 if premasked and seq in premasked:  # (its first masked pick since premasked)
                     del premasked[seq]
-                    self.premasker.seen(not agreed)
+                    premasker.seen(not agreed)
                 if agreed and seq.masked and seq.agreements_due <= 1 and (
-                        narrow_choice(seq) or self.premasker.ends_string(seq, token_list[i])):
+                        narrow_choice(seq) or
+                        premasker.pick_closes_span(seqs, seq, token_list[i])):
                     # (the grammar left few tokens there, or fixed the text: an
                     # agreement shows little, and the next pick, unmasked, would be
-                    # a gamble; or the pick leaves a string, and the next one is the
-                    # schema's punctuation, which the agreement says nothing about)
+                    # a gamble; or the pick closes a span, and the next one is the
+                    # grammar's punctuation, which the agreement says nothing about)
                     continue
                 seq.masked_pick_seen(agreed)
         free, masked, checked = prev.free, prev.masked, list(prev.unchecked)

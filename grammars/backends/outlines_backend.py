@@ -172,6 +172,7 @@ class OutlinesMatcher(Matcher):
         del self._steps[-num_tokens:]
         if self._eos_step is not None and self._eos_step >= len(self._steps):
             self._eos_step = None
+        self._restart_spans()
 
     def is_terminated(self) -> bool:
         return self._eos_step is not None

@@ -6,13 +6,14 @@ import torch
 
 from formcast.engine.constraint import BaseConstraint
 from formcast.engine.sampling_params import SamplingParams
-from formcast.engine.sequence import Sequence
+from formcast.engine.sequence import SamplingEpochs, Sequence
 
 
 def make_seq(ids: list[int], *, rid: str = "r", max_tokens: int = 8, seed: int = 0,
-             max_len: int = 10_000, **params) -> Sequence:
+             max_len: int = 10_000, epochs: SamplingEpochs | None = None,
+             **params) -> Sequence:
     return Sequence(rid, ids, SamplingParams(max_tokens=max_tokens, **params), None,
-                    torch.Generator().manual_seed(seed), max_len)
+                    torch.Generator().manual_seed(seed), max_len, epochs=epochs)
 
 
 def packed(tokens: set[int], words: int) -> torch.Tensor:
@@ -110,17 +111,17 @@ def assert_logprobs_match_a_fresh_forward(engine, prompt_ids: list[int], out) ->
 
 
 def count_word_risky(monkeypatch, word: int) -> None:
-    """Premasking takes ``word`` as a risky token too, and every risky token,
-    wherever it stands, as one that leaves a string (a tiny random model's
+    """Premasking takes ``word`` as a span-closing token too, and every such
+    token, wherever it stands, as one that closes a span (a tiny random model's
     quotes mostly stand where none belongs, its word inside a string). Masked
-    rows' agreements on risky tokens count as any other (premasking alone is
-    under test, not the rule of :meth:`Premasker.ends_string`)."""
+    rows' agreements on them count as any other (premasking alone is under
+    test, not the rule of :meth:`Premasker.pick_closes_span`)."""
     from formcast.engine.pipeline.premask import Premasker
 
-    risky = Premasker.risky_tokens
-    monkeypatch.setattr(Premasker, "risky_tokens", lambda self: risky(self) | {word})
-    monkeypatch.setattr(Premasker, "leaves_string", lambda self, seq, token, appended: True)
-    monkeypatch.setattr(Premasker, "ends_string", lambda self, seq, token: False)
+    closers = Premasker.closers_for
+    monkeypatch.setattr(Premasker, "closers_for", lambda self, seqs: closers(self, seqs) | {word})
+    monkeypatch.setattr(Premasker, "closes_span", lambda self, seq, token, appended: True)
+    monkeypatch.setattr(Premasker, "pick_closes_span", lambda self, seqs, seq, token: False)
 
 
 def count_calls(monkeypatch, owner, name: str) -> list:

@@ -711,7 +711,7 @@ def test_agreements_where_the_grammar_leaves_few_tokens_do_not_unmask(smollm2_en
     model, compiled, prompts = _records_batch(tok, 8)
     greedy = SamplingParams(max_tokens=24, temperature=0.0)
     # (the rule for a string's closing quote left out: the next test's)
-    monkeypatch.setattr(Premasker, "ends_string", lambda self, seq, token: False)
+    monkeypatch.setattr(Premasker, "pick_closes_span", lambda self, seqs, seq, token: False)
     narrow = take_module.narrow_choice
     refused, seen, missed = (Sequence.pick_refused, Sequence.masked_pick_seen,
                              Sequence.masked_picks_missed)
@@ -811,11 +811,11 @@ def test_agreements_on_the_quote_that_ends_a_string_do_not_unmask(smollm2_engine
     tok = smollm2_engine.tokenizer
     model, compiled, prompts = _records_batch(tok, 16)
     greedy = SamplingParams(max_tokens=48, temperature=0.0)
-    ends = Premasker.ends_string
+    ends = Premasker.pick_closes_span
 
     def run(rule: bool, **config):
-        monkeypatch.setattr(Premasker, "ends_string",
-                            ends if rule else (lambda self, seq, token: False))
+        monkeypatch.setattr(Premasker, "pick_closes_span",
+                            ends if rule else (lambda self, seqs, seq, token: False))
         return _run_records(model, tok, compiled, prompts, greedy, **config)
 
     masked, _, _ = run(True, async_scheduling=False, unmasked_greedy=False)
@@ -826,42 +826,50 @@ def test_agreements_on_the_quote_that_ends_a_string_do_not_unmask(smollm2_engine
     assert unmasked_ruled > 10 * len(prompts)  # (and the rows went back to unmasked picks)
 
 
-def test_premasking_watches_the_quotes_that_leave_a_string(smollm2_engine):
-    """The tokens premasking watches are those holding a double quote; of those,
-    a token counts where it leaves the row's output (not its prompt) with an
-    even number of unescaped quotes: a key's or a value's end, not an opening.
-    Counted on from where the last look stopped, and afresh after tokens are
-    taken back."""
+@pytest.mark.parametrize("kind", ["json", "regex", "none"])
+def test_premasking_watches_the_spans_its_constraints_close(smollm2_engine, kind):
+    """Premasking asks each row's constraint which tokens may close a span and
+    whether one does: a JSON Schema's matcher answers for its strings (tokens
+    holding a double quote; of those, one that leaves the row's output, not its
+    prompt, with an even number of unescaped quotes: a key's or a value's end,
+    not an opening), counted on from where the last look stopped and afresh
+    after tokens are taken back; a regex's matcher closes none, and a row
+    without a constraint has no closing tokens at all."""
     from formcast.engine.pipeline import PipelineStats
     from formcast.engine.pipeline.premask import Premasker
+    from formcast.grammars import JsonSchema, Regex, compile
 
     engine = smollm2_engine
     tok = engine.tokenizer
     premasker = Premasker(tok, EngineTuning(), PipelineStats())
-    risky = premasker.risky_tokens()
+    constraint = None if kind == "none" else compile(
+        JsonSchema({"type": "object"}) if kind == "json" else Regex(".*"), tok).matcher()
     text = '{"name": "Bob \\"B\\" Lee", "city": "Oslo", "age": 4}'
     output = tok.encode(text, add_special_tokens=False)
     assert tok.decode(output) == text
     prompt = tok.encode('Say "hi" in JSON: "', add_special_tokens=False)  # (odd, ignored)
-    seq = engine.intake.make(prompt, SamplingParams(max_tokens=64), None, None)
+    seq = engine.intake.make(prompt, SamplingParams(max_tokens=64), constraint, None)
+    risky = premasker.closers_for([seq])
+    quote = tok.encode('"', add_special_tokens=False)[0]
+    assert (quote in risky) == (kind != "none")
+    assert tok.encode(" word", add_special_tokens=False)[0] not in risky
     got, want = [], []
     for i, token in enumerate(output):
         if token in risky:
-            want += [tok.decode(output[:i + 1]).replace('\\"', "").count('"') % 2 == 0] * 2
-            got.append(premasker.leaves_string(seq, token, False))
+            closes = tok.decode(output[:i + 1]).replace('\\"', "").count('"') % 2 == 0
+            want += [closes and kind == "json"] * 2
+            got.append(premasker.closes_span(seq, token, False))
         seq.token_ids.append(token)
         if token in risky:  # (asked again once appended: the same answer)
-            got.append(premasker.leaves_string(seq, token, True))
-    assert got == want and True in got and False in got
-    # the same output's tokens, every risky one counted: leaving, not leaving
-    leaving = [premasker.leaves_string(seq, t, False) for t in tok.encode(
-        ' "x', add_special_tokens=False) if t in risky]
-    assert leaving == [False]  # (after the whole object: even, so a quote opens)
-    assert seq.quote_scan == (len(seq.token_ids), 0)
+            got.append(premasker.closes_span(seq, token, True))
+    assert got == want and (kind != "json" or True in got and False in got)
+    if kind != "json":
+        return
+    # after the whole object the quote count is even, so a quote opens a string
+    assert not premasker.closes_span(seq, quote, False)
     del seq.token_ids[len(prompt) + 2:]  # (taken back to '{"name': inside the key)
     closing = tok.encode('":', add_special_tokens=False)[0]
-    assert closing in risky and premasker.leaves_string(seq, closing, False)
-    assert seq.quote_scan == (len(prompt) + 2, 1)
+    assert closing in risky and premasker.closes_span(seq, closing, False)
 
 
 @pytest.mark.parametrize("path", ["host", "thread", "native"])
@@ -981,8 +989,6 @@ def test_premasking_follows_how_the_model_does_after_a_risky_token(smollm2_engin
 
     fresh = engine_for(async_scheduling=True)
     assert not fresh.pipeline.premasker.active()
-    assert tok.encode('"', add_special_tokens=False)[0] in fresh.pipeline.premasker.risky_tokens()
-    assert tok.encode(" word", add_special_tokens=False)[0] not in fresh.pipeline.premasker.risky_tokens()
     for _ in range(3):
         fresh.pipeline.premasker.seen(True)
     assert not fresh.pipeline.premasker.active()  # (a few misses are not yet the rule)

@@ -372,10 +372,10 @@ def test_cuda_unmasked_greedy_picks_give_the_masked_outputs(weights, tokenizer, 
         "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
         "additionalProperties": False}
     # (masked rows unmasked by an agreement on a string's closing quote, as before
-    # Premasker.ends_string, and on one where the grammar leaves few tokens, as before
+    # Premasker.pick_closes_span, and on one where the grammar leaves few tokens, as before
     # _narrow_choice (forced text alone counted out): the refusals those rules spare
     # are what this test takes)
-    monkeypatch.setattr(Premasker, "ends_string", lambda self, seq, token: False)
+    monkeypatch.setattr(Premasker, "pick_closes_span", lambda self, seqs, seq, token: False)
     monkeypatch.setattr(take_module, "narrow_choice", forces_text)
     results = {}
     for unmasked, overlap, native in ((False, False, None), (True, False, None),

@@ -109,17 +109,19 @@ def test_a_refused_pick_masks_its_request_until_more_agreements_as_refusals_repe
     in a row are its unmasked argmax, then 4, 8 and at most 16 as refusals
     repeat (its engine resets the streak once a pick is taken); a disagreement
     asks for as many again, 1 for a request never refused. Each change of the
-    way it samples moves ``Sequence.sampling_epoch``."""
-    from formcast.engine.sequence import Sequence
+    way it samples moves the count of its epochs (shared by
+    an engine's sequences)."""
+    from formcast.engine.sequence import SamplingEpochs, Sequence
 
-    seq = make_seq([1, 2, 3])
+    epochs = SamplingEpochs()
+    seq = make_seq([1, 2, 3], epochs=epochs)
     seq.masked_pick_seen(True)  # (unmasked: an agreement changes nothing)
     assert not seq.masked and seq.agreements_due == 0
-    epoch = Sequence.sampling_epoch
+    epoch = epochs.sampling
     seq.masked_pick_seen(False)
-    assert seq.masked and seq.agreements_due == 1 and Sequence.sampling_epoch == epoch + 1
+    assert seq.masked and seq.agreements_due == 1 and epochs.sampling == epoch + 1
     seq.masked_pick_seen(True)
-    assert not seq.masked and Sequence.sampling_epoch == epoch + 2
+    assert not seq.masked and epochs.sampling == epoch + 2
     due = []
     for _ in range(6):
         seq.pick_refused()
@@ -132,18 +134,22 @@ def test_a_refused_pick_masks_its_request_until_more_agreements_as_refusals_repe
     seq.refusal_streak = 0  # (a pick taken)
     seq.pick_refused()
     assert seq.agreements_due == 2
-    epoch = Sequence.sampling_epoch
+    epoch = epochs.sampling
     seq.masked_pick_seen(True)
-    assert seq.masked and Sequence.sampling_epoch == epoch
+    assert seq.masked and epochs.sampling == epoch
     seq.masked_pick_seen(True)
-    assert not seq.masked and Sequence.sampling_epoch == epoch + 1
+    assert not seq.masked and epochs.sampling == epoch + 1
     # a step's misses in one loop: as one by one, the epoch moved once if any changed
-    rows = [make_seq([1, 2, 3]) for _ in range(3)]
+    rows = [make_seq([1, 2, 3], epochs=epochs) for _ in range(3)]
     rows[1].masked_pick_seen(False)
     rows[2].refusal_streak = 3
-    epoch = Sequence.sampling_epoch
+    epoch = epochs.sampling
     Sequence.masked_picks_missed(iter(rows))
     assert [(s.masked, s.agreements_due) for s in rows] == [(True, 1), (True, 1), (True, 8)]
-    assert Sequence.sampling_epoch == epoch + 1
+    assert epochs.sampling == epoch + 1
     Sequence.masked_picks_missed(rows)
-    assert Sequence.sampling_epoch == epoch + 1  # (no way changed)
+    assert epochs.sampling == epoch + 1  # (no way changed)
+    bans = epochs.bans
+    rows[0].ban(4, 7)  # (a ban changes the way too)
+    assert (epochs.sampling, epochs.bans) == (epoch + 2, bans + 1)
+    assert make_seq([1]).epochs is not epochs  # (a sequence of no engine counts its own)

@@ -225,6 +225,7 @@ class XGrammarMatcher(Matcher):
         if num_tokens:
             self._sync()
             self._text = None  # (the text before is not kept)
+            self._restart_spans()
             try:
                 self._m.rollback(num_tokens)
             except RuntimeError as exc:
