@@ -29,7 +29,6 @@ NAME=LITERAL``: an EngineConfig field (``unmasked_greedy``, ``native_accept``,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 import time
 
@@ -39,25 +38,6 @@ import gpu_throughput as bench
 from formcast.engine import SamplingParams, Tokenizer
 from formcast.engine.models.shapes import DEEPSEEK_V4_SHAPES, SHAPES
 from formcast.engine.tuning import EngineTuning
-
-
-def config_changes(specs: list[str]) -> dict:
-    """The EngineConfig fields that ``field=literal`` specs replace."""
-    import ast
-
-    from formcast.engine import EngineConfig
-
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    changes = {}
-    for spec in specs:
-        name, _, value = spec.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--config {spec!r}: EngineConfig has no field {name!r}")
-        try:
-            changes[name] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            raise SystemExit(f"--config {spec!r}: the value is not a Python literal") from None
-    return changes
 
 
 def run_side(eng, ps, sp, constraints):
@@ -89,7 +69,10 @@ def main() -> None:
         tuning = EngineTuning.parse(args.tunings)
     except ValueError as exc:
         ap.error(str(exc))
-    changes = config_changes(args.configs)
+    try:
+        changes = bench.config_changes(args.configs)
+    except ValueError as exc:
+        ap.error(str(exc))
     tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     workloads = args.workloads.split(",")

@@ -16,6 +16,10 @@ tensors on both sides (transformers' DeepSeek-V4 where the installed transformer
 has it). ``--device cpu`` with ``--shape deepseek-v4-tiny`` is a smoke run.
 
     python benchmarks/gpu_throughput.py --tokenizer-dir DIR [--shape S] [--skip hf,constrained,bound]
+
+A variant's figures: ``--tuning FIELD=LITERAL`` (an EngineTuning field) and
+``--config FIELD=LITERAL`` (an EngineConfig field), repeatable, for every engine
+built; ``benchmarks/engine_ab.py`` puts a variant beside the defaults in one run.
 """
 
 from __future__ import annotations
@@ -27,13 +31,13 @@ import json
 import os
 import pstats
 import statistics
-import sys
 import time
 
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
 from formcast.engine.config import DeepseekV4Config
+from formcast.engine.tuning import EngineTuning
 try:
     from formcast.engine.loading import build_model
 except ImportError:  # (a commit before the engine's split, run for an old-vs-new comparison)
@@ -100,6 +104,29 @@ def hf_model(shape: str, weights: dict[str, torch.Tensor], dtype: torch.dtype):
     model = LlamaForCausalLM(cfg)
     model.load_state_dict(weights, strict=False)
     return model.to(DEVICE, dtype).eval()
+
+
+def config_changes(specs: list[str]) -> dict:
+    """The EngineConfig fields that ``field=literal`` specs replace.
+
+    Raises
+    ------
+    ValueError
+        An unknown field, or a value that is not a Python literal.
+    """
+    import ast
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    changes = {}
+    for spec in specs:
+        name, _, value = spec.partition("=")
+        if name not in fields:
+            raise ValueError(f"--config {spec!r}: EngineConfig has no field {name!r}")
+        try:
+            changes[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"--config {spec!r}: the value is not a Python literal") from None
+    return changes
 
 
 def make_engine(shape: str, tok: Tokenizer, max_batch: int, **config) -> Engine:
@@ -257,8 +284,8 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / times[len(times) // 2]
 
 
-def part_bound(tok: Tokenizer, shape: str, n: int) -> None:
-    eng = make_engine(shape, tok, 1)
+def part_bound(tok: Tokenizer, shape: str, n: int, config: dict) -> None:
+    eng = make_engine(shape, tok, 1, **config)
     cfg = eng.model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
     ps = prompts(tok, 1)
@@ -291,21 +318,24 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: hf, constrained, bound")
     ap.add_argument("--profile", action="store_true", help="host profile of a constrained run")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
-    ap.add_argument("--set", dest="sets", action="append", default=[],
-                    metavar="MODULE:ATTR=EXPR",
-                    help="replace a module attribute before the engines are built (as "
-                    "engine_ab.py's --set): a variant's figures")
+    ap.add_argument("--tuning", dest="tunings", action="append", default=[],
+                    metavar="FIELD=LITERAL",
+                    help="an EngineTuning field of every engine built (repeatable, as "
+                    "engine_ab.py's --tuning): a variant's figures")
+    ap.add_argument("--config", dest="configs", action="append", default=[],
+                    metavar="FIELD=LITERAL",
+                    help="an EngineConfig field of every engine built (repeatable)")
     ap.add_argument("--host-cores", type=int, default=None,
                     help="run on this many host cores (a slower host: the constrained "
                     "steps of a large batch are host-bound on some H200 machines)")
     args = ap.parse_args()
     limit_host_cores(args.host_cores)
-    if args.sets:
-        sys.modules.setdefault("gpu_throughput", sys.modules[__name__])  # (one module, run or not)
-        from engine_ab import Patch
-
-        Patch(args.sets).on()
-        print("with " + "; ".join(args.sets))
+    try:
+        config = dict(config_changes(args.configs), tuning=EngineTuning.parse(args.tunings))
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.tunings or args.configs:
+        print("with " + "; ".join(args.tunings + args.configs))
     global DEVICE
     DEVICE = torch.device(args.device)
     skip = set(filter(None, args.skip.split(",")))
@@ -316,7 +346,7 @@ def main() -> None:
     print(f"device={name} torch={torch.__version__}")
     if not {"hf", "constrained"} <= skip:
         t = time.perf_counter()
-        eng = make_engine(args.shape, tok, max(sizes + csizes))
+        eng = make_engine(args.shape, tok, max(sizes + csizes), **config)
         graphs = getattr(eng.runner, "graphs", None)
         print(f"engine built with CUDA graphs {graphs.sizes if graphs else None}"
               f" in {time.perf_counter() - t:.1f} s")
@@ -330,7 +360,7 @@ def main() -> None:
     if "bound" not in skip and DEVICE.type != "cuda":
         print("[3] skipped: the bytes-moved bound is measured on CUDA only")
     elif "bound" not in skip:
-        part_bound(tok, args.bound_shape, args.tokens)
+        part_bound(tok, args.bound_shape, args.tokens, config)
     print(json.dumps({"done": True}))
 
 
