@@ -48,9 +48,11 @@ class Premasker:
         self.tokenizer = tokenizer
         self.tuning = tuning
         self.stats = stats
-        # constraint class -> (its span-closing tokens, its closes_span), asked once
-        self._by_kind: dict[type, tuple[frozenset[int], Callable[..., bool]]] = {}
+        # constraint class -> its span-closing tokens, and its closes_span: asked once
+        self._closers_of: dict[type, frozenset[int]] = {}
+        self._closes: dict[type, Callable[..., bool]] = {}
         self._rows: list[Sequence] = []  # the rows _closers is for
+        self._seen: list[Sequence] | None = None  # the list last asked about (not copied)
         self._closers: frozenset[int] = frozenset()
         self.rate = 0.0  # the moving average
         self.premasked: dict[Sequence, None] = {}  # rows whose first masked pick is due
@@ -61,24 +63,29 @@ class Premasker:
         """The tokens after which premasking may mask one of ``seqs``: those
         their constraints' classes say may close a span, found again only when
         the rows change."""
+        if seqs is self._seen:  # (a step asks for its rows' list several times)
+            return self._closers
         if seqs != self._rows:  # (identity compares, in C)
             self._rows = list(seqs)
             found: frozenset[int] = frozenset()
             for kind in set(map(type, map(CONSTRAINT, seqs))):
-                closers = self._kind(kind)[0]
+                closers = self._closers_of.get(kind)
+                if closers is None:
+                    closers = self._learn(kind)
                 found = found | closers if found else closers
             self._closers = found
+        self._seen = seqs
         return self._closers
 
-    def _kind(self, kind: type) -> tuple[frozenset[int], Callable[..., bool]]:
-        """``kind``'s span-closing tokens and its ``closes_span``, asked once."""
-        known = self._by_kind.get(kind)
-        if known is None:
-            ops = ops_for(kind)
-            closers = None if ops.span_closing_tokens is None else \
-                ops.span_closing_tokens(self.tokenizer.token_bytes())
-            known = self._by_kind[kind] = (frozenset(closers or ()), ops.closes_span)
-        return known
+    def _learn(self, kind: type) -> frozenset[int]:
+        """Ask constraint class ``kind`` for its span-closing tokens (given)
+        and its ``closes_span``."""
+        ops = ops_for(kind)
+        closers = None if ops.span_closing_tokens is None else \
+            ops.span_closing_tokens(self.tokenizer.token_bytes())
+        self._closes[kind] = ops.closes_span
+        closers = self._closers_of[kind] = frozenset(closers or ())
+        return closers
 
     def closes_span(self, seq: Sequence, token: int, appended: bool) -> bool:
         """Whether ``token`` (one of :meth:`closers_for`'s, the last of ``seq``'s
@@ -86,7 +93,10 @@ class Premasker:
         grammar wants punctuation next, rather than opening one, where any word
         goes (the picks a model of random weights gets wrong, and right)."""
         constraint, ids = seq.constraint, seq.token_ids
-        closes = self._kind(type(constraint))[1]
+        closes = self._closes.get(type(constraint))
+        if closes is None:
+            self._learn(type(constraint))
+            closes = self._closes[type(constraint)]
         return closes(constraint, ids, seq.num_prompt_tokens, len(ids) - appended, token)
 
     def pick_closes_span(self, seqs: list[Sequence], seq: Sequence, token: int) -> bool:
@@ -162,7 +172,7 @@ class Premasker:
         pipeline is over; the moving average stays)."""
         self.premasked.clear()
         self.risky_after, self.wait = [], None
-        self._rows, self._closers = [], frozenset()
+        self._rows, self._seen, self._closers = [], None, frozenset()
 
     def seen(self, missed: bool) -> None:
         """A pick after a span-closing token broke the grammar (``missed``), or did not."""
