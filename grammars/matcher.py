@@ -212,6 +212,11 @@ class EndCheckedMatcher(Matcher):
         self._version = 0            # bumped by every change of state
         self._verdict: tuple[int, EndViolation | None] | None = None   # (version, verdict)
 
+    @property
+    def inner(self) -> Matcher:
+        """The backend matcher it wraps."""
+        return self._inner
+
     def _violation(self) -> EndViolation | None:
         if self._verdict is None or self._verdict[0] != self._version:
             self._verdict = (self._version, self._check(b"".join(self._parts)))

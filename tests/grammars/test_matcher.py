@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -292,7 +294,7 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
     expected = compiled.allocate_bitmask(5)
     for i, m in enumerate(matchers):
         m.fill_bitmask(expected, i)
-    inner = [m._inner if hasattr(m, "_inner") else m for m in matchers]
+    inner = [getattr(m, "inner", m) for m in matchers]
     assert all(type(m) is XGrammarMatcher for m in inner)
     plan = FillPlan(threads=2)
     calls = []
@@ -306,7 +308,7 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
     def fill() -> torch.Tensor:
         got = compiled.allocate_bitmask(5)
         got.zero_()
-        plan.fill([m._m for m in inner], got, list(range(5)))
+        plan.fill([m.xgrammar_matcher for m in inner], got, list(range(5)))
         return got
 
     assert torch.equal(fill(), expected) and calls == ["one"]   # cheap rows: one thread
@@ -363,17 +365,17 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab):
         assert kinds.accept_tokens([split, pair], [byte("x"), byte('"')]) == [0, 1]
         for t in single[1:]:
             assert kinds.accept_tokens([split], [t]) == [1]
-        assert split._text == whole._text == offered._text == text.encode()
-        assert pair._text == b'{"'
+        assert split.kept_text == whole.kept_text == offered.kept_text == text.encode()
+        assert pair.kept_text == b'{"'
         for t in single + [byte(":")]:
             assert back.accept(t)
         back.rollback(1)  # (the state of `whole`, its text no longer known)
-        assert back._text is None
+        assert back.kept_text is None
         forked = whole.fork()
-        assert forked._text == whole._text
+        assert forked.kept_text == whole.kept_text
         n1, n2 = digits.matcher(), digits.matcher()
         ended = digits.matcher()
-        assert ended.accept(byte("7")) and ended.accept(EOS) and ended._text is None
+        assert ended.accept(byte("7")) and ended.accept(EOS) and ended.kept_text is None
         return [split, whole, offered, fresh, back, longer, fresh2, forked, n1, n2, pair]
 
     def row_by_row(matchers) -> torch.Tensor:
@@ -431,8 +433,8 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab):
     assert spy.filled == []
     # a long text is not kept
     long = digits.matcher()
-    assert long.accept_text("1" * XGrammarTuning().text_key_limit) and long._text is not None
-    assert long.accept(byte("2")) and long._text is None
+    assert long.accept_text("1" * XGrammarTuning().text_key_limit) and long.kept_text is not None
+    assert long.accept(byte("2")) and long.kept_text is None
 
 
 @pytest.mark.parametrize("schema,text,redo,fix", [
@@ -561,7 +563,8 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, way, monkeyp
     for h, p, t in zip(hooked, plain, tokens):
         p.accept(t)
         assert torch.equal(_mask(h, person), _mask(p, person))
-        assert not h._is_fresh()
+        with pytest.raises(TypeError, match="only a fresh matcher"):  # (it moved)
+            pickle.dumps(h)
     # every row taken (the usual batch, told by one containment test)
     fresh = [person.matcher() for _ in range(5)]
     assert type(fresh[0]).accept_tokens(fresh, [brace] * 5) == [1] * 5
@@ -591,11 +594,11 @@ def test_a_batch_accept_keeps_each_rows_text_as_accepting_alone_does(compiler, t
         got = accept(tokens)
         for b, a, t, verdict in zip(batch, alone, tokens, got):
             assert a.accept(t) == (verdict > 0)
-            assert b._text == a._text
+            assert b.kept_text == a.kept_text
         if k == 2:
-            kept_before_limit = [b._text for b in batch]
+            kept_before_limit = [b.kept_text for b in batch]
     assert kept_before_limit == [b"124", None, b"134", b"14", b"125", b"134"]
-    assert all(b._text is None for b in batch)
+    assert all(b.kept_text is None for b in batch)
 
 
 @pytest.mark.parametrize("way", [pytest.param("native", marks=_NATIVE), "public"])
@@ -625,7 +628,7 @@ def test_a_prepared_acceptors_subsets_accept_as_their_rows_alone_do(compiler, ti
         got = accept.subset(rows)(tokens)
         assert got == [int(alone[i].accept(t)) for i, t in zip(rows, tokens)]
         for b, a in zip(batch, alone):
-            assert b._text == a._text
+            assert b.kept_text == a.kept_text
             assert torch.equal(_mask(b, person), _mask(a, person))
     with pytest.raises(ValueError, match="2 tokens for 1 matchers"):
         accept.subset([0])([one, one])
@@ -656,7 +659,9 @@ def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, 
     prepared_for = [g.matcher() for g in grammars]
     plain = [g.matcher() for g in grammars]
     accept = type(prepared_for[0]).batch_acceptor(prepared_for)
-    assert all(not m._is_fresh() for m in prepared_for)
+    for m in prepared_for:  # (prepared: no longer sent to another process as new)
+        with pytest.raises(TypeError, match="only a fresh matcher"):
+            pickle.dumps(m)
     steps = [[one, brace, brace, two],          # ordinary: taken, refused, taken, taken
              [two, one, one, one],              # ordinary: the refused row takes now
              [one, PAD_SPECIAL, -1, tiny_vocab.vocab_size - 1],  # the general way
@@ -689,16 +694,16 @@ def test_narrow_choice_says_where_the_grammar_allows_few_tokens(compiler, tiny_v
     text = '{"name":"Al","age":12'
     ids = _ids(tiny_vocab, text)
     walkers = [compiled.matcher() for _ in range(3)]
-    walkers[2]._text = None  # (keeps no text: fills a mask every time)
+    assert walkers[2].accept(ids[0])
+    walkers[2].rollback(1)  # (keeps no text since: fills a mask every time)
     seen = []
     for k, token in enumerate(ids):
         allowed = len(allowed_ids(_mask(walkers[0], compiled)[None], 0, tiny_vocab.vocab_size))
         answers = {m.narrow_choice() for m in walkers}
-        assert answers == {2 * allowed < walkers[0]._size}, (k, allowed)
+        assert answers == {2 * allowed < tiny_vocab.tokenizer_size}, (k, allowed)
         seen.append((tiny_vocab.token_bytes[token], answers.pop()))
         for m in walkers:
             assert m.accept(token)
-    assert walkers[0]._origin.narrow_texts  # (the kept texts' answers)
     assert seen[0][1] is True  # (the opening brace)
     inside = [narrow for piece, narrow in seen if piece in (b"A", b"l")]
     assert inside == [False, False]  # (inside the name's string: nearly every token)
@@ -708,7 +713,7 @@ def test_narrow_choice_says_where_the_grammar_allows_few_tokens(compiler, tiny_v
                                tiny_vocab, backend="xgrammar")
     m = checked.matcher()
     assert checked.end_check is not None and m.narrow_choice() is True
-    assert m.narrow_choice() == m._inner.narrow_choice()
+    assert m.narrow_choice() == m.inner.narrow_choice()
 
 
 def test_forces_text_says_where_the_grammar_fixes_the_next_text(compiler, tiny_vocab):
@@ -719,15 +724,16 @@ def test_forces_text_says_where_the_grammar_fixes_the_next_text(compiler, tiny_v
     compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     ids = _ids(tiny_vocab, '{"name":"Al"')
     walkers = [compiled.matcher() for _ in range(3)]
-    walkers[2]._text = None  # (keeps no text: asks xgrammar every time)
+    assert walkers[2].accept(ids[0])
+    walkers[2].rollback(1)  # (keeps no text since: asks xgrammar every time)
     seen = []
     for k, token in enumerate(ids):
         answers = {m.forces_text() for m in walkers}
-        assert answers == {bool(walkers[0]._m.find_jump_forward_string())}, k
+        assert answers == {bool(walkers[0].xgrammar_matcher.find_jump_forward_string())}, k
         seen.append(answers.pop())
         for m in walkers:
             assert m.accept(token)
-    assert walkers[0]._text is not None and walkers[1]._text == walkers[0]._text
+    assert walkers[0].kept_text is not None and walkers[1].kept_text == walkers[0].kept_text
     assert seen[0] is True  # (the opening brace and the required key)
     assert seen[-1] is False  # (inside the name's string)
     assert walkers[0].forces_text() is False  # (after the string: a comma or the brace)
@@ -750,25 +756,25 @@ def test_xgrammar_matchers_fork_their_start_when_first_used(compiler, tiny_vocab
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     used, prepared = person.matcher(), person.matcher()
     assert isinstance(used, XGrammarMatcher)
-    assert used._xm is None and prepared._xm is None
+    assert not used.forked and not prepared.forked
     start = _mask(used, person)  # (a known mask of the start may serve without a fork)
     assert not used.is_completed()  # (reads xgrammar's state: forks it)
-    assert used._xm is not None and prepared._xm is None
+    assert used.forked and not prepared.forked
     XGrammarMatcher.prepare([used, prepared])
-    assert prepared._xm is not None and prepared._xm is not used._xm
+    assert prepared.forked and prepared.xgrammar_matcher is not used.xgrammar_matcher
     assert torch.equal(_mask(prepared, person), start)
     lazy = person.matcher().fork()
-    assert lazy._xm is None
+    assert not lazy.forked
     for m in (used, prepared, lazy):
         for t in _ids(tiny_vocab, '{"name":"Al","age":3}'):
             assert m.accept(t)
         assert m.is_completed()
-    assert lazy._xm is not None
+    assert lazy.forked
     # a fork of a matcher that moved copies its state, not the start
     moving = person.matcher()
     for t in _ids(tiny_vocab, '{"name":"B'):
         assert moving.accept(t)
     copy = moving.fork()
-    assert copy._xm is not None and torch.equal(_mask(copy, person), _mask(moving, person))
+    assert copy.forked and torch.equal(_mask(copy, person), _mask(moving, person))
     with pytest.raises(ValueError, match="start to fork"):
         XGrammarMatcher(None, frozenset(), 1, frozenset())

@@ -79,7 +79,7 @@ def test_a_launched_accept_takes_tokens_as_accepting_row_by_row_does(compiler, t
             want.append(0 if not taken else 2 if a.is_terminated() else 1)
         assert got == want
         for b, a, g in zip(batch, alone, grammars):
-            assert b._text == a._text
+            assert b.kept_text == a.kept_text
             assert b.is_terminated() == a.is_terminated()
             if not a.is_terminated():
                 assert torch.equal(_mask(b, g), _mask(a, g))

@@ -80,7 +80,7 @@ def test_known_masks_judge_every_token_as_xgrammar_does(person, tiny_vocab, monk
         fork = ref.fork()
         if verdict:
             assert fork.accept(t)
-            assert m._pending > 0 and m._text == fork._text
+            assert m._pending > 0 and m.kept_text == fork.kept_text
         assert torch.equal(_state_mask(m, person), _state_mask(fork, person)), t
         assert m.is_completed() == fork.is_completed()
 
@@ -96,9 +96,9 @@ def test_a_row_without_a_known_mask_is_offered_by_xgrammar_beside_the_known(pers
     kind = type(known)
     assert kind.accept_tokens(rows, [byte('"'), byte("a"), byte("x"), byte("b")]) == [1, 1, 0, 0]
     assert seen == [False, True]  # (the unknown rows: their part, by xgrammar, inside)
-    assert [m._text for m in rows] == [b'{"', b'{"na', b"{", b'{"n']
+    assert [m.kept_text for m in rows] == [b'{"', b'{"na', b"{", b'{"n']
     assert kind.accept_tokens(rows, [byte("n"), byte("m"), byte('"'), byte("m")]) == [1, 1, 1, 0]
-    assert [m._text for m in rows] == [b'{"n', b'{"nam', b'{"', b'{"n']
+    assert [m.kept_text for m in rows] == [b'{"n', b'{"nam', b'{"', b'{"n']
 
 
 def test_rollback_and_fork_wait_for_the_worker(person, monkeypatch):
@@ -117,12 +117,12 @@ def test_rollback_and_fork_wait_for_the_worker(person, monkeypatch):
     assert seen == [True] * len(text) and rows[0]._pending > 0
     rows[0].rollback(2)
     ref.rollback(2)
-    assert rows[0]._text is None
+    assert rows[0].kept_text is None
     assert torch.equal(_mask(rows[0], person), _mask(ref, person))
     fork = rows[1].fork()
-    assert fork._text == text.encode()
+    assert fork.kept_text == text.encode()
     assert torch.equal(_mask(fork, person), _mask(rows[2], person))
-    assert rows[2].accept_text("Bo") and rows[2]._text == b'{"name":"Bo'
+    assert rows[2].accept_text("Bo") and rows[2].kept_text == b'{"name":"Bo'
 
 
 def test_a_known_mask_that_xgrammar_disagrees_with_breaks_only_its_matcher(person, monkeypatch):
@@ -142,14 +142,14 @@ def test_a_known_mask_that_xgrammar_disagrees_with_breaks_only_its_matcher(perso
     assert kind.accept_tokens(rows, [bad, byte('"'), byte('"')]) == [1, 1, 1]
     assert seen == [True]
     native_accept.worker().backlog.settle()
-    assert "refused token" in rows[0]._broken and rows[1]._broken is None
+    assert not rows[1].is_completed()  # (its state is its text's; the broken one raises)
     for use in (lambda m: _mask(m, person), lambda m: m.is_completed(), lambda m: m.rollback(1),
                 lambda m: m.fork()):
         with pytest.raises(RuntimeError, match="refused token"):
             use(rows[0])
     # the batch's next accept: -1 (the constraint failed) for the broken row alone
     assert kind.accept_tokens(rows, [byte("a"), byte("n"), byte("n")]) == [-1, 1, 1]
-    assert rows[1]._text == rows[2]._text == b'{"n'
+    assert rows[1].kept_text == rows[2].kept_text == b'{"n'
 
 
 def test_a_batch_of_fewer_rows_than_the_threshold_is_offered_by_xgrammar(person, monkeypatch):
@@ -209,10 +209,10 @@ def test_rows_in_step_offered_one_token_are_judged_once_as_xgrammar_judges(perso
     fork = ref.fork()
     if want:
         assert fork.accept(byte(token))
-    assert {m._text for m in rows} == {fork._text}
+    assert {m.kept_text for m in rows} == {fork.kept_text}
     # an unknown text in step: xgrammar judges the rows
     unknown = [_at(person, '{"nam') for _ in range(3)]
     assert kind.accept_tokens(unknown, [byte("e")] * 3) == [1, 1, 1]
-    assert seen[-1] is False and {m._text for m in unknown} == {b'{"name'}
+    assert seen[-1] is False and {m.kept_text for m in unknown} == {b'{"name'}
     for m in rows:
         assert torch.equal(_state_mask(m, person), _state_mask(fork, person))

@@ -39,8 +39,8 @@ def test_a_backends_tuning_reaches_its_matchers(compiler, tiny_vocab):
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
     short = tuned(digits, text_key_limit=2)
     m = short.matcher()
-    assert m.accept_text("12") and m._text == b"12"
-    assert m.accept_text("3") and m._text is None
+    assert m.accept_text("12") and m.kept_text == b"12"
+    assert m.accept_text("3") and m.kept_text is None
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     for on in (False, True):
         grammar = tuned(person, text_masks=on, text_mask_rows=4)

@@ -322,3 +322,13 @@ class XGrammarMatcher(Matcher):
         """The wrapped xgrammar matcher (for batch filling), in step with its text."""
         self._sync()
         return self._m
+
+    @property
+    def kept_text(self) -> bytes | None:
+        """The text it took while that is short (see the class); None once not kept."""
+        return self._text
+
+    @property
+    def forked(self) -> bool:
+        """Whether its xgrammar matcher is made yet (it forks on first use or in :meth:`prepare`)."""
+        return self._xm is not None
