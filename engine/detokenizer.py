@@ -31,7 +31,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
         # (skipping special tokens: a table where they stand for no bytes)
         self._bytes = tokenizer._text_bytes if skip_special_tokens else tokenizer._token_bytes
-        self._strip_space = tokenizer._strips_leading_space
+        self._strip_space = tokenizer.strips_leading_space
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._started = False
 

@@ -90,6 +90,16 @@ class PrefillGraphs:
         self.replays = 0
         self.captures = 0
 
+    @property
+    def buckets(self) -> frozenset:
+        """The buckets captured so far (each replays its graph)."""
+        return frozenset(self._graphs)
+
+    @property
+    def failures(self) -> dict:
+        """The buckets whose capture failed, and why (a copy; they run eagerly)."""
+        return dict(self._failed)
+
     def bucket_for(self, num_tokens: int, lengths: list[int], num_samples: int
                    ) -> _Bucket | None:
         """The bucket of a prompt step, or None when it is too large for one."""

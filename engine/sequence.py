@@ -168,6 +168,11 @@ class Sequence:
         return made
 
     @property
+    def generator_made(self) -> bool:
+        """Whether :attr:`generator` was made yet (a request that never draws makes none)."""
+        return isinstance(self._generator, torch.Generator)
+
+    @property
     def seed(self) -> int:
         """The seed of :attr:`generator` (read without making it)."""
         made = self._generator
@@ -181,6 +186,11 @@ class Sequence:
             self._text += self.detok.feed_many(self._undecoded)
             self._undecoded.clear()
         return self._text
+
+    @property
+    def num_undecoded(self) -> int:
+        """Output tokens whose text is not made yet (made when :attr:`text` is read)."""
+        return len(self._undecoded)
 
     @text.setter
     def text(self, value: str) -> None:

@@ -366,7 +366,8 @@ class Tokenizer:
         return list(self._token_bytes)
 
     @cached_property
-    def _strips_leading_space(self) -> bool:
+    def strips_leading_space(self) -> bool:
+        """Whether decoding drops the first word's leading space (as streamed text must)."""
         # the decoder's own state is its JSON: a thousandth of the whole
         # tokenizer's (a cost the first request would pay)
         decoder = self._backend.decoder

@@ -61,6 +61,11 @@ class ByteBoundedLRU(Generic[V]):
             self._entries.clear()
             self._bytes = 0
 
+    def values(self) -> list[V | Failure]:
+        """The cached values, least recently used first (a snapshot)."""
+        with self._lock:
+            return [value for value, _ in self._entries.values()]
+
     @property
     def nbytes(self) -> int:
         """Bytes currently charged (never a count caught mid-insert, over the budget)."""

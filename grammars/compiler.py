@@ -257,6 +257,11 @@ class GrammarCompiler:
         self._vocabs: OrderedDict[tuple[str, int], Vocabulary] = OrderedDict()
         self._backends: OrderedDict[tuple[str, str], Backend] = OrderedDict()
 
+    @property
+    def num_compiling(self) -> int:
+        """Compiles under way (callers waiting on them, or abandoned past their deadline)."""
+        return len(self._inflight)
+
     def vocabulary(self, tokenizer: TokenizerLike | Vocabulary, vocab_size: int | None = None
                    ) -> Vocabulary:
         """The (cached) :class:`Vocabulary` of a tokenizer for a logits width."""

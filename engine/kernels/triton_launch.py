@@ -35,7 +35,7 @@ _CALL = ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.pac
 
 
 @functools.cache
-def _supported() -> bool:
+def supported() -> bool:
     """Whether this Triton's ``JITFunction.run`` launches the way :class:`FastLaunch` does."""
     try:
         from triton.runtime.jit import JITFunction
@@ -47,7 +47,7 @@ def _supported() -> bool:
         "bound_args, specialization, options = binder(*args, **kwargs)" in src
 
 
-def _hook_set(hook) -> bool:
+def hook_set(hook) -> bool:
     """Whether a launch hook is there to call (Triton keeps empty hook chains)."""
     if hook is None:
         return False
@@ -55,11 +55,12 @@ def _hook_set(hook) -> bool:
     return bool(calls) if isinstance(calls, list) else True
 
 
-def _hooks_set() -> bool:
+def hooks_set() -> bool:
+    """Whether a profiler set a launch hook (FastLaunch then launches the ordinary way)."""
     from triton import knobs
 
     runtime = knobs.runtime
-    return _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook)
+    return hook_set(runtime.launch_enter_hook) or hook_set(runtime.launch_exit_hook)
 
 
 def _arg_key(value) -> tuple:
@@ -89,7 +90,7 @@ class FastLaunch:
             self.names = None
 
     def __call__(self, grid: tuple[int, ...], *args, **constexprs) -> None:
-        if self.names is None or not _supported() or _hooks_set():
+        if self.names is None or not supported() or hooks_set():
             self.fn[grid](*args, **constexprs, **self.options)
             return
         rest = iter(args)

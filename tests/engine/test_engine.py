@@ -127,11 +127,11 @@ def test_a_request_makes_its_generator_only_when_it_draws(smollm2_engine):
     drawn = smollm2_engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.8,
                                                            seed=4321))
     seqs = {rid: smollm2_engine.output.requests[rid] for rid in (greedy, drawn)}
-    assert not any(isinstance(s._generator, torch.Generator) for s in seqs.values())
+    assert not any(s.generator_made for s in seqs.values())
     while smollm2_engine.has_unfinished_requests():
         smollm2_engine.step()
-    assert not isinstance(seqs[greedy]._generator, torch.Generator)
-    assert isinstance(seqs[drawn]._generator, torch.Generator)
+    assert not seqs[greedy].generator_made
+    assert seqs[drawn].generator_made
     assert seqs[drawn].generator.initial_seed() == 4321
 
 
@@ -1661,13 +1661,13 @@ def test_the_hosts_idle_waits_detokenize_deferred_tokens_in_turn(smollm2_engine,
 
     engine.chores.detok_at = 0
     engine.chores.detokenize_while(seqs, busy(1))  # one look: the first rows only
-    made = [not s._undecoded for s in seqs]
+    made = [not s.num_undecoded for s in seqs]
     assert made == [i < rows_a_look and seqs[i] is not short for i in range(len(seqs))]
     assert engine.chores.detok_at == rows_a_look
     looks.clear()
     engine.chores.detokenize_while(seqs, busy(10))  # on from there, round to the start
-    assert all(not s._undecoded for s in seqs if s is not short)
-    assert len(short._undecoded) == chore - 1  # (too few to be worth a call)
+    assert all(not s.num_undecoded for s in seqs if s is not short)
+    assert short.num_undecoded == chore - 1  # (too few to be worth a call)
     looks.clear()
     engine.chores.detokenize_while(seqs, busy(10))  # nothing left to make: one look
     assert len(looks) == 1

@@ -229,14 +229,14 @@ def test_cuda_prompt_graphs_give_the_eager_outputs(weights, tokenizer):
                 assert a[0] == b[0] and a[1] == pytest.approx(b[1], abs=1e-4)
         assert [o.token_ids for o in graphed.generate(ps, sp)] == \
             [o.token_ids for o in eager.generate(ps, sp)]
-    assert pg.captures > 0 and pg.replays > pg.captures and not pg._failed
+    assert pg.captures > 0 and pg.replays > pg.captures and not pg.failures
     # a new prompt of a bucket seen before replays its graph (the batches above,
     # run again, would mostly come from the prefix cache: steps mixing prompt
     # chunks with single-token rows run eagerly)
-    captures, replays, buckets = pg.captures, pg.replays, set(pg._graphs)
+    captures, replays, buckets = pg.captures, pg.replays, pg.buckets
     graphed.generate([tokenizer.encode("Another request: the wind, please.")], sp)
-    assert (pg.captures, pg.replays, set(pg._graphs)) == (captures, replays + 1, buckets), \
-        (captures, replays, buckets, pg._failed)
+    assert (pg.captures, pg.replays, pg.buckets) == (captures, replays + 1, buckets), \
+        (captures, replays, buckets, pg.failures)
 
 
 @pytest.mark.parametrize("graphs", [True, False])
@@ -334,9 +334,9 @@ def test_cuda_texts_made_while_the_device_runs_are_the_texts_made_at_the_end(
     chores = HostChores.detokenize_while
 
     def counted(self, seqs, busy):
-        before = sum(len(s._undecoded) for s in seqs)
+        before = sum(s.num_undecoded for s in seqs)
         chores(self, seqs, busy)
-        made.append(before - sum(len(s._undecoded) for s in seqs))
+        made.append(before - sum(s.num_undecoded for s in seqs))
 
     monkeypatch.setattr(HostChores, "detokenize_while", counted)
     results = {}

@@ -480,11 +480,13 @@ def test_leading_space_stripping_is_read_from_the_decoder(tmp_path: Path, smollm
     must do the same) comes from the decoder's own state: a sentencepiece-style
     Sequence with a Strip says yes, SmolLM2's ByteLevel no; both as the whole
     tokenizer's JSON says."""
-    for tok in (load_tokenizer(_sentencepiece_folder(tmp_path)), Tokenizer.from_gguf(smollm2_gguf)):
-        whole = json.loads(tok._backend.to_str()).get("decoder")
-        assert tok._strips_leading_space is _decoder_strips_space(whole)
-    assert load_tokenizer(tmp_path)._strips_leading_space is True
-    assert Tokenizer.from_gguf(smollm2_gguf)._strips_leading_space is False
+    for k, tok in enumerate((load_tokenizer(_sentencepiece_folder(tmp_path)),
+                             Tokenizer.from_gguf(smollm2_gguf))):
+        saved = tok.save_pretrained(tmp_path / f"saved-{k}") / "tokenizer.json"
+        whole = json.loads(saved.read_text(encoding="utf-8")).get("decoder")
+        assert tok.strips_leading_space is _decoder_strips_space(whole)
+    assert load_tokenizer(tmp_path).strips_leading_space is True
+    assert Tokenizer.from_gguf(smollm2_gguf).strips_leading_space is False
 
 
 def test_save_pretrained_round_trips_through_from_hf_dir(smollm2_gguf, tmp_path):

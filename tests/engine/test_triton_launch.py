@@ -36,8 +36,8 @@ class Kernel:
 
 @pytest.fixture
 def launch(monkeypatch):
-    monkeypatch.setattr(triton_launch, "_supported", lambda: True)
-    monkeypatch.setattr(triton_launch, "_hooks_set", lambda: False)
+    monkeypatch.setattr(triton_launch, "supported", lambda: True)
+    monkeypatch.setattr(triton_launch, "hooks_set", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
     kernel = Kernel()
@@ -96,7 +96,7 @@ def test_this_tritons_launch_is_the_one_fast_launch_copies():
     """The installed Triton (if any) launches as FastLaunch expects; a kernel run
     by the interpreter is launched the ordinary way."""
     pytest.importorskip("triton")
-    assert triton_launch._supported()
+    assert triton_launch.supported()
 
 
 def test_empty_hook_chains_count_as_no_hooks():
@@ -104,7 +104,7 @@ def test_empty_hook_chains_count_as_no_hooks():
     (older Tritons: a plain callable or None)."""
     knobs = pytest.importorskip("triton.knobs")
     runtime = knobs.runtime
-    assert not triton_launch._hooks_set()
+    assert not triton_launch.hooks_set()
 
     def hook(*args) -> None:
         pass
@@ -115,11 +115,11 @@ def test_empty_hook_chains_count_as_no_hooks():
     else:
         runtime.launch_enter_hook = hook
     try:
-        assert triton_launch._hooks_set()
+        assert triton_launch.hooks_set()
     finally:
         if hasattr(chain, "remove"):
             chain.remove(hook)
         else:
             runtime.launch_enter_hook = chain
-    assert not triton_launch._hooks_set()
-    assert not triton_launch._hook_set(None) and triton_launch._hook_set(print)
+    assert not triton_launch.hooks_set()
+    assert not triton_launch.hook_set(None) and triton_launch.hook_set(print)

@@ -97,11 +97,11 @@ def test_a_compile_returns_only_once_its_worker_is_done_with_native_calls(tiny_v
     c = GrammarCompiler()
     compiled = c.compile(Regex("[a-c]+z"), tiny_vocab, backend="xgrammar")
     returned.set()
-    assert asked_after == [False] and not c._inflight
-    assert [v for v, _ in c.cache._entries.values()] == [compiled]
+    assert asked_after == [False] and c.num_compiling == 0
+    assert c.cache.values() == [compiled]
     with pytest.raises(ConstraintError):
         c.compile(Regex("(unclosed"), tiny_vocab, backend="xgrammar")
-    assert not c._inflight and isinstance(list(c.cache._entries.values())[-1][0], Failure)
+    assert c.num_compiling == 0 and isinstance(c.cache.values()[-1], Failure)
     c.close()
 
 
