@@ -60,6 +60,11 @@ class Linear(nn.Linear):
             return torch.mm(x, w.t(), out_dtype=torch.float32)
         return self(x).float()
 
+    @property
+    def is_packed(self) -> bool:
+        """Whether :meth:`packed_weight` made the blocked weight (a float32 CPU forward did)."""
+        return self._packed is not None
+
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's blocked layout, cached until it is replaced or written."""
         w = self.weight

@@ -14,6 +14,7 @@ import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams
 from formcast.engine.constraint import BatchAcceptor
+from formcast.engine.errors import EngineError
 from formcast.engine.tuning import EngineTuning
 from formcast.errors import ModelNotFoundError, RequestError
 
@@ -512,17 +513,17 @@ def test_pause_gc_keeps_the_collector_off_inside_generate_only(smollm2_engine):
     sp = SamplingParams(max_tokens=3, temperature=0.0)
 
     def run(eng, fail=False):
-        def spy(*args, **kwargs):
+        def spy(*args, **kwargs):  # (the model's forward, as a step runs it)
             seen.append(gc.isenabled())
             if fail:
                 raise RuntimeError("spy")
-            return step(*args, **kwargs)
-        step = eng._step
-        eng._step = spy
+            return execute(*args, **kwargs)
+        execute = eng.runner.execute
+        eng.runner.execute = spy
         try:
             return eng.generate([prompt], sp)
         finally:
-            eng._step = step
+            del eng.runner.execute  # (the class's again)
 
     run(variant(smollm2_engine, spec="none"))
     assert seen and all(seen) and gc.isenabled()
@@ -531,7 +532,7 @@ def test_pause_gc_keeps_the_collector_off_inside_generate_only(smollm2_engine):
     out = run(paused)[0]
     assert seen and not any(seen) and gc.isenabled() and out.finish_reason == "length"
     seen.clear()
-    with pytest.raises(RuntimeError, match="spy"):
+    with pytest.raises(EngineError, match="spy"):
         run(paused, fail=True)
     assert seen == [False] and gc.isenabled()
     gc.disable()

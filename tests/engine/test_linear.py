@@ -52,4 +52,4 @@ def test_other_dtypes_pass_straight_through():
     lin = Linear(8, 4).to(torch.bfloat16)
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
-    assert lin._packed is None
+    assert not lin.is_packed

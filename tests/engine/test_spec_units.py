@@ -367,9 +367,20 @@ def test_lookup_closes_a_copied_value_where_the_model_did():
     assert lookup.propose(seq, seq.token_ids, 3).tokens == [5, 6, 8]
 
 
+def closed_with(memory: DraftMemory, delimiter: int, closer: int, times: int) -> None:
+    """``memory`` sees the model close a value with ``closer``, ``times`` times,
+    where prompt lookup proposed ``delimiter`` and the grammar then forced text."""
+    seq = make_seq([1])
+    seq.constraint = ForcedText(VOCAB, b"", after=set(range(len(VOCAB))))
+    seq.constraint.forced_tokens = lambda: [0]
+    for _ in range(times):
+        memory.observe(seq, Draft([delimiter], [0.5], ["lookup"]), accepted=0, token=closer)
+
+
 def test_unconstrained_lookup_never_substitutes_a_closer():
     memory = DraftMemory(VOCAB)
-    memory._closed[6] = {7: 5}
+    closed_with(memory, 6, 7, 5)
+    assert memory.closer(6) is not None
     seq = make_seq([4, 5, 6, 8, 8, 4])
     assert PromptLookupProposer(2, 1, memory=memory).propose(seq, seq.token_ids, 3).tokens \
         == [5, 6, 8]
@@ -377,7 +388,7 @@ def test_unconstrained_lookup_never_substitutes_a_closer():
 
 def test_a_rejected_closer_counts_against_it_when_the_model_copied_the_delimiter():
     memory = DraftMemory(VOCAB)
-    memory._closed[6] = {7: 2}  # ',' closed twice with '",'
+    closed_with(memory, 6, 7, 2)  # ',' closed twice with '",'
     seq = make_seq([4, 5, 6, 8, 8, 4])
     seq.constraint = ForcedText(VOCAB, b"", after=set(range(len(VOCAB))))
     closed = Draft([5, 7], [0.5, 0.3], ["lookup", "closer"])
