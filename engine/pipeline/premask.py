@@ -81,8 +81,11 @@ class Premasker:
         """Ask constraint class ``kind`` for its span-closing tokens (given)
         and its ``closes_span``."""
         ops = ops_for(kind)
-        closers = None if ops.span_closing_tokens is None else \
-            ops.span_closing_tokens(self.tokenizer.token_bytes())
+        try:
+            closers = None if ops.span_closing_tokens is None else \
+                ops.span_closing_tokens(self.tokenizer.token_bytes())
+        except Exception:  # (a heuristic's failure fails no request: no spans)
+            closers = None
         self._closes[kind] = ops.closes_span
         closers = self._closers_of[kind] = frozenset(closers or ())
         return closers
@@ -97,7 +100,10 @@ class Premasker:
         if closes is None:
             self._learn(type(constraint))
             closes = self._closes[type(constraint)]
-        return closes(constraint, ids, seq.num_prompt_tokens, len(ids) - appended, token)
+        try:
+            return closes(constraint, ids, seq.num_prompt_tokens, len(ids) - appended, token)
+        except Exception:  # (as in _learn)
+            return False
 
     def pick_closes_span(self, seqs: list[Sequence], seq: Sequence, token: int) -> bool:
         """Whether ``token``, the pick of ``seq`` (one of ``seqs``) not yet

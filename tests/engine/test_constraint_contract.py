@@ -73,6 +73,55 @@ class Narrow(AllowOnly):
         return True
 
 
+class Spans(AllowOnly):
+    """Its language's spans close with token 5 (6 may, but never does here)."""
+
+    @classmethod
+    def span_closing_tokens(cls, token_bytes):
+        return frozenset({5, 6})
+
+    def closes_span(self, token_ids, start, end, token):
+        return token == 5
+
+
+class BrokenSpans(AllowOnly):
+    @classmethod
+    def span_closing_tokens(cls, token_bytes):
+        raise RuntimeError("broken")
+
+    def closes_span(self, token_ids, start, end, token):
+        raise RuntimeError("broken")
+
+
+@pytest.mark.parametrize("kinds, closers", [
+    ([Bare], set()), ([AllowOnly], set()), ([Spans], {5, 6}), ([BrokenSpans], set()),
+    ([Spans, Bare, BrokenSpans, AllowOnly], {5, 6}),
+])
+def test_premasking_asks_each_row_s_constraint_for_its_spans(kinds, closers):
+    """Premasking watches the tokens the rows' constraint classes say may close
+    a span (none by default, none from a class whose answer fails) and asks each
+    row's own constraint whether its token does (never by default, nor where
+    the answer fails)."""
+    from formcast.engine.pipeline import PipelineStats
+    from formcast.engine.pipeline.premask import Premasker
+    from formcast.engine.tuning import EngineTuning
+
+    from .helpers import make_seq
+
+    class Spelling:  # (the tokenizer as premasking reads it)
+        def token_bytes(self) -> list[bytes]:
+            return [b"x"] * V
+
+    premasker = Premasker(Spelling(), EngineTuning(), PipelineStats())
+    seqs = [make_seq([1, 2], rid=str(k)) for k in range(len(kinds))]
+    for seq, kind in zip(seqs, kinds):
+        seq.constraint = kind({3, 5}, length=2)
+    assert premasker.closers_for(seqs) == closers
+    assert [premasker.closes_span(seq, 5, False) for seq in seqs] == \
+        [kind is Spans for kind in kinds]
+    assert not any(premasker.closes_span(seq, 6, False) for seq in seqs)
+
+
 @pytest.mark.parametrize("kind, own", [
     (Bare, set()),
     (AllowOnly, set()),                 # derives, overrides nothing
