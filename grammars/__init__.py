@@ -28,6 +28,12 @@ _EXPORTS = {
     "EndCheckedMatcher": "formcast.grammars.matcher",
     "EndViolation": "formcast.grammars.matcher",
     "GrammarCompiler": "formcast.grammars.compiler",
+    "Grounded": "formcast.grammars.grounding",
+    "GroundedMatcher": "formcast.grammars.grounded_matcher",
+    "GroundingPlan": "formcast.grammars.grounding",
+    "GroundingViolation": "formcast.grammars.grounded_matcher",
+    "NotGrounded": "formcast.grammars.grounding",
+    "Repeat": "formcast.grammars.json_tracker",
     "JsonSchema": "formcast.grammars.constraints",
     "KeywordCoverage": "formcast.grammars.schema_coverage",
     "Lark": "formcast.grammars.constraints",
@@ -41,6 +47,8 @@ _EXPORTS = {
     "explain": "formcast.grammars.schema_prepare",
     "fill_bitmasks": "formcast.grammars.bitmask",
     "from_type": "formcast.grammars.python_types",
+    "ground": "formcast.grammars.grounding",
+    "grounding_plan": "formcast.grammars.grounding",
     "type_schema": "formcast.grammars.python_types",
 }
 

@@ -35,6 +35,8 @@ from formcast.grammars.vocab import TokenizerLike, Vocabulary
 
 if TYPE_CHECKING:     # importing it loads xgrammar, which a compiler may never use
     from formcast.grammars.backends.xgrammar.tuning import XGrammarTuning
+    from formcast.grammars.grounded_matcher import GroundedMatcher
+    from formcast.grammars.grounding import GroundingPlan
 
 BACKENDS = ("xgrammar", "outlines-core")
 EndCheck = Callable[[bytes], EndViolation | None]
@@ -187,6 +189,25 @@ class CompiledGrammar:
                                         self.vocab.eos_token_ids)
         matcher._recipe = (self.constraint, self.backend, self.vocab)
         return matcher
+
+    def grounded_matcher(self, text: str, plan: GroundingPlan, *,
+                         distinct_items: bool = False) -> GroundedMatcher:
+        """A fresh matcher whose grounded values come from ``text`` (see
+        :func:`~formcast.grammars.grounding.ground`). Does not change self.
+
+        Parameters
+        ----------
+        text : str
+            The source text.
+        plan : GroundingPlan
+            Which values are grounded (:func:`~formcast.grammars.grounding_plan` of
+            the schema compiled here).
+        distinct_items : bool
+            An array item equal to an earlier sibling must end its array.
+        """
+        from formcast.grammars.grounding import ground
+
+        return ground(self.matcher(), text, plan, self.vocab, distinct_items=distinct_items)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 ``[rows, ceil(vocab_size/32)]`` CPU bitmask, every token allowed."""

@@ -1,0 +1,329 @@
+"""GroundedMatcher: a JSON-Schema matcher whose grounded values come from a text.
+
+It wraps the grammar's matcher the way :class:`~formcast.grammars.matcher.EndCheckedMatcher`
+does, and follows every step with a :class:`~formcast.grammars.json_tracker.JsonTracker`.
+Its mask is the grammar's AND grounding's: inside a grounded string or number the
+allowed tokens come from the text's tables
+(:class:`~formcast.grammars.grounding_text.GroundingText`); elsewhere only the few
+tokens the grammar allows that could open a grounded value (or end a repeated array
+item) are checked, one by one. Where the two leave nothing, the grammar's mask stands
+alone and the step is recorded in :attr:`GroundedMatcher.violations`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from formcast.grammars.grounding import GroundingPlan
+from formcast.grammars.grounding_text import GroundingText, token_index
+from formcast.grammars.json_tracker import (GROUNDED_NUMBER, GROUNDED_STRING, NUMBER, STRING,
+                                            JsonTracker, Refusal, Repeat)
+from formcast.grammars.matcher import Matcher
+from formcast.grammars.vocab import Vocabulary
+
+
+@dataclass(frozen=True, slots=True)
+class GroundingViolation:
+    """A step where grounding had to give way to the schema.
+
+    Attributes
+    ----------
+    kind : str
+        ``"ungrounded"``: no token the schema allowed kept the value in the text (e.g.
+        a required integer and a text without numbers). ``"repeat"``: an array item
+        equal to an earlier one could not end the array (the schema wants more items).
+    pointer : str
+        JSON pointer of the value.
+    value : str
+        The value as written up to the step (``"repeat"``: the item, compact JSON).
+    """
+
+    kind: str
+    pointer: str
+    value: str
+
+    @property
+    def message(self) -> str:
+        """The violation in words."""
+        where = self.pointer or "the document"
+        if self.kind == "repeat":
+            return f"{where} repeats an earlier item ({self.value}) and the schema wants more"
+        return f"{where} is not in the text (written so far: {self.value!r})"
+
+
+def _ids(words: np.ndarray) -> np.ndarray:
+    """Token ids whose bit is set in an int32 bitmask row."""
+    nz = np.flatnonzero(words)
+    if not len(nz):
+        return nz
+    bits = np.unpackbits(words[nz].view(np.uint8), bitorder="little").reshape(-1, 32)
+    rows, cols = np.nonzero(bits)
+    return nz[rows] * 32 + cols
+
+
+def _clear(words: np.ndarray, ids: Sequence[int]) -> None:
+    """Clear the bits of ``ids`` in an int32 bitmask row, in place."""
+    view = words.view(np.uint32)
+    for tid in ids:
+        view[tid >> 5] &= np.uint32(~(1 << (tid & 31)) & 0xFFFFFFFF)
+
+
+def _set(words: np.ndarray, ids: Sequence[int]) -> None:
+    view = words.view(np.uint32)
+    for tid in ids:
+        view[tid >> 5] |= np.uint32(1 << (tid & 31))
+
+
+class GroundedMatcher(Matcher):
+    """A JSON-Schema matcher whose grounded values stay in a source text.
+
+    Made by :func:`~formcast.grammars.grounding.ground` or
+    ``CompiledGrammar.grounded_matcher``. ``rollback`` counts steps as the wrapped
+    matcher does.
+    """
+
+    __slots__ = ("_inner", "_inner_fill", "_text", "_plan", "_vocab", "_distinct", "_active",
+                 "_tracker", "_history", "_violations", "_token_bytes", "_eos", "_version",
+                 "_free_version")
+
+    def __init__(self, inner: Matcher, text: str | GroundingText, plan: GroundingPlan,
+                 vocab: Vocabulary, *, distinct_items: bool = False) -> None:
+        self._inner = inner
+        self._inner_fill = inner.fill_bitmask           # bound once: the hot path
+        if not isinstance(text, GroundingText):
+            text = GroundingText(text, token_index(vocab), strings=bool(plan.strings),
+                                 numbers=bool(plan.numbers), distinct=distinct_items)
+        self._text = text
+        self._plan = plan
+        self._vocab = vocab
+        self._distinct = distinct_items
+        self._active = bool(plan) or distinct_items
+        self._tracker = JsonTracker(plan.tree, distinct_items)
+        self._history: list[tuple[tuple, tuple]] = []   # (tracker snapshot, violations) a step
+        self._violations: tuple[GroundingViolation, ...] = ()
+        self._token_bytes = vocab.token_bytes
+        self._eos = vocab.eos_token_ids
+        self._version = 0            # bumped by every change of state
+        self._free_version = -1      # the version whose grounded mask was empty
+
+    # -- what it found ------------------------------------------------------------
+
+    @property
+    def violations(self) -> tuple[GroundingViolation, ...]:
+        """Steps where grounding gave way to the schema, oldest first (kept in step
+        with rollback)."""
+        return self._violations
+
+    @property
+    def repeats(self) -> tuple[Repeat, ...]:
+        """Arrays that ended on an item equal to an earlier sibling (with
+        ``distinct_items``): the pointer and value of each such last item."""
+        return self._tracker.repeats
+
+    @property
+    def source_text(self) -> str:
+        """The text grounded values come from."""
+        return self._text.text
+
+    @property
+    def plan(self) -> GroundingPlan:
+        return self._plan
+
+    @property
+    def inner(self) -> Matcher:
+        """The wrapped schema matcher."""
+        return self._inner
+
+    # -- the mask ---------------------------------------------------------------
+
+    def _token_ok(self, tid: int) -> bool:
+        """Whether grounding takes token ``tid`` here (state unchanged)."""
+        tracker = self._tracker
+        snap = tracker.snapshot()
+        refusal = tracker.feed(self._token_bytes[tid], self._text)
+        tracker.restore(snap)
+        return refusal is None
+
+    def _restrict(self, row: np.ndarray) -> bool:
+        """AND grounding into the grammar's mask ``row`` (int32 words, in place); False
+        (``row`` unchanged) when that would leave no token."""
+        tracker, text = self._tracker, self._text
+        if tracker.done:
+            return True
+        allowed = None
+        if tracker.mode == STRING and tracker.vkind == GROUNDED_STRING:
+            allowed, check = text.string_mask(tracker.buf)
+        elif tracker.mode == NUMBER and tracker.vkind == GROUNDED_NUMBER:
+            allowed, check = text.number_mask(tracker.buf)
+        else:
+            sensitive = text.closing_words if tracker.mode == STRING and tracker.esc == 0 \
+                else text.sensitive_words
+            check = _ids(row & sensitive)
+        if allowed is not None:
+            view = row.view(np.uint32)
+            check = [t for t in check.tolist() if (int(view[t >> 5]) >> (t & 31)) & 1]
+            good = [t for t in check if self._token_ok(t)]
+            new = row & allowed
+            _set(new, good)
+        else:
+            bad = [t for t in check.tolist() if not self._token_ok(t)]
+            if not bad:
+                return True
+            new = row.copy()
+            _clear(new, bad)
+        if not new.any():
+            return False
+        row[:] = new
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._inner_fill(bitmask, row)
+        if self._active and not self._restrict(bitmask[row].numpy()):
+            self._free_version = self._version
+
+    def _grounding_empty(self) -> bool:
+        """Whether grounding leaves no token the grammar allows here."""
+        if self._free_version != self._version:
+            scratch = torch.zeros(1, self._vocab.bitmask_words, dtype=torch.int32)
+            self.fill_bitmask(scratch, 0)
+        return self._free_version == self._version
+
+    # -- steps ------------------------------------------------------------------
+
+    def _step(self, data: bytes, take) -> bool:
+        """Take ``data`` into the tracker and ``take()`` into the grammar, or neither."""
+        tracker = self._tracker
+        snap = (tracker.snapshot(), self._violations)
+        refusal: Refusal | None = None
+        if self._active:
+            refusal = tracker.feed(data, self._text)
+            if refusal is not None:
+                tracker.restore(snap[0])
+                if not self._grounding_empty():
+                    return False
+        if not take():
+            tracker.restore(snap[0])
+            return False
+        if refusal is not None:      # the grammar's mask stood alone: follow, unchecked
+            tracker.feed(data, None)
+            tracker.release_value()
+            self._violations += (GroundingViolation(refusal.kind, refusal.pointer,
+                                                    refusal.value),)
+        self._history.append(snap)
+        self._version += 1
+        return True
+
+    def accept(self, token_id: int) -> bool:
+        if token_id in self._eos:
+            refusal = self._tracker.finish(self._text) if self._active else None
+            if refusal is not None and not self._grounding_empty():
+                return False
+            if not self._inner.accept(token_id):
+                return False
+            self._history.append((self._tracker.snapshot(), self._violations))
+            self._version += 1
+            return True
+        data = self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b""
+        if not data:
+            return False
+        return self._step(data, lambda: self._inner.accept(token_id))
+
+    def accept_text(self, text: str) -> bool:
+        return self._step(text.encode("utf-8"), lambda: self._inner.accept_text(text))
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens < 0 or num_tokens > len(self._history):
+            raise ValueError(f"cannot roll back {num_tokens} steps; only "
+                             f"{len(self._history)} taken")
+        if not num_tokens:
+            return
+        self._inner.rollback(num_tokens)
+        snap, self._violations = self._history[-num_tokens]
+        del self._history[-num_tokens:]
+        self._tracker.restore(snap)
+        self._version += 1
+
+    def is_terminated(self) -> bool:
+        return self._inner.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self._inner.is_completed()
+
+    def forced_tokens(self) -> list[int]:
+        """The grammar's forced tokens, cut before the first grounding refuses."""
+        forced = self._inner.forced_tokens()
+        if not self._active or not forced:
+            return forced
+        tracker = self._tracker
+        snap = tracker.snapshot()
+        kept: list[int] = []
+        for tid in forced:
+            data = self._token_bytes[tid] if 0 <= tid < len(self._token_bytes) else b""
+            if not data or tracker.feed(data, self._text) is not None:
+                break
+            kept.append(tid)
+        tracker.restore(snap)
+        return kept
+
+    def take_forced_tokens(self, limit: int) -> list[int]:
+        """A fresh matcher lets the grammar's matcher take its opening (its own
+        shortcut kept), then checks it; otherwise as :meth:`Matcher.take_forced_tokens`."""
+        if self._history or not self._inner._is_fresh():
+            return super().take_forced_tokens(limit)
+        taken = self._inner.take_forced_tokens(limit)
+        tracker = self._tracker
+        for k, tid in enumerate(taken):
+            snap = (tracker.snapshot(), self._violations)
+            data = self._token_bytes[tid] if 0 <= tid < len(self._token_bytes) else b""
+            if not data or (self._active and tracker.feed(data, self._text) is not None):
+                tracker.restore(snap[0])
+                self._inner.rollback(len(taken) - k)
+                taken = taken[:k]
+                break
+            self._history.append(snap)
+        self._version += 1
+        return taken
+
+    def fork(self) -> GroundedMatcher:
+        other = GroundedMatcher(self._inner.fork(), self._text, self._plan, self._vocab,
+                                distinct_items=self._distinct)
+        other._tracker = self._tracker.copy()
+        other._history = list(self._history)
+        other._violations = self._violations
+        return other
+
+    # -- hooks ------------------------------------------------------------------
+
+    def forces_text(self) -> bool:
+        return self._inner.forces_text()
+
+    def narrow_choice(self) -> bool:
+        """True inside a grounded value (the text leaves few tokens), else the grammar's."""
+        return self._tracker.in_grounded_value() or self._inner.narrow_choice()
+
+    def rollback_hint(self) -> int:
+        return self._inner.rollback_hint()
+
+    @property
+    def last_violation(self) -> str | None:
+        """The wrapped matcher's end-check verdict (grounding's are in :attr:`violations`)."""
+        return self._inner.last_violation
+
+    def _is_fresh(self) -> bool:
+        return not self._history and self._inner._is_fresh()
+
+    def __reduce__(self):
+        if not self._is_fresh():
+            raise TypeError("only a fresh matcher (no token accepted yet) can be sent to "
+                            "another process")
+        return (_rebuild, (self._inner, self._text.text, self._plan, self._vocab,
+                           self._distinct))
+
+
+def _rebuild(inner: Matcher, text: str, plan: GroundingPlan, vocab: Vocabulary,
+             distinct: bool) -> GroundedMatcher:
+    return GroundedMatcher(inner, text, plan, vocab, distinct_items=distinct)

@@ -1,0 +1,438 @@
+"""Grounded values: the plan, the text's numbers, and masks that admit exactly the
+substrings of the text (against a brute-force oracle), escapes, numbers, distinct
+array items, fallback, rollback/fork/valid_prefix, and the real engine."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Annotated
+
+import numpy as np
+import pytest
+import torch
+from pydantic import BaseModel
+
+from formcast.grammars import (ConstraintError, Grounded, GroundingPlan, JsonSchema, NotGrounded,
+                               ground, grounding_plan)
+from formcast.grammars import compile as compile_constraint
+from formcast.grammars.grounding_text import escape_text, text_numbers
+
+from .conftest import EOS, allowed_ids
+
+STRINGS = {"type": "array", "items": {"type": "string"}, "maxItems": 4}
+RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+NUMBERS = {"type": "array", "items": {"type": "number"}, "maxItems": 3}
+
+
+def _ids(vocab, text: str) -> list[int]:
+    ids = vocab.segment(text.encode("utf-8"))
+    assert ids is not None
+    return ids
+
+
+def _mask(matcher, width: int) -> torch.Tensor:
+    bitmask = torch.zeros(1, width, dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    return bitmask
+
+
+def _allowed(matcher, vocab) -> set[int]:
+    return set(allowed_ids(_mask(matcher, vocab.bitmask_words), 0, vocab.vocab_size).tolist())
+
+
+# -- the plan ---------------------------------------------------------------------
+
+class Address(BaseModel):
+    city: str
+    zip_code: Annotated[str, NotGrounded]
+
+
+class Person(BaseModel):
+    name: str
+    age: Annotated[int, Grounded]
+    height: float
+    email: str | None = None
+    kind: str = "x"
+    home: Address
+    friends: list[str]
+    summary: Annotated[str, NotGrounded]
+
+
+PERSON_SCHEMA = Person.model_json_schema()
+PERSON_SCHEMA["properties"]["kind"] = {"type": "string", "enum": ["a", "b"]}
+
+
+@pytest.mark.parametrize("mode, strings, numbers", [
+    ("off", set(), set()),
+    ("auto", {("name",), ("email",), ("home", "city"), ("friends", "*")}, {("age",)}),
+    ("strict", {("name",), ("email",), ("home", "city"), ("friends", "*")},
+     {("age",), ("height",)}),
+])
+def test_plan_walks_refs_unions_and_markers(mode, strings, numbers):
+    plan = grounding_plan(PERSON_SCHEMA, mode)
+    assert plan == GroundingPlan(frozenset(strings), frozenset(numbers))
+    assert bool(plan) == (mode != "off")
+    assert hash(plan) == hash(GroundingPlan(frozenset(strings), frozenset(numbers)))
+
+
+@pytest.mark.parametrize("schema, strings", [
+    ({"type": "string"}, {()}),
+    ({"type": "string", "format": "date"}, set()),
+    ({"type": "string", "pattern": "^a"}, set()),
+    ({"type": "string", "x-grounded": False}, set()),
+    ({"type": "string", "format": "date", "x-grounded": True}, {()}),
+    ({"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}]}, {("*",)}),
+    ({"type": "array", "x-grounded": False, "items": {"type": "string"}}, set()),
+    ({"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"},
+                                                       "s": {"type": "string"}}}},
+      "$ref": "#/$defs/N"}, {("s",), ("n", "s"), ("n", "n", "s")}),
+])
+def test_plan_table(schema, strings):
+    assert grounding_plan(schema).strings == frozenset(strings)
+
+
+def test_markers_write_the_schema_keyword():
+    props = PERSON_SCHEMA["properties"]
+    assert props["age"]["x-grounded"] is True and props["summary"]["x-grounded"] is False
+
+
+@pytest.mark.parametrize("mode", ["on", "", None])
+def test_bad_mode_is_a_constraint_error(mode):
+    with pytest.raises(ConstraintError, match="grounding mode"):
+        grounding_plan({"type": "string"}, mode)
+
+
+# -- the text -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, present, absent", [
+    ("costs $89.99 today", {b"89.99", b"89", b"99"}, {b"89.9", b"1.99", b"8999", b"-89.99"}),
+    ("a 35-year-old pilot", {b"35"}, {b"-35", b"3"}),
+    ("total 1,299.00 EUR", {b"1299.00", b"1299.0", b"1299", b"1", b"299"}, {b"1,299", b"12"}),
+    ("on 2025-03-08", {b"2025", b"3", b"8"}, {b"03", b"-3", b"-8"}),
+    ("it was -5 C, then - 4", {b"-5", b"5", b"4"}, {b"-4"}),
+    ("version 2.50", {b"2.50", b"2.5", b"2", b"50"}, {b"2.500"}),
+    ("no numbers here", set(), {b"0"}),
+])
+def test_text_numbers(text, present, absent):
+    found = text_numbers(text)
+    assert present <= found and not (absent & found)
+
+
+@pytest.mark.parametrize("text, body, boundaries", [
+    ('a"b', b'a\\"b', [0, 1, 3, 4]),
+    ("é\n", "é\\n".encode(), [0, 2, 4]),
+    ("\x01\\", b"\\u0001\\\\", [0, 6, 8]),
+])
+def test_escaped_text_and_boundaries(text, body, boundaries):
+    escaped, marks = escape_text(text)
+    assert escaped == body
+    assert [k for k, m in enumerate(marks) if m] == boundaries
+
+
+# -- masks against a brute-force oracle ------------------------------------------------
+
+_STRING = re.compile(rb'"((?:[^"\\]|\\.)*\\?)("?)', re.S)
+
+
+def _ground_ok(doc: bytes, escaped: bytes, marks: bytes, distinct: bool) -> bool:
+    """Whether every string value of the (partial) document ``doc`` is a span of the
+    escaped text starting at a boundary (and ending at one when closed), and with
+    ``distinct`` no ``,`` follows an item equal to an earlier one. For documents of
+    ``STRINGS`` (and of ``RECORD``, whose keys are the strings before a ``:``)."""
+    items: list[bytes] = []
+    depth, gap = 0, 0          # arrays open; end of the last string
+    for m in _STRING.finditer(doc):
+        content, closed = m.group(1), m.group(2)
+        between = doc[gap:m.start()]
+        depth += between.count(b"[") - between.count(b"]")
+        gap = m.end()
+        item = depth > 0
+        if not item and between[-1:] != b":":
+            continue                                   # a key
+        starts, k = [], escaped.find(content)
+        while k >= 0:
+            if marks[k]:
+                starts.append(k)
+            k = escaped.find(content, k + 1)
+        if closed:
+            starts = [k for k in starts if marks[k + len(content)]]
+        if not starts:
+            return False
+        if item and closed and distinct and doc[m.end():m.end() + 1] == b"," and \
+                content in items:
+            return False
+        if item:
+            items.append(content)
+    return True
+
+
+def _check_states(compiled, vocab, text: str, distinct: bool, rng: random.Random,
+                  walks: int = 4, steps: int = 18) -> int:
+    """Random walks under the grounded mask; at each state, compare every token's bit
+    with the oracle. Returns the number of states compared."""
+    escaped, marks = escape_text(text)
+    plan = grounding_plan(compiled.constraint.schema)
+    compared = 0
+    for _ in range(walks):
+        m = ground(compiled.matcher(), text, plan, vocab, distinct_items=distinct)
+        inner = compiled.matcher()
+        doc = b""
+        for _ in range(steps):
+            inner_ok = _allowed(inner, vocab)
+            want = {t for t in inner_ok
+                    if t == EOS or _ground_ok(doc + vocab.token_bytes[t], escaped, marks,
+                                              distinct)}
+            got = _allowed(m, vocab)
+            compared += 1
+            if not want:                           # nothing grounded left: the schema alone
+                assert got == inner_ok
+                break
+            assert got == want, (text, doc, sorted(got ^ want))
+            assert not m.violations
+            for t in got:                          # accept takes exactly the mask
+                assert m.valid_prefix([t]) == 1
+            for t in rng.sample(sorted(set(range(vocab.tokenizer_size)) - got), 8):
+                assert m.valid_prefix([t]) == 0
+            choices = sorted(got - {EOS})
+            if not choices:
+                break
+            # (closing tokens are few: pick them now and then, so that walks end)
+            t = rng.choice(choices)
+            assert m.accept(t) and inner.accept(t)
+            doc += vocab.token_bytes[t]
+    return compared
+
+
+def _random_text(rng: random.Random) -> str:
+    alphabet = "ab ab12é\"\\\n\t"
+    return "".join(rng.choice(alphabet) for _ in range(rng.randint(3, 14)))
+
+
+@pytest.mark.parametrize("schema", [STRINGS, RECORD], ids=["strings", "record"])
+@pytest.mark.parametrize("distinct", [False, True])
+def test_mask_admits_exactly_the_text_spans(compiler, tiny_vocab, schema, distinct):
+    compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    rng = random.Random(f"{len(json.dumps(schema))}-{distinct}")
+    texts = ["ab", 'say "ab" \\ab', "é\nab\tab", "abab ab"] + [_random_text(rng)
+                                                                 for _ in range(6)]
+    compared = sum(_check_states(compiled, tiny_vocab, t, distinct, rng) for t in texts)
+    assert compared > 100
+
+
+@pytest.mark.parametrize("text, content, allowed", [
+    ('He said "hi"', '\\"hi\\"', True),
+    ('He said "hi"', '"hi', False),                   # an unescaped quote ends the value
+    ("a\\b", "a\\\\b", True),
+    ("line\nnext", "line\\nnext", True),
+    ("line\nnext", "n", True),
+    ("line\nnext", "nnext", False),                   # starts inside the escape "\n"
+    ("tab\there", "b\\th", True),
+    ("café au lait", "café", True),
+    ("café", "caf\\u00e9", False),                    # written otherwise than the text
+    ("Oslo", "Oslo", True),
+    ("Oslo", "Oslo ", False),
+])
+def test_escapes_inside_grounded_strings(compiler, tiny_vocab, text, content, allowed):
+    compiled = compiler.compile(JsonSchema({"type": "string"}), tiny_vocab)
+    m = ground(compiled.matcher(), text, grounding_plan({"type": "string"}), tiny_vocab)
+    ids = _ids(tiny_vocab, '"' + content + '"')
+    assert (m.valid_prefix(ids) == len(ids)) is allowed
+
+
+@pytest.mark.parametrize("text, written, allowed", [
+    ("costs $89.99", "89.99", True),
+    ("costs $89.99", "1.99", False),
+    ("costs $89.99", "89.9", False),                  # a prefix, not a number of the text
+    ("a 35-year-old", "35", True),
+    ("a 35-year-old", "18", False),
+    ("a 35-year-old", "-35", False),
+    ("total 1,299.00", "1299.00", True),
+    ("total 1,299.00", "1299", True),
+    ("total 1,299.00", "12990", False),
+    ("at -5 C", "-5", True),
+])
+def test_grounded_numbers(compiler, tiny_vocab, text, written, allowed):
+    compiled = compiler.compile(JsonSchema(NUMBERS), tiny_vocab)
+    m = ground(compiled.matcher(), text, grounding_plan(NUMBERS, "strict"), tiny_vocab)
+    ids = _ids(tiny_vocab, "[" + written + "]")
+    assert (m.valid_prefix(ids) == len(ids)) is allowed
+
+
+def test_number_prefix_may_not_end_before_it_is_whole(compiler, tiny_vocab):
+    compiled = compiler.compile(JsonSchema(NUMBERS), tiny_vocab)
+    m = ground(compiled.matcher(), "price 89.99", grounding_plan(NUMBERS, "strict"), tiny_vocab)
+    for t in _ids(tiny_vocab, "[89.9"):
+        assert m.accept(t)
+    assert m.valid_prefix(_ids(tiny_vocab, "]")) == 0
+    assert m.valid_prefix(_ids(tiny_vocab, "9]")) == 2
+
+
+# -- distinct items and fallback --------------------------------------------------------
+
+def test_repeated_item_must_end_the_array(compiler, tiny_vocab):
+    compiled = compiler.compile(JsonSchema(STRINGS), tiny_vocab)
+    m = compiled.grounded_matcher("ab and ba", grounding_plan(STRINGS), distinct_items=True)
+    for t in _ids(tiny_vocab, '["ab","ba","ab"'):
+        assert m.accept(t)
+    allowed = {tiny_vocab.token_bytes[t] for t in _allowed(m, tiny_vocab)}
+    assert b"]" in allowed and b"," not in allowed and b",\"" not in allowed
+    assert m.accept(_ids(tiny_vocab, "]")[0])
+    assert [(r.pointer, r.value) for r in m.repeats] == [("/2", '"ab"')]
+    m.rollback(1)
+    assert m.repeats == ()
+
+
+def test_repeat_the_schema_needs_falls_back_and_is_recorded(compiler, tiny_vocab):
+    schema = {"type": "array", "items": {"type": "string"}, "minItems": 3}
+    compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    m = compiled.grounded_matcher("ab", grounding_plan(schema), distinct_items=True)
+    for t in _ids(tiny_vocab, '["ab","ab"'):
+        assert m.accept(t)
+    assert m.accept(_ids(tiny_vocab, ",")[0])          # "]" is not allowed yet
+    assert [(v.kind, v.pointer, v.value) for v in m.violations] == [("repeat", "/1", '"ab"')]
+
+
+def test_empty_intersection_falls_back_to_the_schema(compiler, tiny_vocab):
+    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "x-grounded": True}}}
+    compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    m = compiled.grounded_matcher("no numbers at all", grounding_plan(schema))
+    plain = compiled.matcher()
+    for t in _ids(tiny_vocab, '{"n":'):
+        assert m.accept(t) and plain.accept(t)
+    assert _allowed(m, tiny_vocab) == _allowed(plain, tiny_vocab)
+    assert m.accept(_ids(tiny_vocab, "7")[0])
+    assert [(v.kind, v.pointer) for v in m.violations] == [("ungrounded", "/n")]
+    assert "/n" in m.violations[0].message
+    m.rollback(1)
+    assert m.violations == ()
+
+
+# -- rollback, fork, valid_prefix ----------------------------------------------------------
+
+def test_rollback_and_fork_equal_a_fresh_replay(compiler, tiny_vocab):
+    compiled = compiler.compile(JsonSchema(RECORD), tiny_vocab)
+    text = 'Name: abab "ab", tags ab \\ é'
+    plan = grounding_plan(RECORD)
+    ids = _ids(tiny_vocab, '{"name":"abab \\"ab\\"","age":1,"tags":["ab","é"]}')
+    width = tiny_vocab.bitmask_words
+    m = compiled.grounded_matcher(text, plan, distinct_items=True)
+    masks = [_mask(m, width)]
+    for t in ids:
+        assert m.accept(t)
+        masks.append(_mask(m, width))
+    for k in (1, 4, 9, len(ids)):
+        m.rollback(k)
+        assert torch.equal(_mask(m, width), masks[len(ids) - k])
+        replay = compiled.grounded_matcher(text, plan, distinct_items=True)
+        for t in ids[:len(ids) - k]:
+            assert replay.accept(t)
+        assert torch.equal(_mask(replay, width), masks[len(ids) - k])
+        copy = m.fork()
+        assert m.valid_prefix(ids[len(ids) - k:]) == k
+        for t in ids[len(ids) - k:]:
+            assert copy.accept(t)
+        assert torch.equal(_mask(copy, width), masks[-1])
+        for t in ids[len(ids) - k:]:
+            assert m.accept(t)
+    assert torch.equal(_mask(m, width), masks[-1])
+
+
+def test_valid_prefix_cuts_at_the_first_ungrounded_token(compiler, tiny_vocab):
+    compiled = compiler.compile(JsonSchema(STRINGS), tiny_vocab)
+    m = compiled.grounded_matcher("ab", grounding_plan(STRINGS))
+    draft = _ids(tiny_vocab, '["ab","a') + _ids(tiny_vocab, "1")
+    assert m.valid_prefix(draft) == len(draft) - 1
+
+
+def test_forced_tokens_hold_grounding(compiler, tiny_vocab):
+    schema = {"type": "object", "required": ["name"], "additionalProperties": False,
+              "properties": {"name": {"type": "string"}}}
+    compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    m = compiled.grounded_matcher("ab", grounding_plan(schema))
+    forced = m.forced_tokens()
+    assert b"".join(tiny_vocab.token_bytes[t] for t in forced) == b'{"name":"'
+    assert m.take_forced_tokens(10) == forced
+    assert _allowed(m, tiny_vocab) <= {t for t, b in enumerate(tiny_vocab.token_bytes)
+                                       if b in (b"a", b"b", b"ab", b'"', b'"}')}
+
+
+def test_a_plan_of_nothing_leaves_the_mask_alone(compiler, tiny_vocab):
+    compiled = compiler.compile(JsonSchema(STRINGS), tiny_vocab)
+    m, plain = compiled.grounded_matcher("ab", GroundingPlan()), compiled.matcher()
+    for t in _ids(tiny_vocab, '["zz'):
+        assert m.accept(t) and plain.accept(t)
+    assert _allowed(m, tiny_vocab) == _allowed(plain, tiny_vocab)
+
+
+# -- the real tokenizer and engine ------------------------------------------------------------
+
+INVOICE = {"type": "object", "additionalProperties": False,
+           "required": ["customer", "city", "total", "items"],
+           "properties": {"customer": {"type": "string"}, "city": {"type": "string"},
+                          "total": {"type": "number", "x-grounded": True},
+                          "items": {"type": "array", "maxItems": 4,
+                                    "items": {"type": "string"}}}}
+INVOICE_TEXT = ("Invoice for Maria Lopez, Calle Mayor 3, Madrid. Items: 2 chairs, a desk lamp "
+                "and \"oak\" shelves. Total due: 1,299.50 EUR.")
+
+
+def test_real_tokenizer_states_match_the_oracle(compiler, smollm2_tokenizer):
+    compiled = compiler.compile(JsonSchema(STRINGS), smollm2_tokenizer)
+    vocab = compiled.vocab
+    text = 'He said "ship it" \\ twice.\nOslo, café'
+    escaped, marks = escape_text(text)
+    m = compiled.grounded_matcher(text, grounding_plan(STRINGS), distinct_items=True)
+    inner = compiled.matcher()
+    doc = b""
+    for piece in ['["', "He", " said", ' \\"', "ship", '","', "Os", "lo", '","', "He"]:
+        inner_ok = _allowed(inner, vocab)
+        want = {t for t in inner_ok if t in vocab.eos_token_ids
+                or _ground_ok(doc + vocab.token_bytes[t], escaped, marks, True)}
+        assert _allowed(m, vocab) == want
+        t = vocab.segment(piece.encode())
+        assert t is not None and len(t) == 1, piece
+        assert m.accept(t[0]) and inner.accept(t[0])
+        doc += vocab.token_bytes[t[0]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["none", "prompt_lookup"])
+def test_engine_output_is_grounded(smollm2_engine, spec):
+    import dataclasses
+
+    from formcast.engine import Engine, EngineConfig, SamplingParams
+    from formcast.engine.speculative import SpecConfig
+
+    base = smollm2_engine
+    engine = Engine(base.model, base.tokenizer,
+                    config=EngineConfig(num_kv_blocks=128, enable_prefix_caching=False))
+    engine.config = dataclasses.replace(
+        engine.config, spec="none" if spec == "none" else SpecConfig(method=spec, scheduled=False))
+    compiled = compile_constraint(JsonSchema(INVOICE), base.tokenizer,
+                                  vocab_size=base.model.config.vocab_size)
+    plan = grounding_plan(INVOICE)
+    prompt = base.tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Extract the invoice as JSON.\n\n{INVOICE_TEXT}"}],
+        add_generation_prompt=True, tokenize=True)
+    matchers = [compiled.grounded_matcher(INVOICE_TEXT, plan, distinct_items=True)
+                for _ in range(2)]
+    params = [SamplingParams(max_tokens=120, temperature=0.0),
+              SamplingParams(max_tokens=120, temperature=0.9, seed=3)]
+    outs = engine.generate([prompt, prompt], params, constraints=matchers)
+    escaped = escape_text(INVOICE_TEXT)[0].decode()
+    for out, m in zip(outs, matchers):
+        doc = json.loads(out.text)
+        assert not m.violations
+        for value in [doc["customer"], doc["city"], *doc["items"]]:
+            assert json.dumps(value, ensure_ascii=False)[1:-1] in escaped
+        total = re.search(r'"total"\s*:\s*([-+.eE0-9]+)', out.text).group(1)
+        assert total.encode() in text_numbers(INVOICE_TEXT)
+        repeated = len(doc["items"]) - len(set(doc["items"]))
+        assert repeated == len(m.repeats) <= 1
+    if spec != "none":
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
