@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from formcast.engine.constraint import ops_for
 from formcast.grammars.grounding import GroundingPlan
 from formcast.grammars.grounding_text import GroundingText, token_index
-from formcast.grammars.json_tracker import (GROUNDED_NUMBER, GROUNDED_STRING, NUMBER, STRING,
-                                            JsonTracker, Refusal, Repeat)
+from formcast.grammars.json_tracker import (GROUNDED_NUMBER, GROUNDED_STRING, KEY, NUMBER,
+                                            STRING, JsonTracker, Refusal, Repeat)
 from formcast.grammars.matcher import Matcher
 from formcast.grammars.vocab import Vocabulary
 
@@ -95,8 +96,9 @@ class GroundedMatcher(Matcher):
         self._inner = inner
         self._inner_fill = inner.fill_bitmask           # bound once: the hot path
         if not isinstance(text, GroundingText):
-            text = GroundingText(text, token_index(vocab), strings=bool(plan.strings),
-                                 numbers=bool(plan.numbers), distinct=distinct_items)
+            text = token_index(vocab).grounding_text(
+                text, strings=bool(plan.strings), numbers=bool(plan.numbers),
+                distinct=distinct_items)
         self._text = text
         self._plan = plan
         self._vocab = vocab
@@ -154,27 +156,28 @@ class GroundedMatcher(Matcher):
         tracker, text = self._tracker, self._text
         if tracker.done:
             return True
-        allowed = None
-        if tracker.mode == STRING and tracker.vkind == GROUNDED_STRING:
-            allowed, check = text.string_mask(tracker.buf)
-        elif tracker.mode == NUMBER and tracker.vkind == GROUNDED_NUMBER:
-            allowed, check = text.number_mask(tracker.buf)
+        mode, allowed = tracker.mode, None
+        # (a "," can end a repeated item only inside an array)
+        sens = text.sensitivities[self._distinct and tracker.in_array()]
+        if mode == STRING and tracker.vkind == GROUNDED_STRING:
+            allowed, check = text.string_mask(tracker.buf, sens)
+        elif mode == NUMBER and tracker.vkind == GROUNDED_NUMBER:
+            allowed, check = text.number_mask(tracker.buf, sens)
         else:
-            sensitive = text.closing_words if tracker.mode == STRING and tracker.esc == 0 \
-                else text.sensitive_words
-            check = _ids(row & sensitive)
-        if allowed is not None:
-            view = row.view(np.uint32)
-            check = [t for t in check.tolist() if (int(view[t >> 5]) >> (t & 31)) & 1]
-            good = [t for t in check if self._token_ok(t)]
-            new = row & allowed
-            _set(new, good)
-        else:
-            bad = [t for t in check.tolist() if not self._token_ok(t)]
+            # outside grounded values only the few tokens that could enter one matter
+            ids, words, shifts = sens.closing if mode in (STRING, KEY) and tracker.esc == 0 \
+                else sens.any
+            ids = ids[(row.view(np.uint32)[words] >> shifts) & 1 != 0]
+            bad = [t for t in ids.tolist() if not self._token_ok(t)]
             if not bad:
                 return True
             new = row.copy()
             _clear(new, bad)
+        if allowed is not None:
+            new = row & allowed
+            if check is not None:
+                good = [t for t in _ids(row & check).tolist() if self._token_ok(t)]
+                _set(new, good)
         if not new.any():
             return False
         row[:] = new
@@ -182,8 +185,27 @@ class GroundedMatcher(Matcher):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._inner_fill(bitmask, row)
-        if self._active and not self._restrict(bitmask[row].numpy()):
+        if self._active and not self._restrict(bitmask.numpy()[row]):
             self._free_version = self._version
+
+    @classmethod
+    def fill_bitmasks(cls, constraints: list, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Many rows in one call (the engine's optional batch hook): the wrapped
+        matchers' rows by their own class's batch fill where they share one, then
+        grounding row by row."""
+        rows = list(rows)
+        inners = [c._inner for c in constraints]
+        kinds = {type(m) for m in inners}
+        many = ops_for(kinds.pop()).fill_bitmasks if len(kinds) == 1 else None
+        if many is not None:
+            many(inners, bitmask, rows)
+        else:
+            for inner, row in zip(inners, rows):
+                inner.fill_bitmask(bitmask, row)
+        array = bitmask.numpy()
+        for c, row in zip(constraints, rows):
+            if c._active and not c._restrict(array[row]):
+                c._free_version = c._version
 
     def _grounding_empty(self) -> bool:
         """Whether grounding leaves no token the grammar allows here."""

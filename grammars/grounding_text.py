@@ -19,7 +19,7 @@ import bisect
 import functools
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,18 +29,22 @@ _NUMBER_CHARS = b"0123456789.eE+-"
 _NUMBER_SET = frozenset(_NUMBER_CHARS)
 _RUN = re.compile(r"(?<![0-9])(-?)([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(\.[0-9]+)?")
 _CACHE_LIMIT = 4096     # entries of a per-text cache before it is cleared
+_TEXTS_KEPT = 16        # texts whose tables a TokenIndex keeps
 
 
-def _last_of(tokens: Iterable[bytes], chars: bytes) -> np.ndarray:
-    """Per token, the index of its last byte in ``chars`` (-1: none)."""
-    pattern = re.compile(b"[" + re.escape(chars) + b"]")
-    out = []
-    for t in tokens:
-        last = -1
-        for m in pattern.finditer(t):
-            last = m.start()
-        out.append(last)
-    return np.asarray(out, dtype=np.int32)
+def _last_of(tokens: Sequence[bytes], chars: bytes, *, final: bool = True) -> np.ndarray:
+    """Per token, the index of its last byte in ``chars`` (-1: none); with ``final``
+    False, a token's last byte does not count."""
+    lengths = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    flat = np.frombuffer(b"".join(tokens), dtype=np.uint8)
+    owner = np.repeat(np.arange(len(tokens)), lengths)
+    at = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    hit = np.isin(flat, np.frombuffer(chars, dtype=np.uint8))
+    if not final:
+        hit &= at < lengths[owner] - 1
+    last = np.full(len(tokens), -1, dtype=np.int64)
+    np.maximum.at(last, owner[hit], at[hit])
+    return last.astype(np.int32)
 
 
 def _first_unescaped_quote(token: bytes) -> int:
@@ -64,14 +68,16 @@ class TokenIndex:
     token_bytes : tuple of bytes
     by_bytes : dict
         Token bytes -> the ids spelling them.
-    prefixes : set of bytes
-        Every non-empty prefix of every token.
+    nodes : dict
+        Every non-empty prefix ``s`` of a token -> 0, or the number of its entry in
+        ``node_info``: (the ids spelling ``s``, the slice of ``sorted_bytes`` starting
+        with ``s + b'"'`` or None).
     sorted_bytes : list of bytes
         Token bytes in byte order (``sorted_ids`` gives their ids): the tokens with a
         given prefix are a slice.
     last_quote, last_number, last_comma : numpy.ndarray
-        Per token (id order), index of its last ``"``, last digit or ``-``, last ``,``
-        (-1: none).
+        Per token (id order), index of its last ``"`` other than its last byte, of its
+        last digit or ``-``, of its last ``,`` (-1: none).
     first_quote : numpy.ndarray
         Per token, index of its first ``"`` not escaped inside it (-1: none).
     """
@@ -83,19 +89,30 @@ class TokenIndex:
         self.words = vocab.bitmask_words
         self.eos = np.asarray(sorted(vocab.eos_token_ids), dtype=np.int64)
         by_bytes: dict[bytes, list[int]] = {}
-        prefixes: set[bytes] = set()
         for tid, b in enumerate(tokens):
             if b:
                 by_bytes.setdefault(b, []).append(tid)
-                for k in range(1, len(b) + 1):
-                    prefixes.add(b[:k])
-        self.by_bytes = {b: np.asarray(ids, dtype=np.int64) for b, ids in by_bytes.items()}
-        self.prefixes = prefixes
+        self.by_bytes = {b: tuple(ids) for b, ids in by_bytes.items()}
         order = sorted((b, tid) for tid, b in enumerate(tokens) if b)
         self.sorted_bytes = [b for b, _ in order]
         self.sorted_ids = np.asarray([tid for _, tid in order], dtype=np.int64)
+        # every prefix of a token -> 0, or the number of its entry in node_info:
+        # (ids spelling it, slice of the tokens spelling it + '"' or None)
+        nodes = dict.fromkeys({b[:k] for b in by_bytes for k in range(1, len(b) + 1)}, 0)
+        info: list[tuple[tuple[int, ...], tuple[int, int] | None]] = [((), None)]
+        closings = {b[:k] for b in by_bytes if b'"' in b for k in range(1, len(b))
+                    if b[k] == 34}
+        for s in by_bytes.keys() | closings:
+            nodes[s] = len(info)
+            info.append((self.by_bytes.get(s, ()),
+                         self.prefix_range(s + b'"') if s in closings else None))
+        self.nodes = nodes
+        self.node_info = info
+        self.root_close = self.prefix_range(b'"')
         self.longest = max((len(b) for b in tokens), default=0)
-        self.last_quote = _last_of(tokens, b'"')
+        # (a quote that ends a token opens an empty string, or closes a string the
+        # token's earlier bytes hold: it matters through those only)
+        self.last_quote = _last_of(tokens, b'"', final=False)
         self.last_number = _last_of(tokens, b"0123456789-")
         self.last_comma = _last_of(tokens, b",")
         self.first_quote = np.asarray([_first_unescaped_quote(b) if b'"' in b else -1
@@ -103,6 +120,8 @@ class TokenIndex:
         first = np.asarray([b[0] if b else -1 for b in tokens], dtype=np.int32)
         self.number_start = np.isin(first, list(_NUMBER_SET))
         self.non_number_start = (first >= 0) & ~self.number_start
+        self._sensitivities: dict[tuple[bool, bool, bool], Sensitivity] = {}
+        self._texts: dict[tuple[str, tuple[bool, bool, bool]], GroundingText] = {}
 
     def prefix_range(self, prefix: bytes) -> tuple[int, int]:
         """Slice of ``sorted_bytes`` holding the tokens that start with ``prefix``."""
@@ -116,6 +135,78 @@ class TokenIndex:
         bits[:len(allowed)] = allowed
         return np.packbits(bits, bitorder="little").view(np.int32)
 
+    def words_of(self, ids: np.ndarray) -> np.ndarray:
+        """Token ids as an int32 bitmask row."""
+        words = np.zeros(self.words, dtype=np.uint32)
+        if len(ids):
+            np.bitwise_or.at(words, ids >> 5, np.left_shift(1, ids & 31).astype(np.uint32))
+        return words.view(np.int32)
+
+    def sensitivity(self, strings: bool, numbers: bool, distinct: bool) -> Sensitivity:
+        """Which tokens could matter to grounding of that kind (built once each)."""
+        key = (strings, numbers, distinct)
+        found = self._sensitivities.get(key)
+        if found is None:
+            found = self._sensitivities[key] = Sensitivity(self, *key)
+        return found
+
+    def grounding_text(self, text: str, *, strings: bool, numbers: bool, distinct: bool
+                       ) -> GroundingText:
+        """The :class:`GroundingText` of ``text`` (the last few are kept: a request
+        repeated, or several schemas over one text, share its tables)."""
+        key = (text, (strings, numbers, distinct))
+        found = self._texts.get(key)
+        if found is None:
+            found = GroundingText(text, self, strings=strings, numbers=numbers,
+                                  distinct=distinct)
+            if len(self._texts) >= _TEXTS_KEPT:
+                self._texts.pop(next(iter(self._texts)))
+            self._texts[key] = found
+        return found
+
+
+def _located(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids with the word and bit shift of each in a bitmask row."""
+    return ids, ids >> 5, (ids & 31).astype(np.uint32)
+
+
+class Sensitivity:
+    """The tokens that could matter to grounding, for what is grounded.
+
+    A token matters only through its bytes that could open a grounded value (``"``
+    when strings are grounded, digits and ``-`` when numbers are) or end a repeated
+    array item (``,`` with distinct items).
+
+    Attributes
+    ----------
+    last : numpy.ndarray
+        Per token, the index of its last byte that could matter (-1: none).
+    any : tuple of numpy.ndarray
+        Tokens with such a byte: (ids, their bitmask words, their bits' shifts).
+    closing : tuple of numpy.ndarray
+        As ``any``, for the tokens that close a string (an unescaped ``"``) and hold
+        such a byte after it.
+    ending_words, ending_check_words : numpy.ndarray
+        Bitmask rows of the tokens that can end a whole grounded number (starting
+        with a byte no number holds): without a byte that matters, and with one.
+    """
+
+    def __init__(self, index: TokenIndex, strings: bool, numbers: bool, distinct: bool) -> None:
+        self.key = (strings, numbers, distinct)
+        last = np.full(len(index.token_bytes), -1, dtype=np.int32)
+        for used, table in ((strings, index.last_quote), (numbers, index.last_number),
+                            (distinct, index.last_comma)):
+            if used:
+                last = np.maximum(last, table)
+        self.last = last
+        self.any = _located(np.flatnonzero(last >= 0))
+        self.closing = _located(np.flatnonzero((index.first_quote >= 0) &
+                                               (last > index.first_quote)))
+        ending = index.non_number_start.copy()
+        ending[index.eos] = True
+        self.ending_words = index.pack(ending & (last < 0))
+        self.ending_check_words = index.pack(ending & (last >= 0))
+
 
 @functools.lru_cache(maxsize=4)
 def token_index(vocab: Vocabulary) -> TokenIndex:
@@ -126,14 +217,19 @@ def token_index(vocab: Vocabulary) -> TokenIndex:
 def escape_text(text: str) -> tuple[bytes, bytes]:
     """``text`` as a JSON string body (UTF-8) and its boundaries (``1`` at each offset
     where a character or escape starts, and at the end)."""
-    parts: list[bytes] = []
-    marks: list[bytes] = []
+    body = json.dumps(text, ensure_ascii=False)[1:-1].encode("utf-8", "surrogatepass")
+    marks = bytearray(len(body) + 1)
+    widths: dict[str, int] = {}
+    pos = 0
     for ch in text:
-        unit = json.dumps(ch, ensure_ascii=False)[1:-1].encode("utf-8", "surrogatepass")
-        parts.append(unit)
-        marks.append(b"\x01" + b"\x00" * (len(unit) - 1))
-    marks.append(b"\x01")
-    return b"".join(parts), b"".join(marks)
+        width = widths.get(ch)
+        if width is None:
+            width = widths[ch] = len(json.dumps(ch, ensure_ascii=False)[1:-1].encode(
+                "utf-8", "surrogatepass"))
+        marks[pos] = 1
+        pos += width
+    marks[pos] = 1
+    return body, bytes(marks)
 
 
 def text_numbers(text: str) -> frozenset[bytes]:
@@ -185,31 +281,30 @@ class GroundingText:
     index : TokenIndex
         The vocabulary's tables.
     strings, numbers, distinct : bool
-        Whether strings, numbers are grounded, and array items kept distinct: which
-        bytes of a token could matter to grounding (``"``, digits and ``-``, ``,``).
+        Whether strings, numbers are grounded, and array items kept distinct.
+
+    Attributes
+    ----------
+    sensitivities : tuple of Sensitivity
+        The tokens that could matter outside any array, and inside one (where a
+        ``,`` may end a repeated item).
     """
 
     def __init__(self, text: str, index: TokenIndex, *, strings: bool, numbers: bool,
                  distinct: bool) -> None:
         self.text = text
         self.index = index
-        last = np.full(len(index.token_bytes), -1, dtype=np.int32)
-        for used, table in ((strings, index.last_quote), (numbers, index.last_number),
-                            (distinct, index.last_comma)):
-            if used:
-                last = np.maximum(last, table)
-        # per token, the index of its last byte that could matter (-1: none)
-        self.last_sensitive = last
-        self.sensitive_words = index.pack(last >= 0)
-        # tokens that close a string and go on with a byte that could matter
-        self.closing_words = index.pack((index.first_quote >= 0) & (last > index.first_quote))
+        self.sensitivities = (index.sensitivity(strings, numbers, False),
+                              index.sensitivity(strings, numbers, distinct))
         self.escaped, self.boundary = escape_text(text)
         self.numbers = text_numbers(text)
         self.number_prefixes = frozenset(n[:k] for n in self.numbers for k in range(1, len(n) + 1))
         self._ends: dict[bytes, tuple[int, ...]] = {}
-        self._walks: dict[int, tuple[np.ndarray, tuple[tuple[int, int, int], ...]]] = {}
-        self.string_masks: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
-        self.number_masks: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+        self._spelled_cache: dict[bytes, tuple[np.ndarray, tuple]] = {}
+        self._string_masks: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
+        if strings:     # (made with the text, off the engine's step: the costly one)
+            self._spelled(b"")
+        self._number_masks: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
 
     # -- membership -----------------------------------------------------------------
 
@@ -252,104 +347,106 @@ class GroundingText:
 
     # -- masks ------------------------------------------------------------------------
 
-    def _walk(self, p: int) -> tuple[np.ndarray, tuple[tuple[int, int, int], ...]]:
-        """From escaped offset ``p``: the ids of tokens the text spells from there, and
-        (lo, hi, quote offset) slices of the sorted tokens that the text spells up to
-        a boundary and then a closing quote."""
-        found = self._walks.get(p)
+    def _spelled(self, content: bytes) -> tuple[np.ndarray, tuple[tuple[int, int, int], ...]]:
+        """For a grounded string whose content so far is ``content``: the ids of the
+        tokens the text spells next, and (lo, hi, quote offset) slices of the sorted
+        tokens it spells up to a boundary and then a closing quote. Cached."""
+        found = self._spelled_cache.get(content)
         if found is not None:
             return found
         idx, E, boundary = self.index, self.escaped, self.boundary
-        prefixes, by_bytes = idx.prefixes, idx.by_bytes
-        ids: list[np.ndarray] = []
-        closes: list[tuple[int, int, int]] = []
-        end = min(len(E), p + idx.longest)
-        k = p
-        while True:
-            if boundary[k]:
-                s = E[p:k] + b'"'
-                if s in prefixes:
-                    lo, hi = idx.prefix_range(s)
-                    closes.append((lo, hi, k - p))
-            if k >= end:
-                break
-            k += 1
-            s = E[p:k]
-            if s not in prefixes:
-                break
-            got = by_bytes.get(s)
-            if got is not None:
-                ids.append(got)
-        found = (np.concatenate(ids) if ids else np.empty(0, dtype=np.int64), tuple(closes))
-        if len(self._walks) >= _CACHE_LIMIT:
-            self._walks.clear()
-        self._walks[p] = found
+        nodes, info, longest, size = idx.nodes, idx.node_info, idx.longest, len(E)
+        ids: list[int] = []
+        closes: set[tuple[int, int, int]] = set()
+        more, close = ids.extend, closes.add
+        root = (*idx.root_close, 0)
+        for p in self.ends(content):
+            if boundary[p]:
+                close(root)
+            stop = min(size, p + longest)
+            k = p + 1
+            while k <= stop:
+                node = nodes.get(E[p:k])
+                if node is None:
+                    break
+                if node:
+                    spelled, closing = info[node]
+                    if spelled:
+                        more(spelled)
+                    if closing is not None and boundary[k]:
+                        close((*closing, k - p))
+                k += 1
+        found = (np.asarray(ids, dtype=np.int64), tuple(closes))
+        if len(self._spelled_cache) >= _CACHE_LIMIT:
+            self._spelled_cache.clear()
+        self._spelled_cache[content] = found
         return found
 
-    def string_mask(self, content: bytes) -> tuple[np.ndarray, np.ndarray]:
+    def string_mask(self, content: bytes, sens: Sensitivity
+                    ) -> tuple[np.ndarray, np.ndarray | None]:
         """For a grounded string whose content so far is ``content``: the bitmask row
-        of tokens allowed whatever follows their closing quote, and the ids of
-        closing tokens whose rest holds a byte that could matter, to check one by one."""
-        found = self.string_masks.get(content)
+        of the tokens allowed whatever follows their closing quote, and the row of
+        closing tokens whose rest holds a byte that could matter (``sens``), to check
+        one by one (None: none). Cached."""
+        key = (content, sens.key)
+        found = self._string_masks.get(key)
         if found is not None:
             return found
-        idx, last_sensitive = self.index, self.last_sensitive
-        allowed = np.zeros(len(idx.token_bytes), dtype=bool)
-        check: list[np.ndarray] = []
-        seen_closes: set[tuple[int, int, int]] = set()
-        for p in self.ends(content):
-            ids, closes = self._walk(p)
-            allowed[ids] = True
-            for close in closes:
-                if close in seen_closes:
-                    continue
-                seen_closes.add(close)
-                lo, hi, q = close
-                tids = idx.sorted_ids[lo:hi]
-                late = last_sensitive[tids] > q
-                allowed[tids[~late]] = True
-                check.append(tids[late])
-        found = (idx.pack(allowed),
-                 np.unique(np.concatenate(check)) if check else np.empty(0, dtype=np.int64))
-        if len(self.string_masks) >= _CACHE_LIMIT:
-            self.string_masks.clear()
-        self.string_masks[content] = found
+        idx = self.index
+        ids, closes = self._spelled(content)
+        last = sens.last
+        allowed = [ids]
+        check = []
+        for lo, hi, q in closes:
+            tids = idx.sorted_ids[lo:hi]
+            late = last[tids] > q
+            allowed.append(tids[~late])
+            check.append(tids[late])
+        check_ids = np.concatenate(check) if check else np.empty(0, dtype=np.int64)
+        found = (idx.words_of(np.concatenate(allowed)),
+                 idx.words_of(check_ids) if len(check_ids) else None)
+        if len(self._string_masks) >= _CACHE_LIMIT:
+            self._string_masks.clear()
+        self._string_masks[key] = found
         return found
 
-    def number_mask(self, written: bytes) -> tuple[np.ndarray, np.ndarray]:
+    def number_mask(self, written: bytes, sens: Sensitivity
+                    ) -> tuple[np.ndarray, np.ndarray | None]:
         """As :meth:`string_mask`, for a grounded number written so far as ``written``:
         the tokens that keep it a prefix of one of the text's numbers, and those that
         end it where it is whole (to check one by one when they go on)."""
-        found = self.number_masks.get(written)
+        key = (written, sens.key)
+        found = self._number_masks.get(key)
         if found is not None:
             return found
-        idx, last_sensitive = self.index, self.last_sensitive
-        allowed = np.zeros(len(idx.token_bytes), dtype=bool)
-        check: list[np.ndarray] = []
+        idx = self.index
+        allowed: list[int] = []
+        check: list[int] = []
+        whole = False
         for number in self.numbers:
             if not number.startswith(written):
                 continue
             rest = number[len(written):]
+            if not rest:
+                whole = True
+                continue
             for k in range(1, len(rest) + 1):
                 got = idx.by_bytes.get(rest[:k])
                 if got is not None:
-                    allowed[got] = True
-            if rest:
-                lo, hi = idx.prefix_range(rest)
-                tids = idx.sorted_ids[lo:hi]
-                longer = np.asarray([len(idx.token_bytes[t]) > len(rest) and
-                                     idx.token_bytes[t][len(rest)] not in _NUMBER_SET
-                                     for t in tids], dtype=bool)
-                check.append(tids[longer] if len(tids) else tids)
-            else:
-                ending = idx.non_number_start.copy()
-                late = last_sensitive >= 0
-                allowed |= ending & ~late
-                check.append(np.flatnonzero(ending & late))
-                allowed[idx.eos] = True
-        found = (idx.pack(allowed),
-                 np.unique(np.concatenate(check)) if check else np.empty(0, dtype=np.int64))
-        if len(self.number_masks) >= _CACHE_LIMIT:
-            self.number_masks.clear()
-        self.number_masks[written] = found
+                    allowed.extend(got)
+            lo, hi = idx.prefix_range(rest)
+            for tid in idx.sorted_ids[lo:hi].tolist():
+                b = idx.token_bytes[tid]
+                if len(b) > len(rest) and b[len(rest)] not in _NUMBER_SET:
+                    check.append(tid)
+        allowed_words = idx.words_of(np.asarray(allowed, dtype=np.int64))
+        check_words = idx.words_of(np.asarray(check, dtype=np.int64)) if check else None
+        if whole:
+            allowed_words = allowed_words | sens.ending_words
+            check_words = sens.ending_check_words if check_words is None \
+                else check_words | sens.ending_check_words
+        found = (allowed_words, check_words)
+        if len(self._number_masks) >= _CACHE_LIMIT:
+            self._number_masks.clear()
+        self._number_masks[key] = found
         return found

@@ -134,6 +134,10 @@ class JsonTracker:
         """Whether the next byte continues a grounded string or number."""
         return self.vkind != PLAIN and self.mode in (STRING, NUMBER)
 
+    def in_array(self) -> bool:
+        """Whether an array is open (a "," may end one of its items)."""
+        return any(frame[0] == ARRAY for frame in self.stack)
+
     def release_value(self) -> None:
         """Stop checking the value being written (after a fallback step)."""
         if self.mode in (STRING, NUMBER):
@@ -212,10 +216,12 @@ class JsonTracker:
                         continue
                     # closing quote
                     if mode == KEY:
-                        try:
-                            key = json.loads(b'"' + self.buf + b'"')
-                        except ValueError:
-                            key = self.buf.decode("utf-8", "replace")
+                        key = self.buf.decode("utf-8", "replace")
+                        if b"\\" in self.buf:
+                            try:
+                                key = json.loads(b'"' + self.buf + b'"')
+                            except ValueError:
+                                pass
                         top = self.stack[-1]
                         self.stack = self.stack[:-1] + ((top[0], top[1], COLON, key, top[4],
                                                          top[5]),)
