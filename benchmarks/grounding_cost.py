@@ -1,6 +1,6 @@
 """Per-token mask cost of grounded extraction against the plain schema mask.
 
-    python benchmarks/grounding_cost.py [--reps 20]
+    python benchmarks/grounding_cost.py [--reps 20] [--engine [--batch N] [--device D]]
 
 For a few extraction schemas, texts and answers (SmolLM2's tokenizer), each answer's
 tokens are taken one by one by a plain schema matcher and by a grounded one
@@ -13,6 +13,12 @@ of each token's median over the repetitions: the machine's scheduler preempts a
 busy process now and then for a few milliseconds, which one-off sums would count),
 the grounded/plain ratio, and the grounded matcher's set-up for a new text; the
 tokenizer's one-time index is printed apart.
+
+``--engine`` also generates the cases' answers with SmolLM2 (greedy, ``--batch``
+requests in one batch), with plain and with grounded matchers taking turns, and
+prints the output tokens per second of each (best of ``--engine-reps``): the real
+weights on the CPU, or on a GPU machine the GGUF cannot reach, random weights of
+its shape (``--device cuda --tokenizer-dir DIR``, see benchmarks/device_prep.sh).
 """
 
 from __future__ import annotations
@@ -94,9 +100,81 @@ def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] * 1e6
 
 
+def _engine(device: str, tokenizer_dir: str | None, batch: int):
+    """SmolLM2 on ``device``: its real weights (GGUF, fetched like the tests), or
+    random weights of its shape with the tokenizer saved in ``tokenizer_dir`` (for a
+    machine the GGUF cannot travel to)."""
+    import torch
+
+    from formcast.engine import Engine, EngineConfig, Tokenizer
+
+    if tokenizer_dir is None:
+        from formcast.engine.hub import resolve_model
+
+        return Engine.from_pretrained(str(resolve_model("smollm2").path), device=device,
+                                      quantization=None)
+    from formcast.engine.loading import build_model
+    from formcast.engine.models.shapes import SHAPES, random_llama_weights
+
+    shape = SHAPES["smollm2-135m"]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = build_model(shape, random_llama_weights(shape, seed=0, head_std=0.5),
+                        device=torch.device(device), dtype=dtype)
+    return Engine(model, Tokenizer.from_hf_dir(tokenizer_dir),
+                  config=EngineConfig(max_num_seqs=max(batch, 8), num_kv_blocks=4096),
+                  device=torch.device(device))
+
+
+def engine_rates(args: argparse.Namespace) -> None:
+    """Output tokens/s of the cases in one batch, plain vs grounded matchers."""
+    from formcast.engine import SamplingParams
+
+    engine = _engine(args.device, args.tokenizer_dir, args.batch)
+    tok = engine.tokenizer
+    width = engine.model.config.vocab_size
+    cases = [CASES[k % len(CASES)] for k in range(args.batch)]
+    prompts, compiled, plans = [], [], []
+    for _, schema, text, _ in cases:
+        messages = [{"role": "user", "content": "Extract the fields of this text as JSON.\n\n"
+                     + text}]
+        prompts.append(tok.apply_chat_template(messages, add_generation_prompt=True,
+                                               tokenize=True))
+        compiled.append(compile(JsonSchema(schema), tok, vocab_size=width))
+        plans.append(grounding_plan(schema, "strict"))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    best = {"plain": 0.0, "grounded": 0.0}
+    for rep in range(args.engine_reps):
+        for kind in ("plain", "grounded"):
+            if kind == "plain":
+                matchers = [c.matcher() for c in compiled]
+            else:   # (texts of their own: each request makes its tables)
+                matchers = [c.grounded_matcher(f"{text} Ref {k} {'x' * rep}.", plan,
+                                               distinct_items=True)
+                            for k, (c, plan, (_, _, text, _)) in
+                            enumerate(zip(compiled, plans, cases))]
+            start = time.perf_counter()
+            outs = engine.generate(prompts, params, constraints=matchers)
+            seconds = time.perf_counter() - start
+            tokens = sum(len(o.token_ids) for o in outs)
+            best[kind] = max(best[kind], tokens / seconds)
+            print(f"  {kind:<8} {tokens:>6} tokens in {seconds:6.2f} s: "
+                  f"{tokens / seconds:8.1f} tokens/s")
+    weights = "random weights" if args.tokenizer_dir else "real weights"
+    print(f"engine ({args.device}, SmolLM2 {weights}, batch {args.batch}, best of "
+          f"{args.engine_reps}): plain {best['plain']:.1f} tokens/s, grounded "
+          f"{best['grounded']:.1f} tokens/s: {best['grounded'] / best['plain']:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--engine", action="store_true")
+    parser.add_argument("--engine-reps", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokenizer-dir", default=None,
+                        help="random weights of SmolLM2's shape, this tokenizer")
+    parser.add_argument("--batch", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=160)
     args = parser.parse_args()
     tok = load_tokenizer("smollm2")
     print(f"{'case':<20} {'tokens':>6} | {'plain p50':>9} {'p90':>5} {'p99':>6} | "
@@ -137,6 +215,8 @@ def main() -> None:
     print("per-token times in microseconds (fill_bitmask + accept); set-up: making the "
           "grounded matcher for a new text (its tables and first string mask), on the "
           "caller's thread")
+    if args.engine:
+        engine_rates(args)
 
 
 if __name__ == "__main__":

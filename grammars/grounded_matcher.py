@@ -207,6 +207,18 @@ class GroundedMatcher(Matcher):
             if c._active and not c._restrict(array[row]):
                 c._free_version = c._version
 
+    @classmethod
+    def prepare(cls, constraints: list) -> None:
+        """Ready the wrapped matchers for their first step (the engine's optional
+        hook, offered while the device runs their prefill): their own class's."""
+        by_kind: dict[type, list[Matcher]] = {}
+        for c in constraints:
+            by_kind.setdefault(type(c._inner), []).append(c._inner)
+        for kind, inners in by_kind.items():
+            ready = ops_for(kind).prepare
+            if ready is not None:
+                ready(inners)
+
     def _grounding_empty(self) -> bool:
         """Whether grounding leaves no token the grammar allows here."""
         if self._free_version != self._version:

@@ -19,6 +19,7 @@ import bisect
 import functools
 import json
 import re
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -122,6 +123,7 @@ class TokenIndex:
         self.non_number_start = (first >= 0) & ~self.number_start
         self._sensitivities: dict[tuple[bool, bool, bool], Sensitivity] = {}
         self._texts: dict[tuple[str, tuple[bool, bool, bool]], GroundingText] = {}
+        self._lock = threading.Lock()     # (requests are made on many threads)
 
     def prefix_range(self, prefix: bytes) -> tuple[int, int]:
         """Slice of ``sorted_bytes`` holding the tokens that start with ``prefix``."""
@@ -145,9 +147,10 @@ class TokenIndex:
     def sensitivity(self, strings: bool, numbers: bool, distinct: bool) -> Sensitivity:
         """Which tokens could matter to grounding of that kind (built once each)."""
         key = (strings, numbers, distinct)
-        found = self._sensitivities.get(key)
-        if found is None:
-            found = self._sensitivities[key] = Sensitivity(self, *key)
+        with self._lock:
+            found = self._sensitivities.get(key)
+            if found is None:
+                found = self._sensitivities[key] = Sensitivity(self, *key)
         return found
 
     def grounding_text(self, text: str, *, strings: bool, numbers: bool, distinct: bool
@@ -155,13 +158,15 @@ class TokenIndex:
         """The :class:`GroundingText` of ``text`` (the last few are kept: a request
         repeated, or several schemas over one text, share its tables)."""
         key = (text, (strings, numbers, distinct))
-        found = self._texts.get(key)
+        with self._lock:
+            found = self._texts.get(key)
         if found is None:
             found = GroundingText(text, self, strings=strings, numbers=numbers,
                                   distinct=distinct)
-            if len(self._texts) >= _TEXTS_KEPT:
-                self._texts.pop(next(iter(self._texts)))
-            self._texts[key] = found
+            with self._lock:
+                if len(self._texts) >= _TEXTS_KEPT:
+                    self._texts.pop(next(iter(self._texts)))
+                found = self._texts.setdefault(key, found)
         return found
 
 

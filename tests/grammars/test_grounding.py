@@ -436,3 +436,24 @@ def test_engine_output_is_grounded(smollm2_engine, spec):
         assert repeated == len(m.repeats) <= 1
     if spec != "none":
         assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_batch_fill_equals_row_by_row(compiler, tiny_vocab):
+    from formcast.engine.constraint import ops_for
+
+    compiled = compiler.compile(JsonSchema(RECORD), tiny_vocab)
+    plan = grounding_plan(RECORD)
+    docs = ['{"name":"ab', '{"name":"abab","age":1,"tags":["', '{"name":"', '{']
+    matchers = []
+    for text, doc in zip(["abab", "abab 1", 'x "ab"', "é"], docs):
+        m = compiled.grounded_matcher(text, plan, distinct_items=True)
+        for t in _ids(tiny_vocab, doc):
+            assert m.accept(t)
+        matchers.append(m)
+    width = tiny_vocab.bitmask_words
+    together = torch.full((len(matchers) + 1, width), -1, dtype=torch.int32)
+    ops = ops_for(type(matchers[0]))
+    ops.prepare(matchers)
+    ops.fill_bitmasks(matchers, together, [3, 0, 4, 1])
+    for m, row in zip(matchers, [3, 0, 4, 1]):
+        assert torch.equal(together[row], _mask(m, width)[0])
