@@ -168,11 +168,27 @@ class GroundedMatcher(Matcher):
             ids, words, shifts = sens.closing if mode in (STRING, KEY) and tracker.esc == 0 \
                 else sens.any
             ids = ids[(row.view(np.uint32)[words] >> shifts) & 1 != 0]
+            node = tracker.value_node()
+            opening = None
+            if node is not None and node.number and len(ids):
+                # a grounded number starts here: its first token as a number's next one
+                opening = text.index.number_opening_words
+                starts = row & opening
+                allowed, check = text.number_mask(b"", sens)
+                keep = starts & allowed
+                if check is not None:
+                    _set(keep, [t for t in _ids(starts & check).tolist() if self._token_ok(t)])
+                view = opening.view(np.uint32)
+                ids = ids[(view[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 0]
             bad = [t for t in ids.tolist() if not self._token_ok(t)]
-            if not bad:
+            if not bad and opening is None:
                 return True
             new = row.copy()
             _clear(new, bad)
+            if opening is not None:
+                new &= ~opening
+                new |= keep
+            allowed = None
         if allowed is not None:
             new = row & allowed
             if check is not None:

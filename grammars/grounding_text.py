@@ -121,6 +121,8 @@ class TokenIndex:
         first = np.asarray([b[0] if b else -1 for b in tokens], dtype=np.int32)
         self.number_start = np.isin(first, list(_NUMBER_SET))
         self.non_number_start = (first >= 0) & ~self.number_start
+        # tokens that start a JSON number (a digit or "-")
+        self.number_opening_words = self.pack(np.isin(first, list(b"0123456789-")))
         self._sensitivities: dict[tuple[bool, bool, bool], Sensitivity] = {}
         self._texts: dict[tuple[str, tuple[bool, bool, bool]], GroundingText] = {}
         self._lock = threading.Lock()     # (requests are made on many threads)

@@ -134,6 +134,18 @@ class JsonTracker:
         """Whether the next byte continues a grounded string or number."""
         return self.vkind != PLAIN and self.mode in (STRING, NUMBER)
 
+    def value_node(self) -> PlanNode | None:
+        """Plan node of the value the next byte may start (None: no value may start
+        here, or nothing under it is grounded)."""
+        if self.mode != STRUCT or self.done:
+            return None
+        if not self.stack:
+            return self.root
+        lex = self.stack[-1][2]
+        if lex == VALUE or (lex == OPENED and self.stack[-1][0] == ARRAY):
+            return self._child()
+        return None
+
     def in_array(self) -> bool:
         """Whether an array is open (a "," may end one of its items)."""
         return any(frame[0] == ARRAY for frame in self.stack)

@@ -223,6 +223,55 @@ def test_mask_admits_exactly_the_text_spans(compiler, tiny_vocab, schema, distin
     assert compared > 100
 
 
+_NUMBER = re.compile(rb"-?[0-9.eE+]+|-")
+
+
+def _numbers_ok(doc: bytes, numbers: frozenset[bytes], distinct: bool) -> bool:
+    """Whether every number of the (partial) array document ``doc`` is one of
+    ``numbers`` (the last, if nothing follows it yet, a prefix of one), and with
+    ``distinct`` no ``,`` follows an item equal to an earlier one."""
+    seen: list[bytes] = []
+    for m in _NUMBER.finditer(doc):
+        written = m.group()
+        if m.end() == len(doc):
+            return any(n.startswith(written) for n in numbers)
+        if written not in numbers:
+            return False
+        if distinct and doc[m.end():m.end() + 1] == b"," and written in seen:
+            return False
+        seen.append(written)
+    return True
+
+
+@pytest.mark.parametrize("distinct", [False, True])
+@pytest.mark.parametrize("text", ["costs $89.99, not 8.5", "1,299.00 or -5 and 2025-03-08",
+                                  "9 99 999", "no digits"])
+def test_number_masks_match_the_oracle(compiler, tiny_vocab, text, distinct):
+    compiled = compiler.compile(JsonSchema(NUMBERS), tiny_vocab)
+    plan = grounding_plan(NUMBERS, "strict")
+    numbers = text_numbers(text)
+    rng = random.Random(text)
+    for _ in range(6):
+        m = ground(compiled.matcher(), text, plan, tiny_vocab, distinct_items=distinct)
+        inner = compiled.matcher()
+        doc = b""
+        for _ in range(14):
+            inner_ok = _allowed(inner, tiny_vocab)
+            want = {t for t in inner_ok
+                    if t == EOS or _numbers_ok(doc + tiny_vocab.token_bytes[t], numbers, distinct)}
+            got = _allowed(m, tiny_vocab)
+            if not want:
+                assert got == inner_ok
+                break
+            assert got == want, (text, doc, sorted(got ^ want))
+            choices = sorted(got - {EOS})
+            if not choices:
+                break
+            t = rng.choice(choices)
+            assert m.accept(t) and inner.accept(t)
+            doc += tiny_vocab.token_bytes[t]
+
+
 @pytest.mark.parametrize("text, content, allowed", [
     ('He said "hi"', '\\"hi\\"', True),
     ('He said "hi"', '"hi', False),                   # an unescaped quote ends the value
