@@ -20,7 +20,7 @@ import torch
 
 from formcast.engine.constraint import ops_for
 from formcast.grammars.grounding import GroundingPlan
-from formcast.grammars.grounding_text import GroundingText, token_index
+from formcast.grammars.grounding_text import GroundingText, Sensitivity, token_index
 from formcast.grammars.json_tracker import (GROUNDED_NUMBER, GROUNDED_STRING, KEY, NUMBER,
                                             STRING, JsonTracker, Refusal, Repeat)
 from formcast.grammars.matcher import Matcher
@@ -156,48 +156,57 @@ class GroundedMatcher(Matcher):
         tracker, text = self._tracker, self._text
         if tracker.done:
             return True
-        mode, allowed = tracker.mode, None
         # (a "," can end a repeated item only inside an array)
         sens = text.sensitivities[self._distinct and tracker.in_array()]
+        mode = tracker.mode
         if mode == STRING and tracker.vkind == GROUNDED_STRING:
-            allowed, check = text.string_mask(tracker.buf, sens)
+            new = self._inside(row, *text.string_mask(tracker.buf, sens))
         elif mode == NUMBER and tracker.vkind == GROUNDED_NUMBER:
-            allowed, check = text.number_mask(tracker.buf, sens)
+            new = self._inside(row, *text.number_mask(tracker.buf, sens))
         else:
-            # outside grounded values only the few tokens that could enter one matter
-            ids, words, shifts = sens.closing if mode in (STRING, KEY) and tracker.esc == 0 \
-                else sens.any
-            ids = ids[(row.view(np.uint32)[words] >> shifts) & 1 != 0]
-            node = tracker.value_node()
-            opening = None
-            if node is not None and node.number and len(ids):
-                # a grounded number starts here: its first token as a number's next one
-                opening = text.index.number_opening_words
-                starts = row & opening
-                allowed, check = text.number_mask(b"", sens)
-                keep = starts & allowed
-                if check is not None:
-                    _set(keep, [t for t in _ids(starts & check).tolist() if self._token_ok(t)])
-                view = opening.view(np.uint32)
-                ids = ids[(view[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 0]
-            bad = [t for t in ids.tolist() if not self._token_ok(t)]
-            if not bad and opening is None:
+            new = self._outside(row, sens)
+            if new is None:
                 return True
-            new = row.copy()
-            _clear(new, bad)
-            if opening is not None:
-                new &= ~opening
-                new |= keep
-            allowed = None
-        if allowed is not None:
-            new = row & allowed
-            if check is not None:
-                good = [t for t in _ids(row & check).tolist() if self._token_ok(t)]
-                _set(new, good)
         if not new.any():
             return False
         row[:] = new
         return True
+
+    def _inside(self, row: np.ndarray, allowed: np.ndarray, check: np.ndarray | None
+                ) -> np.ndarray:
+        """``row`` AND a grounded value's mask (``allowed``, and those of ``check``
+        that pass one by one)."""
+        new = row & allowed
+        if check is not None:
+            _set(new, [t for t in _ids(row & check).tolist() if self._token_ok(t)])
+        return new
+
+    def _outside(self, row: np.ndarray, sens: Sensitivity) -> np.ndarray | None:
+        """``row`` less the tokens that would break grounding, outside grounded values:
+        only the few that could enter one (or end a repeated item) are checked. None:
+        nothing to take out."""
+        tracker = self._tracker
+        ids, words, shifts = sens.closing if tracker.mode in (STRING, KEY) and \
+            tracker.esc == 0 else sens.any
+        ids = ids[(row.view(np.uint32)[words] >> shifts) & 1 != 0]
+        if not len(ids):
+            return None
+        node = tracker.value_node()
+        if node is None or not node.number:
+            bad = [t for t in ids.tolist() if not self._token_ok(t)]
+            if not bad:
+                return None
+            new = row.copy()
+            _clear(new, bad)
+            return new
+        # a grounded number starts here: its first token is judged as its next one
+        opening = self._text.index.number_opening_words
+        starts = self._inside(row & opening, *self._text.number_mask(b"", sens))
+        view = opening.view(np.uint32)
+        ids = ids[(view[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 0]
+        new = row & ~opening
+        _clear(new, [t for t in ids.tolist() if not self._token_ok(t)])
+        return new | starts
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._inner_fill(bitmask, row)
