@@ -506,3 +506,16 @@ def test_batch_fill_equals_row_by_row(compiler, tiny_vocab):
     ops.fill_bitmasks(matchers, together, [3, 0, 4, 1])
     for m, row in zip(matchers, [3, 0, 4, 1]):
         assert torch.equal(together[row], _mask(m, width)[0])
+
+
+def test_a_fresh_grounded_matcher_travels_to_another_process(compiler, tiny_vocab):
+    import pickle
+
+    compiled = compiler.compile(JsonSchema(STRINGS), tiny_vocab)
+    m = compiled.grounded_matcher("ab", grounding_plan(STRINGS), distinct_items=True)
+    copy = pickle.loads(pickle.dumps(m))
+    assert (copy.source_text, copy.plan) == ("ab", m.plan)
+    assert _allowed(copy, tiny_vocab) == _allowed(m, tiny_vocab)
+    m.accept(_ids(tiny_vocab, "[")[0])
+    with pytest.raises(TypeError, match="fresh"):
+        pickle.dumps(m)
