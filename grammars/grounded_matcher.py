@@ -305,6 +305,11 @@ class GroundedMatcher(Matcher):
         del self._history[-num_tokens:]
         self._tracker.restore(snap)
         self._version += 1
+        self._restart_spans()
+
+    def _span_counter(self):
+        """The wrapped matcher's (JSON strings for a JSON Schema's)."""
+        return self._inner._span_counter()
 
     def is_terminated(self) -> bool:
         return self._inner.is_terminated()

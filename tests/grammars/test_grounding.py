@@ -519,3 +519,16 @@ def test_a_fresh_grounded_matcher_travels_to_another_process(compiler, tiny_voca
     m.accept(_ids(tiny_vocab, "[")[0])
     with pytest.raises(TypeError, match="fresh"):
         pickle.dumps(m)
+
+
+def test_spans_are_the_wrapped_matchers(compiler, tiny_vocab):
+    compiled = compiler.compile(JsonSchema(RECORD), tiny_vocab)
+    grounded = compiled.grounded_matcher("ab", grounding_plan(RECORD))
+    plain = compiled.matcher()
+    ids = _ids(tiny_vocab, '{"name":"ab')
+    quote = _ids(tiny_vocab, '"')[0]
+    assert type(grounded).span_closing_tokens(tiny_vocab.token_bytes) == \
+        type(plain).span_closing_tokens(tiny_vocab.token_bytes)
+    for end in range(len(ids) + 1):
+        assert grounded.closes_span(ids, 0, end, quote) == plain.closes_span(ids, 0, end, quote)
+    assert grounded.closes_span(ids, 0, len(ids), quote)
