@@ -8,6 +8,7 @@ the callers then take xgrammar's public way).
 from __future__ import annotations
 
 import array
+import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +67,43 @@ BATCH_ACCEPT = _native_batch_accept()
 STRINGIFY = _quiet_global("ffi.json.Stringify")  # (see native_verdicts)
 CONTAINS = _quiet_global("ffi.ArrayContains")
 TO_ARRAY = _quiet_global("ffi.Array")
+
+
+def _native_matcher_calls() -> bool:
+    """Whether xgrammar's native matcher has the per-token methods we know, with
+    the parameters we pass (read from tvm-ffi's reflection of the type)."""
+    known = {"fill_next_token_bitmask": ["Any", "int", "bool"], "accept_token": ["int", "bool"],
+             "is_completed": []}
+    try:
+        native_type = xgr.tvm_ffi_binding._ffi_api.GrammarMatcher
+        found = {}
+        for method in native_type.__tvm_ffi_type_info__.methods:
+            if method.name in known:
+                schema = json.loads(method.metadata["type_schema"])
+                found[method.name] = [p["type"] for p in schema["named_args"]["params"][1:]]
+        return found == known
+    except Exception:
+        return False
+
+
+NATIVE_MATCHER_CALLS = _native_matcher_calls()
+
+
+def matcher_calls(matcher: xgr.GrammarMatcher) -> tuple[Callable, Callable, Callable]:
+    """The per-token calls of ``matcher``: ``fill(bitmask, row, debug)``,
+    ``accept(token, debug)`` and ``is_completed()``.
+
+    They are the methods of xgrammar's native object where this xgrammar has
+    the ones we know: its Python methods only forward to them, and on a
+    matcher's path, a call or two a token, that step is a sizeable part of the
+    cost. Otherwise they call the public methods."""
+    if NATIVE_MATCHER_CALLS:
+        handle = matcher._handle
+        return handle.fill_next_token_bitmask, handle.accept_token, handle.is_completed
+    public_fill, public_accept = matcher.fill_next_token_bitmask, matcher.accept_token
+    return (lambda bitmask, row, debug: public_fill(bitmask, row, debug_print=debug),
+            lambda token, debug: public_accept(token, debug_print=debug),
+            matcher.is_completed)
 
 
 def native_verdicts(handles: Any, tokens: list[int]) -> list[int]:

@@ -39,15 +39,15 @@ class XGrammarMatcher(Matcher):
 
     A matcher made with none (``matcher`` None) forks its xgrammar matcher
     from its grammar's (``origin``) start state on first use (``_m``,
-    ``_accept``, ``_handle``), or when the engine offers a batch's new matchers
+    ``_handle``, or a per-token call found None), or when the engine offers a batch's new matchers
     to :meth:`prepare` while the device runs their prefill: a batch's matchers
     are made while the device is idle, and the fork is most of their cost.
     """
 
     # (slots: a batch's opening reads every row's text each step, its objects cold)
     __slots__ = ("_xm", "_blocked", "_size", "_stops", "_moved", "_token_bytes", "_origin",
-                 "_text", "_xaccept", "_xhandle", "_pending", "_broken", "_recipe", "_source",
-                 "_tuning")
+                 "_text", "_xfill", "_xaccept", "_xcompleted", "_xhandle", "_pending", "_broken",
+                 "_recipe", "_source", "_tuning", "_view")
 
     def __init__(self, matcher: xgr.GrammarMatcher | None, blocked: frozenset[int], size: int,
                  stops: frozenset[int], *, token_bytes: tuple[bytes, ...] | None = None,
@@ -55,7 +55,7 @@ class XGrammarMatcher(Matcher):
         if matcher is None and getattr(origin, "_start", None) is None:
             raise ValueError("XGrammarMatcher needs an xgrammar matcher or a grammar's start "
                              "to fork")
-        self._xm = self._xaccept = self._xhandle = None
+        self._xm = self._xfill = self._xaccept = self._xcompleted = self._xhandle = None
         if matcher is not None:
             self._own(matcher)
         self._blocked = blocked
@@ -69,12 +69,14 @@ class XGrammarMatcher(Matcher):
         self._pending = 0     # the last backlog job taking its tokens on the worker
         self._broken = None   # why its state is not its text's (see PendingAccept)
         self._source = None   # what it forks from when not its grammar's start
+        self._view = None     # (a bitmask, its numpy view) while it fills by text
 
     def __del__(self, _release=ffi.release_later) -> None:  # (bound: the module may be gone)
         _release(getattr(self, "_xhandle", None))  # (xgrammar's matcher dies on the worker)
 
     def _own(self, matcher: xgr.GrammarMatcher) -> None:
-        self._xaccept = matcher.accept_token
+        # (each per-token call is read once and found set, or None: fork first)
+        self._xfill, self._xaccept, self._xcompleted = ffi.matcher_calls(matcher)
         self._xhandle = getattr(matcher, "_handle", None)  # (for the native batch accept)
         self._xm = matcher  # (last: a thread that sees it sees the others)
 
@@ -106,12 +108,6 @@ class XGrammarMatcher(Matcher):
         return m if m is not None else self._fork()
 
     @property
-    def _accept(self):
-        if self._xm is None:
-            self._fork()
-        return self._xaccept
-
-    @property
     def _handle(self):
         if self._xm is None:
             self._fork()
@@ -119,7 +115,9 @@ class XGrammarMatcher(Matcher):
 
     def _sync(self) -> None:
         """Wait until xgrammar took the tokens this matcher took on known masks;
-        raises when one broke it (see :class:`~.worker_jobs.PendingAccept`)."""
+        raises when one broke it (see :class:`~.worker_jobs.PendingAccept`).
+        Callers on the per-token path call it only when ``_pending`` is set: a
+        matcher is broken only by a job of its own."""
         if self._pending:
             pending = backlog()
             if self._pending > pending.settled:
@@ -138,14 +136,36 @@ class XGrammarMatcher(Matcher):
         return None if at is None else masks.rows[at]
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        known = self._known_mask(bitmask.shape[1])
-        if known is not None:
-            bitmask[row] = torch.from_numpy(known)
+        if self._text is not None and self._tuning.text_masks:
+            self._fill_by_text(bitmask, row)
             return
-        self._sync()
+        if self._pending:
+            self._sync()
+        fill = self._xfill
+        if fill is None:
+            self._fork()
+            fill = self._xfill
+        fill(bitmask, row, False)
+
+    def _fill_by_text(self, bitmask: torch.Tensor, row: int) -> None:
+        """:meth:`fill_bitmask` while it keeps its text: a copy of the text's
+        known mask, or xgrammar's fill, which becomes the text's known mask."""
+        view = self._view  # (torch's own row copy and numpy view cost more than a fill)
+        if view is None or view[0] is not bitmask:
+            view = self._view = (bitmask, bitmask.numpy() if bitmask.is_cpu else None)
+        words = view[1]
+        known = self._known_mask(bitmask.shape[1] if words is None else words.shape[1])
+        if known is not None:
+            if words is None:
+                bitmask[row] = torch.from_numpy(known)
+            else:
+                words[row] = known
+            return
+        if self._pending:
+            self._sync()
         self._m.fill_next_token_bitmask(bitmask, row)
-        if self._text is not None and self._tuning.text_masks and bitmask.device.type == "cpu":
-            self._origin.text_masks.add(self._text, bitmask[row].numpy())
+        if words is not None:
+            self._origin.text_masks.add(self._text, words[row])
 
     @staticmethod
     def tidy() -> None:
@@ -192,14 +212,20 @@ class XGrammarMatcher(Matcher):
         return token_id not in self._blocked and 0 <= token_id < self._size
 
     def accept(self, token_id: int) -> bool:
-        if not self._may_offer(token_id):
+        if token_id in self._blocked or not 0 <= token_id < self._size:  # (_may_offer)
             return False
         self._moved = True
-        self._sync()
-        taken = self._accept(token_id)
-        if taken and self._text is not None:
+        if self._pending:
+            self._sync()
+        accept = self._xaccept
+        if accept is None:
+            self._fork()
+            accept = self._xaccept
+        if not accept(token_id, False):
+            return False
+        if self._text is not None:
             self._took(token_id)
-        return taken
+        return True
 
     def accept_text(self, text: str) -> bool:
         self._moved = True
@@ -211,7 +237,11 @@ class XGrammarMatcher(Matcher):
 
     def _took(self, token_id: int) -> None:
         """Keep the text of a token just taken (a stop token: a state of its own)."""
-        self._grow_text(None if token_id in self._stops else self._token_bytes[token_id])
+        if token_id in self._stops:
+            self._text = None
+        else:
+            grown = self._text + self._token_bytes[token_id]
+            self._text = grown if len(grown) <= self._tuning.text_key_limit else None
 
     def _grow_text(self, data: bytes | None) -> None:
         """The kept text with ``data`` after it, while short; None: no longer kept."""
@@ -236,8 +266,13 @@ class XGrammarMatcher(Matcher):
         return self._m.is_terminated()
 
     def is_completed(self) -> bool:
-        self._sync()
-        return self._m.is_completed()
+        if self._pending:
+            self._sync()
+        completed = self._xcompleted
+        if completed is None:
+            self._fork()
+            completed = self._xcompleted
+        return completed()
 
     def forced_tokens(self) -> list[int]:
         self._sync()
