@@ -125,6 +125,9 @@ class _FormcastMatcher:
     __slots__ = ("fill_row", "accept")
 
     def __init__(self, matcher: grammars.Matcher) -> None:
+        # readied as the engine readies a new request's (xgrammar's matcher is
+        # then made, as RawXGrammar's is, before the first token)
+        type(matcher).prepare([matcher])
         fill = matcher.fill_bitmask
         self.fill_row = fill
         self.accept = matcher.accept

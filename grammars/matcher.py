@@ -197,13 +197,14 @@ class EndCheckedMatcher(Matcher):
     """
 
     __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict", "_version",
-                 "_inner_fill", "_inner_completed", "_recipe")
+                 "_inner_fill", "_inner_accept", "_inner_completed", "_recipe")
 
     def __init__(self, inner: Matcher, check: Callable[[bytes], EndViolation | None],
                  token_bytes: Sequence[bytes], eos_token_ids: frozenset[int],
                  parts: list[bytes] | None = None) -> None:
         self._inner = inner
-        self._inner_fill = inner.fill_bitmask           # bound once: this is the hot path
+        # bound once: the per-token path
+        self._inner_fill, self._inner_accept = inner.fill_bitmask, inner.accept
         self._inner_completed = inner.is_completed
         self._check = check
         self._token_bytes = token_bytes
@@ -263,13 +264,26 @@ class EndCheckedMatcher(Matcher):
     def _is_fresh(self) -> bool:
         return not self._parts and self._inner._is_fresh()
 
+    @classmethod
+    def prepare(cls, constraints: list) -> None:
+        """The inner matchers readied by their own kind (the engine's hook, see
+        :meth:`formcast.engine.constraint.BaseConstraint.prepare`)."""
+        by_kind: dict[type, list[Matcher]] = {}
+        for c in constraints:
+            by_kind.setdefault(type(c._inner), []).append(c._inner)
+        for kind, inner in by_kind.items():
+            kind.prepare(inner)
+
     def accept(self, token_id: int) -> bool:
-        if token_id in self._eos and (not self._inner.is_completed()
-                                      or self._violation() is not None):
+        if token_id in self._eos:
+            if not self._inner_completed() or self._violation() is not None \
+                    or not self._inner_accept(token_id):
+                return False
+            self._parts.append(b"")
+        elif self._inner_accept(token_id):
+            self._parts.append(self._token_bytes[token_id])
+        else:
             return False
-        if not self._inner.accept(token_id):
-            return False
-        self._parts.append(b"" if token_id in self._eos else self._token_bytes[token_id])
         self._version += 1
         return True
 

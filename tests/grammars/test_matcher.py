@@ -412,14 +412,15 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab):
     back, longer, pair = matchers[4], matchers[5], matchers[10]
     assert kinds.fill_distinct_bitmasks([back, longer, pair], got) is None  # (none shared)
     assert torch.equal(got[2], expected[10]) and torch.equal(got[0], expected[4])
-    # with known masks, those filled row by row for kept texts are known:
-    # xgrammar fills `back` alone
+    # with known masks, those of the kept texts that row-by-row fills reached
+    # twice are known: xgrammar fills `back`, and `longer` and `pair`, whose
+    # texts one fill reached
     known_person, known_digits = tuned(person, digits)
     matchers = matchers_of(known_person, known_digits)
     expected = row_by_row(matchers)
     spy = FillSpy(known_person.grammar.backend)
     got.fill_(-1)
-    assert kinds.fill_distinct_bitmasks(matchers, got) == index and spy.filled == [[2]]
+    assert kinds.fill_distinct_bitmasks(matchers, got) == index and spy.filled == [[2, 3, 5]]
     for j, at in enumerate(index):
         assert torch.equal(got[at], expected[j]), j
     # rows in step (one text) read one state; one text in two grammars is two states

@@ -47,6 +47,12 @@ def _mask(m, person) -> torch.Tensor:
     return bitmask[0].clone()
 
 
+def _learn(m, person) -> None:
+    """Fill ``m``'s mask through its class's batch fill, which keeps the mask of
+    its text at once."""
+    type(m).fill_bitmasks([m], person.allocate_bitmask(1), [0])
+
+
 def _state_mask(m, person) -> torch.Tensor:
     """The mask of the state xgrammar's matcher is in (no known mask read)."""
     bitmask = person.allocate_bitmask(1)
@@ -64,7 +70,7 @@ def test_known_masks_judge_every_token_as_xgrammar_does(person, tiny_vocab, monk
     special = {EOS, PAD_SPECIAL} | set(range(289, 320))
     tokens = [t for t in range(320) if t not in special]
     ref = _at(person, text)
-    _mask(ref, person)  # (its text's mask now known)
+    _learn(ref, person)  # (its text's mask now known)
     width = person.allocate_bitmask(1).shape[1]
     assert person.grammar.text_masks.row(text.encode(), width) is not None
     matchers = [_at(person, text) for _ in tokens]
@@ -85,13 +91,28 @@ def test_known_masks_judge_every_token_as_xgrammar_does(person, tiny_vocab, monk
         assert m.is_completed() == fork.is_completed()
 
 
+@pytest.mark.parametrize(("fills", "known"), [(1, False), (2, True), (3, True)])
+def test_a_single_fill_keeps_the_mask_of_a_text_a_fill_reached_before(person, fills, known):
+    """Matchers filling their rows one by one: a text's mask is kept once a
+    second fill reaches it (most texts are reached once), and a kept mask is
+    the one xgrammar fills."""
+    text = '{"name":"'
+    width = person.allocate_bitmask(1).shape[1]
+    for k in range(fills):
+        assert (person.grammar.text_masks.row(text.encode(), width) is None) == (k < 2)
+        _mask(_at(person, text), person)
+    assert (person.grammar.text_masks.row(text.encode(), width) is not None) == known
+    m = _at(person, text)
+    assert torch.equal(_mask(m, person), _state_mask(m, person))
+
+
 def test_a_row_without_a_known_mask_is_offered_by_xgrammar_beside_the_known(person, monkeypatch):
     """A batch of rows with and without known masks: the known rows are judged by
     their masks, the others by xgrammar (after the worker took their earlier
     tokens), every verdict as xgrammar's."""
     seen = known_mask_calls(monkeypatch)
     known = _at(person, "{")
-    _mask(known, person)
+    _learn(known, person)
     rows = [_at(person, "{"), _at(person, '{"n'), _at(person, "{"), _at(person, '{"n')]
     kind = type(known)
     assert kind.accept_tokens(rows, [byte('"'), byte("a"), byte("x"), byte("b")]) == [1, 1, 0, 0]
@@ -110,7 +131,7 @@ def test_rollback_and_fork_wait_for_the_worker(person, monkeypatch):
     kind = type(ref)
     seen = known_mask_calls(monkeypatch)
     for c in text:  # the first pass learns the masks, the second takes the known way
-        _mask(ref, person)
+        _learn(ref, person)
         assert ref.accept(byte(c))
     for c in text:
         assert kind.accept_tokens(rows, [byte(c)] * 3) == [1, 1, 1]
@@ -132,7 +153,7 @@ def test_a_known_mask_that_xgrammar_disagrees_with_breaks_only_its_matcher(perso
     reason; the other rows of the batch go on."""
     seen = known_mask_calls(monkeypatch)
     ref = _at(person, "{")
-    _mask(ref, person)
+    _learn(ref, person)
     masks = person.grammar.text_masks
     at = masks.row(b"{", person.allocate_bitmask(1).shape[1])
     bad = byte("x")
@@ -158,7 +179,7 @@ def test_a_batch_of_fewer_rows_than_the_threshold_is_offered_by_xgrammar(person,
     seen = known_mask_calls(monkeypatch)
     person = tuned(person, known_min_rows=3)
     known = _at(person, "{")
-    _mask(known, person)
+    _learn(known, person)
     kind = type(known)
     assert kind.accept_tokens([_at(person, "{") for _ in range(2)], [byte('"')] * 2) == [1, 1]
     assert seen == []
@@ -175,7 +196,7 @@ def test_tidy_lets_go_of_the_batches_the_worker_is_through_with(person, monkeypa
     text = '{"name":"'
     ref = _at(person, "")
     for c in text:  # (the masks of the text's prefixes known)
-        _mask(ref, person)
+        _learn(ref, person)
         assert ref.accept(byte(c))
     kind = type(ref)
     rows = [person.matcher() for _ in range(4)]
@@ -200,7 +221,7 @@ def test_rows_in_step_offered_one_token_are_judged_once_as_xgrammar_judges(perso
     all alike."""
     seen = known_mask_calls(monkeypatch)
     ref = _at(person, "{")
-    _mask(ref, person)
+    _learn(ref, person)
     rows = [_at(person, "{") for _ in range(5)]
     want = int(ref.fork().accept(byte(token)))
     kind = type(ref)

@@ -149,7 +149,8 @@ class XGrammarMatcher(Matcher):
 
     def _fill_by_text(self, bitmask: torch.Tensor, row: int) -> None:
         """:meth:`fill_bitmask` while it keeps its text: a copy of the text's
-        known mask, or xgrammar's fill, which becomes the text's known mask."""
+        known mask, or xgrammar's fill, which becomes the text's known mask
+        when a fill reached the text before."""
         view = self._view  # (torch's own row copy and numpy view cost more than a fill)
         if view is None or view[0] is not bitmask:
             view = self._view = (bitmask, bitmask.numpy() if bitmask.is_cpu else None)
@@ -164,8 +165,9 @@ class XGrammarMatcher(Matcher):
         if self._pending:
             self._sync()
         self._m.fill_next_token_bitmask(bitmask, row)
-        if words is not None:
-            self._origin.text_masks.add(self._text, words[row])
+        masks = self._origin.text_masks
+        if words is not None and masks.seen_before(self._text):
+            masks.add(self._text, words[row])
 
     @staticmethod
     def tidy() -> None:

@@ -19,7 +19,10 @@ class TextMasks:
     mask, the next mask a copy of a known row, and xgrammar takes the tokens
     on the native worker, off the engine's path. Rows are added as matchers
     fill masks for texts not known yet, up to ``capacity`` (the openings of a
-    grammar's answers come first).
+    grammar's answers come first): a batch's fill keeps the masks of its texts
+    at once, a single matcher's fill those of texts a fill reached before
+    (:meth:`seen_before`). Most texts past an answer's opening are reached
+    once, and keeping a mask costs more than a fill: its row is new memory.
 
     Parameters
     ----------
@@ -29,7 +32,7 @@ class TextMasks:
         Masks kept at most.
     """
 
-    __slots__ = ("slots", "texts", "rows", "words", "capacity", "_lock")
+    __slots__ = ("slots", "texts", "rows", "words", "capacity", "_lock", "_seen")
 
     def __init__(self, words: int, capacity: int) -> None:
         self.slots: dict[bytes, int] = {}  # text -> its row in ``rows``
@@ -38,6 +41,7 @@ class TextMasks:
         self.words = words
         self.capacity = capacity
         self._lock = threading.Lock()
+        self._seen: set[bytes] = set()  # texts a fill reached, their masks not kept
 
     @property
     def memory_bytes(self) -> int:
@@ -47,6 +51,17 @@ class TextMasks:
     def row(self, text: bytes | None, words: int) -> int | None:
         """The row of ``text``'s mask, for masks ``words`` wide; None when not known."""
         return self.slots.get(text) if words == self.words else None
+
+    def seen_before(self, text: bytes) -> bool:
+        """Whether a fill reached ``text`` before; notes that one has now (of a
+        bounded number of texts: past it, those noted before are forgotten)."""
+        seen = self._seen
+        if text in seen:
+            return True
+        if len(seen) >= 4 * self.capacity:
+            seen.clear()
+        seen.add(text)
+        return False
 
     def add(self, text: bytes | None, mask: numpy.ndarray) -> None:
         """Keep ``mask`` (an int32 row) as ``text``'s, while there is room."""
