@@ -2,21 +2,23 @@
 
 Per token, one matcher's ``fill_bitmask`` (one row) plus ``accept`` of that token is
 timed with ``time.perf_counter_ns``, for formcast and for the xgrammar it wraps, on
-the same schemas (the corpus of real_world_schemas.py, cached in
-~/.cache/formcast-bench) and the same token streams: the valid instances (compact
-JSON, keys in schema order, SmolLM2's tokens) that both systems accept. Each stream
-is run once untimed (warm-up and check), then ``--reps`` timed passes, alternating
-which system goes first, so that machine noise hits both. Each pass compiles the
-schemas afresh: formcast keeps the masks of texts a grammar has seen, and a stream
-it saw before would measure that cache, not the matcher (instances of one schema
-do share their grammar within a pass, as a server's requests do). Prints p50/p90/p99/mean
-per token and formcast's ratio to raw xgrammar (the target: within 1.3x at p50 and
-p99). Objects are closed (formcast's default for generation, xgrammar's
-strict_mode), with the keys an instance's schema does not declare dropped, unless
-``--open``. ``--profile`` runs one pass of each under cProfile
-and prints where formcast's time goes beside xgrammar's.
+the same schemas (the whole corpus of real_world_schemas.py, cached in
+~/.cache/formcast-bench; an evenly spread part with ``--limit``) and the same token
+streams: the valid instances (compact JSON, keys in schema order, SmolLM2's tokens)
+that both systems accept. Each stream is run once untimed (warm-up and check), then
+``--reps`` timed passes, alternating which system goes first, so that machine noise
+hits both. Each pass compiles the schemas afresh: formcast keeps the masks of texts
+a grammar has seen, and a stream it saw before would measure that cache, not the
+matcher (instances of one schema do share their grammar within a pass, as a
+server's requests do). Each system's matcher is made (formcast's readied as the
+engine readies a new request's) before its stream's first token is timed. Prints
+p50/p90/p99/mean per token and formcast's ratio to raw xgrammar (the target: within
+1.3x at p50 and p99). Objects are closed (formcast's default for generation,
+xgrammar's strict_mode), with the keys an instance's schema does not declare
+dropped, unless ``--open``. ``--profile`` runs one pass of each under cProfile and
+prints where formcast's time goes beside xgrammar's.
 
-    .venv/bin/python benchmarks/mask_speed.py [--limit 120] [--reps 5] [--open] [--profile]
+    .venv/bin/python benchmarks/mask_speed.py [--limit N] [--reps 5] [--open] [--profile]
 """
 
 from __future__ import annotations
@@ -133,7 +135,8 @@ def profile(systems, compiled: list[dict], streams: list[Stream], bitmask, top: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--per-source", type=int, default=75, help="as real_world_schemas.py")
-    parser.add_argument("--limit", type=int, default=120, help="an evenly spread N schemas")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="an evenly spread N schemas (default: the whole corpus)")
     parser.add_argument("--reps", type=int, default=5, help="timed passes over every stream")
     parser.add_argument("--open", action="store_true", help="spec-open objects")
     parser.add_argument("--profile", action="store_true", help="cProfile one pass of each")
