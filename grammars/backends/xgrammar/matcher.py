@@ -154,18 +154,24 @@ class XGrammarMatcher(Matcher):
         view = self._view  # (torch's own row copy and numpy view cost more than a fill)
         if view is None or view[0] is not bitmask:
             view = self._view = (bitmask, bitmask.numpy() if bitmask.is_cpu else None)
-        words = view[1]
-        known = self._known_mask(bitmask.shape[1] if words is None else words.shape[1])
-        if known is not None:
-            if words is None:
+        words, masks = view[1], self._origin.text_masks
+        if words is None:  # (not in host memory: xgrammar refuses it, a known mask is copied)
+            known = self._known_mask(bitmask.shape[1])
+            if known is not None:
                 bitmask[row] = torch.from_numpy(known)
-            else:
-                words[row] = known
-            return
+                return
+        elif self._broken is None and words.shape[1] == masks.words:  # (_known_mask)
+            at = masks.slots.get(self._text)
+            if at is not None:
+                words[row] = masks.rows[at]
+                return
         if self._pending:
             self._sync()
-        self._m.fill_next_token_bitmask(bitmask, row)
-        masks = self._origin.text_masks
+        fill = self._xfill
+        if fill is None:
+            self._fork()
+            fill = self._xfill
+        fill(bitmask, row, False)
         if words is not None and masks.seen_before(self._text):
             masks.add(self._text, words[row])
 
@@ -225,8 +231,13 @@ class XGrammarMatcher(Matcher):
             accept = self._xaccept
         if not accept(token_id, False):
             return False
-        if self._text is not None:
-            self._took(token_id)
+        text = self._text
+        if text is not None:  # (_took, inline: most of an answer's opening keeps its text)
+            if token_id in self._stops:
+                self._text = None
+            else:
+                text += self._token_bytes[token_id]
+                self._text = text if len(text) <= self._tuning.text_key_limit else None
         return True
 
     def accept_text(self, text: str) -> bool:
