@@ -779,3 +779,33 @@ def test_xgrammar_matchers_fork_their_start_when_first_used(compiler, tiny_vocab
     assert copy.forked and torch.equal(_mask(copy, person), _mask(moving, person))
     with pytest.raises(ValueError, match="start to fork"):
         XGrammarMatcher(None, frozenset(), 1, frozenset())
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(("text", "token", "taken"), [('{"name":"Al', "i", True),
+                                                       ('{"name"', "x", False),
+                                                       ('{"name":"Al","age":3', "}", True)])
+def test_an_xgrammar_matcher_answers_alike_through_native_or_public_calls(
+        compiler, tiny_vocab, monkeypatch, native, text, token, taken):
+    """A matcher's per-token calls go to xgrammar's native methods where this
+    xgrammar has the ones known, else to its public ones: masks, verdicts and
+    completion are the same either way, and xgrammar's own."""
+    import xgrammar as xgr
+
+    from formcast.grammars.backends.xgrammar import ffi
+
+    if native and not ffi.NATIVE_MATCHER_CALLS:
+        pytest.skip(reason="this xgrammar's native matcher methods are not the known ones")
+    monkeypatch.setattr(ffi, "NATIVE_MATCHER_CALLS", native)
+    person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
+    m = person.matcher()
+    ref = xgr.GrammarMatcher(person.grammar.compiled)
+    for t in _ids(tiny_vocab, text):
+        assert m.accept(t) and ref.accept_token(t)
+    got, want = person.allocate_bitmask(1), person.allocate_bitmask(1)
+    m.fill_bitmask(got, 0)
+    ref.fill_next_token_bitmask(want, 0)
+    assert torch.equal(got, want)
+    t = _ids(tiny_vocab, token)[0]
+    assert m.accept(t) == ref.accept_token(t) == taken
+    assert m.is_completed() == ref.is_completed() == (token == "}" and taken)
