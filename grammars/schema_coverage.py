@@ -223,9 +223,11 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
         return ("mask", "") if p.object_size else ("end", "")
     if kw == "pattern":
         try:
-            regex_dialect.translate(value, where="pattern")
+            found = regex_dialect.schema_pattern(value, where="pattern")
         except ConstraintError as exc:
             return "unsupported", str(exc)
+        if not found.exact:
+            return "end", found.note
         return "mask", "an unanchored pattern allows any text around its match (re.search)"
     if kw == "additionalProperties" and value is not False and node.get("patternProperties"):
         return "end", ""

@@ -25,11 +25,12 @@ from formcast.grammars.schema_coverage import (
     ANNOTATIONS, PROFILES, KeywordCoverage, SchemaCoverage, analyze, pointer_join,
 )
 from formcast.grammars.schema_drafts import Normalised, draft_of, normalise
+from formcast.grammars.schema_patterns import with_python_patterns
 from formcast.grammars.schema_refs import resolve_refs
 from formcast.grammars.schema_rewrite import Rewriter
 from formcast.grammars.schema_satisfiable import Inhabitation, check_root
 
-MAX_SCHEMA_BYTES = 1 << 20
+MAX_SCHEMA_BYTES = 8 << 20    # real schemas reach ~1.4 MB (renovate)
 MAX_SCHEMA_DEPTH = 128      # JSON nesting levels; deeper schemas are refused
 
 
@@ -71,6 +72,8 @@ def load_schema(constraint: JsonSchema) -> Normalised:
         raise ConstraintError("a JSON Schema is an object or a boolean, got "
                               f"{type(schema).__name__}")
     _check_depth(schema)
+    # ECMA-262 spellings Python's re cannot read (\p{L}, surrogate pairs) become Python's
+    schema = with_python_patterns(schema)
     _, validator = draft_of(schema)
     declared = isinstance(schema, dict) and "$schema" in schema
     try:

@@ -20,7 +20,6 @@ from typing import Any
 import jsonschema
 
 from formcast.grammars import regex_dialect
-from formcast.grammars.errors import ConstraintError
 from formcast.grammars.schema_coverage import BackendProfile
 from formcast.grammars.schema_merge import DROPPED, is_whole, literal, merge, same, widened
 from formcast.grammars.schema_refs import join, lookup
@@ -166,7 +165,7 @@ class Rewriter:
         if "integer" in types and "number" not in types:
             self.integer_bounds(node, pointer)
         if "pattern" in node:
-            node["pattern"] = _pattern(node["pattern"], join(pointer, "pattern"))
+            node["pattern"] = self.pattern(node["pattern"], pointer, "pattern")
         if "format" in node:
             if node["format"] not in self.profile.formats:
                 del node["format"]
@@ -212,6 +211,14 @@ class Rewriter:
         if "prefixItems" in drop and node.get("items") is False:
             node["items"] = True          # the items the prefix held must stay possible
 
+    def pattern(self, pattern: str, pointer: str, kw: str) -> str:
+        """A JSON Schema pattern (``re.search``) as a portable full-match regex (wider
+        where the mask cannot follow it: recorded, the end check decides)."""
+        found = regex_dialect.schema_pattern(pattern, where=join(pointer, kw))
+        if not found.exact:
+            self.widen(pointer, kw, found.note)
+        return found.regex
+
     def integer_bounds(self, node: dict, pointer: str) -> None:
         """Integer-only bounds as inclusive whole numbers (the backend takes no others)."""
         for kw, fix in (("minimum", math.ceil), ("maximum", math.floor)):
@@ -251,7 +258,7 @@ class Rewriter:
                 props[name] = self.node(sub, join(pointer, "required"))
         if patterns:
             node["patternProperties"] = {
-                _pattern(p, join(pointer, "patternProperties", p)):
+                self.pattern(p, pointer, "patternProperties"):
                     self.node(s, join(pointer, "patternProperties", p))
                 for p, s in patterns.items() if self.analysis.types(s)}
             if not node["patternProperties"]:
@@ -327,14 +334,6 @@ class Rewriter:
             if merged is None:
                 return None
         return merged
-
-
-def _pattern(pattern: str, where: str) -> str:
-    """A JSON Schema pattern (``re.search``) as a portable full-match regex."""
-    try:
-        return regex_dialect.translate(pattern, where=where, search=True, json_string=True)
-    except ConstraintError:
-        return regex_dialect.translate(pattern, where=where, json_string=True)
 
 
 def _search(pattern: str, text: str) -> bool:
