@@ -199,7 +199,8 @@ class Rewriter:
             drop += ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"]
         if "multipleOf" in node and not (
                 p.integer_multiple_of and types == {"integer"} and not any(
-                    kw in node for kw in _RANGE) and float(node["multipleOf"]).is_integer()):
+                    kw in node for kw in _RANGE) and float(node["multipleOf"]).is_integer()
+                and node["multipleOf"] <= p.integer_multiple_limit):
             drop.append("multipleOf")        # the backend ignores it next to a range
         if not p.object_size:
             drop += ["minProperties", "maxProperties"]

@@ -121,8 +121,28 @@ def test_explain_says_checked_at_the_end_only_with_an_end_check(pattern, end_che
 
 
 def test_a_schema_over_a_megabyte_compiles(compiler, tiny_vocab):
-    padding = {f"p{i}": {"type": "string", "description": "x" * 200} for i in range(6000)}
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
-              "$defs": padding}
+    schema = {"type": "object", "properties": {"a": {"type": "integer",
+                                                     "description": "x" * (2 << 20)}}}
     assert len(json.dumps(schema)) > 1 << 20
     assert accepts(compiler, tiny_vocab, JsonSchema(schema), '{"a":1}')
+
+
+def test_integer_multiple_of_beyond_the_mask_s_limit_is_checked_at_the_end(compiler,
+                                                                          tiny_vocab):
+    schema = {"type": "integer", "multipleOf": 2000}
+    entry = next(i for i in explain(schema).items if i.keyword == "multipleOf")
+    assert entry.status == "end"
+    assert accepts(compiler, tiny_vocab, JsonSchema(schema), "4000")
+    assert not accepts(compiler, tiny_vocab, JsonSchema(schema), "3")
+
+
+def test_explain_and_the_compiled_coverage_list_the_compile_warnings(compiler, tiny_vocab):
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxlength": 3}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = explain(schema)
+        compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    assert any("'maxlength'" in w and "'maxLength'" in w for w in report.warnings)
+    assert "warning" in str(report) and "maxLength" in str(report)
+    assert set(report.warnings) <= set(compiled.coverage.warnings)
+    assert set(compiled.warnings) <= set(compiled.coverage.warnings)
