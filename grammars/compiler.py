@@ -14,7 +14,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -421,6 +421,8 @@ class GrammarCompiler:
             grammar = self._backend(name, vocab).compile(source)
         # (a source parsed twice, checked then compiled, logs its warnings twice)
         notes = tuple(dict.fromkeys((*found, *(f"{name}: {line}" for line in logged))))
+        if coverage is not None:
+            coverage = replace(coverage, warnings=(*coverage.warnings, *notes))
         return CompiledGrammar(constraint=constraint, backend=name, vocab=vocab,
                                coverage=coverage, compile_seconds=time.perf_counter() - start,
                                grammar=grammar, end_check=end_check, warnings=notes)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import re._constants as sre_c
 import re._parser as sre_parse
+from dataclasses import dataclass
 from functools import lru_cache
 
 from formcast.grammars.errors import ConstraintError
@@ -80,11 +81,101 @@ def translate(pattern: str, *, where: str = "regex", search: bool = False,
     except re.error as exc:
         raise ConstraintError(f"invalid {where} {pattern!r}: {exc.msg} at position {exc.pos}"
                               ) from None
+    return _emit(parsed, pattern, where, search=search, json_string=json_string, relax=False)
+
+
+def _emit(parsed, pattern: str, where: str, *, search: bool, json_string: bool,
+          relax: bool) -> tuple[str, set[str]] | str:
     flags = parsed.state.flags
     ascii_only = bool(flags & sre_c.SRE_FLAG_ASCII)
     _check_flags(flags & ~sre_c.SRE_FLAG_ASCII, pattern, where)
-    emitter = _Emitter(pattern, where, ascii_only, search, json_string)
-    return emitter.sequence(list(parsed), at_start=True, at_end=True)
+    emitter = _Emitter(pattern, where, ascii_only, search, json_string, relax)
+    if relax:
+        emitter.groups = dict(_groups(list(parsed)))
+    out = emitter.sequence(list(parsed), at_start=True, at_end=True)
+    if out is None:
+        raise ConstraintError(f"{where} {pattern!r} matches no string a token mask can write "
+                              "(a character class in it matches no character)")
+    return (out, emitter.relaxed) if relax else out
+
+
+@dataclass(frozen=True)
+class SchemaPattern:
+    """How the mask follows one JSON Schema ``pattern``: the regex it compiles, and
+    whether that regex is the pattern's language (else a wider one, the end check
+    deciding)."""
+
+    regex: str
+    exact: bool
+    note: str
+
+
+def schema_pattern(pattern: str, *, where: str = "pattern") -> SchemaPattern:
+    """The mask's regex for a JSON Schema ``pattern`` (``re.search``, inside a JSON string).
+
+    Does not change state. A pattern whose constructs a mask cannot follow
+    (lookarounds, backreferences, word boundaries, inline flags) is widened: the
+    regex drops the assertions and repeats a referenced group's pattern, or, where
+    that is not possible, allows any string; ``exact`` is then False and the caller
+    must check the pattern on the finished value.
+
+    Raises
+    ------
+    ConstraintError
+        A pattern Python's ``re`` cannot read (nothing could check it).
+    """
+    try:
+        return _schema_pattern(pattern)
+    except ConstraintError as exc:
+        raise ConstraintError(str(exc).replace("invalid pattern", f"invalid {where}")) from None
+
+
+@lru_cache(maxsize=512)
+def _schema_pattern(pattern: str) -> SchemaPattern:
+    try:
+        parsed = sre_parse.parse(pattern)
+    except re.error as exc:
+        raise ConstraintError(f"invalid pattern {pattern!r}: {exc.msg} at position {exc.pos}"
+                              ) from None
+    try:
+        text = _emit(parsed, pattern, "pattern", search=True, json_string=True, relax=False)
+        return SchemaPattern(regex=text, exact=True, note="")
+    except ConstraintError:
+        pass
+    try:
+        text, relaxed = _emit(parsed, pattern, "pattern", search=True, json_string=True,
+                              relax=True)
+        return SchemaPattern(regex=text, exact=False, note=(
+            f"the mask follows the pattern without its {', '.join(sorted(relaxed))}; the "
+            "exact pattern is checked at the end"))
+    except (ConstraintError, RecursionError):
+        anything = _emit(sre_parse.parse(""), "", "pattern", search=True, json_string=True,
+                         relax=False)
+        return SchemaPattern(regex=anything, exact=False, note=(
+            "the mask allows any string here (the pattern uses what a mask cannot follow); "
+            "the pattern is checked at the end"))
+
+
+def _groups(items: list) -> list[tuple[int, list]]:
+    """(group number, its items) for every capturing group in a parsed pattern."""
+    found = []
+    for op, av in items:
+        if op is sre_c.SUBPATTERN:
+            if av[0] is not None:
+                found.append((av[0], list(av[3])))
+            found += _groups(list(av[3]))
+        elif op is sre_c.BRANCH:
+            for alt in av[1]:
+                found += _groups(list(alt))
+        elif op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT, sre_c.POSSESSIVE_REPEAT):
+            found += _groups(list(av[2]))
+        elif op in (sre_c.ASSERT, sre_c.ASSERT_NOT):
+            found += _groups(list(av[1]))
+        elif op is sre_c.ATOMIC_GROUP:
+            found += _groups(list(av))
+        elif op is sre_c.GROUPREF_EXISTS:
+            found += _groups(list(av[1])) + (_groups(list(av[2])) if av[2] else [])
+    return found
 
 
 def literal(text: str) -> str:
@@ -101,28 +192,36 @@ def _check_flags(flags: int, pattern: str, where: str) -> None:
 
 
 class _Emitter:
-    def __init__(self, pattern: str, where: str, ascii_only: bool, search: bool = False,
-                 json_string: bool = False) -> None:
-        self.pattern, self.where, self.ascii_only = pattern, where, ascii_only
-        self.search, self.json_string = search, json_string
+    """Emits a parsed pattern; None stands for a part that matches no string."""
 
-    def chars(self, ranges: Ranges) -> str:
+    def __init__(self, pattern: str, where: str, ascii_only: bool, search: bool = False,
+                 json_string: bool = False, relax: bool = False) -> None:
+        self.pattern, self.where, self.ascii_only = pattern, where, ascii_only
+        self.search, self.json_string, self.relax = search, json_string, relax
+        self.groups: dict[int, list] = {}      # relaxed: what a backreference repeats
+        self.relaxed: set[str] = set()         # relaxed: the constructs widened
+        self._open: set[int] = set()
+
+    def chars(self, ranges: Ranges) -> str | None:
         """A class of ``ranges`` (less the control characters inside a JSON string)."""
         if self.json_string:
             ranges = _merge([(max(lo, 0x20), hi) for lo, hi in ranges if hi >= 0x20])
-        return _class(ranges)
+        return _class(ranges) if _without_surrogates(ranges) else None
 
     def fail(self, construct: str) -> ConstraintError:
         return ConstraintError(f"{self.where} {self.pattern!r} uses {construct}, which token "
                                "masks cannot enforce (only regular languages are supported)")
 
-    def sequence(self, items: list, *, at_start: bool, at_end: bool) -> str:
+    def sequence(self, items: list, *, at_start: bool, at_end: bool) -> str | None:
         out = []
         last = len(items) - 1
         for i, (op, av) in enumerate(items):
             leading = at_start and all(o is sre_c.AT for o, _ in items[:i])
             trailing = at_end and all(o is sre_c.AT for o, _ in items[i + 1:])
-            out.append(self.node(op, av, at_start=leading, at_end=trailing and i <= last))
+            part = self.node(op, av, at_start=leading, at_end=trailing and i <= last)
+            if part is None:
+                return None
+            out.append(part)
         if self.search:
             # re.search: free text before/after unless an anchor (or a group that
             # handles its own ends) sits there.
@@ -143,9 +242,9 @@ class _Emitter:
             return op in (sre_c.BRANCH, sre_c.SUBPATTERN)
         return False
 
-    def node(self, op, av, *, at_start: bool, at_end: bool) -> str:
+    def node(self, op, av, *, at_start: bool, at_end: bool) -> str | None:
         if op is sre_c.LITERAL:
-            return _char(av)
+            return None if self.json_string and av < 0x20 else _char(av)
         if op is sre_c.NOT_LITERAL:
             return self.chars(_complement([(av, av)]))
         if op is sre_c.ANY:
@@ -154,14 +253,21 @@ class _Emitter:
             return self.chars(self.char_set(av))
         if op is sre_c.BRANCH:
             alts = [self.sequence(list(p), at_start=at_start, at_end=at_end) for p in av[1]]
-            return "(" + "|".join(alts) + ")"
+            kept = [a for a in alts if a is not None]
+            return "(" + "|".join(kept) + ")" if kept else None
         if op is sre_c.SUBPATTERN:
-            _group, add_flags, del_flags, sub = av
+            group, add_flags, del_flags, sub = av
             _check_flags(add_flags | del_flags, self.pattern, self.where)
-            return "(" + self.sequence(list(sub), at_start=at_start, at_end=at_end) + ")"
-        if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT):
+            self._open.add(group)
+            body = self.sequence(list(sub), at_start=at_start, at_end=at_end)
+            self._open.discard(group)
+            return None if body is None else "(" + body + ")"
+        if op in (sre_c.MAX_REPEAT, sre_c.MIN_REPEAT) or (
+                self.relax and op is sre_c.POSSESSIVE_REPEAT):
             lo, hi, sub = av
             body = self.sequence(list(sub), at_start=False, at_end=False)
+            if body is None:
+                return "" if lo == 0 else None
             return "(" + body + ")" + _quantifier(lo, hi)
         if op is sre_c.AT:
             if av in (sre_c.AT_BEGINNING, sre_c.AT_BEGINNING_STRING) and at_start:
@@ -171,12 +277,44 @@ class _Emitter:
             names = {sre_c.AT_BOUNDARY: r"a word boundary \b",
                      sre_c.AT_NON_BOUNDARY: r"a non-boundary \B"}
             name = names.get(av, "an anchor away from the ends")
-            raise self.fail(name)
+            return self.widened("anchors", "") if self.relax else self._raise(name)
+        if self.relax:
+            return self.relaxed_node(op, av, at_start=at_start, at_end=at_end)
         names = {sre_c.GROUPREF: "a backreference", sre_c.GROUPREF_EXISTS: "a conditional group",
                  sre_c.ASSERT: "a lookahead/lookbehind", sre_c.ASSERT_NOT: "a negative lookaround",
                  sre_c.ATOMIC_GROUP: "an atomic group",
                  sre_c.POSSESSIVE_REPEAT: "a possessive quantifier"}
         raise self.fail(names.get(op, str(op)))
+
+    def _raise(self, name: str) -> str:
+        raise self.fail(name)
+
+    def widened(self, construct: str, text: str | None) -> str | None:
+        self.relaxed.add(construct)
+        return text
+
+    def relaxed_node(self, op, av, *, at_start: bool, at_end: bool) -> str | None:
+        """A wider stand-in for a construct a mask cannot follow (the end check decides)."""
+        if op in (sre_c.ASSERT, sre_c.ASSERT_NOT):
+            return self.widened("lookarounds", "")
+        if op is sre_c.ATOMIC_GROUP:
+            body = self.sequence(list(av), at_start=at_start, at_end=at_end)
+            return self.widened("atomic groups", None if body is None else "(" + body + ")")
+        if op is sre_c.GROUPREF:
+            if av in self._open or av not in self.groups:
+                raise self.fail("a backreference inside its own group")
+            self._open.add(av)
+            body = self.sequence(self.groups[av], at_start=False, at_end=False)
+            self._open.discard(av)
+            return self.widened("backreferences", None if body is None else "(" + body + ")")
+        if op is sre_c.GROUPREF_EXISTS:
+            _group, yes, no = av
+            alts = [self.sequence(list(p), at_start=at_start, at_end=at_end)
+                    for p in (yes, no or [])]
+            kept = [a for a in alts if a is not None]
+            return self.widened("conditional groups",
+                                "(" + "|".join(kept) + ")" if kept else None)
+        raise self.fail(str(op))
 
     def char_set(self, items: list) -> Ranges:
         negated = any(op is sre_c.NEGATE for op, _ in items)

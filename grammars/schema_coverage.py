@@ -71,6 +71,8 @@ class BackendProfile:
     # larger ones use the backend's own length bound, which compiles in constant time
     # but admits raw control characters (refused by the end check).
     exact_length_limit: int | None = None
+    # The largest integer multipleOf the mask follows (a larger one it ignores).
+    integer_multiple_limit: int = 0
 
 
 _COMMON_MASK = frozenset({"type", "enum", "const", "properties", "required",
@@ -88,7 +90,8 @@ PROFILES = {
                            "ipv6", "uri", "uri-reference", "uri-template", "json-pointer",
                            "relative-json-pointer", "uuid"}),
         # Not ipv4/ipv6 (the mask allows leading zeros), nor date (it allows 11-31).
-        exact_formats=frozenset({"email", "uuid"}), exact_length_limit=64),
+        exact_formats=frozenset({"email", "uuid"}), exact_length_limit=64,
+        integer_multiple_limit=1024),
     "outlines-core": BackendProfile(
         name="outlines-core", mask=_COMMON_MASK, numeric_bounds=False,
         integer_multiple_of=False, prefix_items_with_bounds=False, object_size=False,
@@ -115,6 +118,8 @@ class SchemaCoverage:
 
     backend: str
     items: tuple[KeywordCoverage, ...]
+    # What building the grammar noticed (the mask library's own warnings).
+    warnings: tuple[str, ...] = ()
 
     def with_status(self, status: Status) -> tuple[KeywordCoverage, ...]:
         """The entries of one status."""
@@ -129,6 +134,7 @@ class SchemaCoverage:
         for i in self.items:
             note = f"  -- {i.note}" if i.note else ""
             rows.append(f"  {i.status:<11} {i.pointer}/{i.keyword}{note}")
+        rows += [f"  warning     {w}" for w in self.warnings]
         return "\n".join(rows)
 
 
@@ -204,7 +210,8 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
         return ("mask", "") if p.numeric_bounds else ("end", "")
     if kw == "multipleOf":
         if p.integer_multiple_of and node.get("type") == "integer" and float(
-                value).is_integer() and not any(k in node for k in (
+                value).is_integer() and value <= p.integer_multiple_limit and not any(
+                k in node for k in (
                     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")):
             return "mask", ""
         return "end", ""
@@ -223,9 +230,11 @@ def classify(kw: str, value: Any, node: dict, p: BackendProfile) -> tuple[Status
         return ("mask", "") if p.object_size else ("end", "")
     if kw == "pattern":
         try:
-            regex_dialect.translate(value, where="pattern")
+            found = regex_dialect.schema_pattern(value, where="pattern")
         except ConstraintError as exc:
             return "unsupported", str(exc)
+        if not found.exact:
+            return "end", found.note
         return "mask", "an unanchored pattern allows any text around its match (re.search)"
     if kw == "additionalProperties" and value is not False and node.get("patternProperties"):
         return "end", ""

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
+from urllib.parse import unquote
 
 import jsonschema
 import jsonschema.validators
@@ -45,6 +47,9 @@ _ONE = ("additionalProperties", "items", "contains", "propertyNames", "not", "if
         "unevaluatedItems", "unevaluatedProperties", "additionalItems", "contentSchema")
 _LIST = ("prefixItems", "anyOf", "oneOf", "allOf")
 _MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = frozenset({"const", "enum", "default", "examples", "example"})
+# $defs names of copied reference targets (see _stranded_targets)
+STRANDED = "__formcast_target"
 
 
 class SchemaKeywordWarning(UserWarning):
@@ -83,7 +88,13 @@ def normalise(schema: Any) -> Normalised:
     """
     draft, validator = draft_of(schema)
     ignored: list[tuple[str, str, str]] = []
-    out = _node(schema, "#", draft, ignored)
+    stranded = _stranded_targets(schema, draft)
+    out = _node(schema, "#", draft, ignored, stranded)
+    if stranded and isinstance(out, dict):
+        # a reference into what normalising drops or moves keeps a copy of its target
+        defs = out.setdefault("$defs", {})
+        for target, name in stranded.items():
+            defs[name] = _node(_at(schema, target), target, draft, ignored, stranded)
     typos: dict[str, tuple[str, str]] = {}
     for pointer, kw, note in ignored:
         if "did you mean" in note:
@@ -98,12 +109,13 @@ def normalise(schema: Any) -> Normalised:
                       ignored=tuple(ignored))
 
 
+@lru_cache(maxsize=4096)
 def looks_like(keyword: str) -> str | None:
     """The assertion keyword an unknown ``keyword`` likely misspells, or None."""
     low = keyword.lower()
     for known in sorted(ASSERTIONS):
         k = known.lower()
-        if low == k or (len(k) >= 4 and _distance(low, k) <= 1):
+        if low == k or (len(k) >= 4 and abs(len(k) - len(low)) <= 1 and _distance(low, k) <= 1):
             return known
     return None
 
@@ -130,31 +142,105 @@ def _join(pointer: str, *parts: object) -> str:
     return pointer
 
 
-def _node(node: Any, pointer: str, draft: str, ignored: list) -> Any:
+def _stranded_targets(schema: Any, draft: str) -> dict[str, str]:
+    """Local references whose target normalising drops or moves: pointer -> $defs name.
+
+    Real schemas point into places that are not schemas to JSON Schema: a group of
+    definitions under an unknown keyword (``#/$defs/plugins/extractor``), a draft-7
+    array-form ``items`` entry, a ``dependencies`` entry. Only plain ``#/...``
+    pointers outside any nested ``$id`` are looked at (elsewhere the base differs).
+    """
+    found: dict[str, str] = {}
+    stack: list[tuple[Any, bool]] = [(schema, False)]
+    while stack:
+        node, scoped = stack.pop()
+        if isinstance(node, list):
+            stack.extend((v, scoped) for v in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        scoped = scoped or (node is not schema and isinstance(node.get("$id"), str)) or (
+            node is not schema and draft == "04" and isinstance(node.get("id"), str)
+            and not node["id"].startswith("#"))
+        ref = node.get("$ref")
+        if (not scoped and isinstance(ref, str) and ref.startswith("#/") and ref not in found
+                and _exists(schema, ref) and not _kept(schema, ref, draft)):
+            found[ref] = f"{STRANDED}{len(found)}"
+        stack.extend((v, scoped) for k, v in node.items() if k not in _VALUES)
+    return found
+
+
+def _segments(pointer: str) -> list[str]:
+    return [unquote(p).replace("~1", "/").replace("~0", "~") for p in pointer[2:].split("/")]
+
+
+def _exists(schema: Any, pointer: str) -> bool:
+    try:
+        _at(schema, pointer)
+    except (KeyError, IndexError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _at(schema: Any, pointer: str) -> Any:
+    node = schema
+    for part in _segments(pointer):
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def _kept(schema: Any, pointer: str, draft: str) -> bool:
+    """Whether the schema at ``pointer`` keeps its place when normalised."""
+    node, parts = schema, _segments(pointer)
+    i = 0
+    while i < len(parts):
+        kw = parts[i]
+        if not isinstance(node, dict) or (draft in ("04", "06", "07") and "$ref" in node
+                                          and kw not in ("definitions", "$defs")):
+            return False
+        if kw in _ONE and kw != "additionalItems":
+            node, i = node[kw], i + 1
+        elif (kw in _LIST or kw in _MAP) and i + 1 < len(parts):
+            value = node[kw]
+            node = value[int(parts[i + 1])] if isinstance(value, list) else value[parts[i + 1]]
+            i += 2
+        else:
+            return False
+    return True
+
+
+def _node(node: Any, pointer: str, draft: str, ignored: list,
+          stranded: dict[str, str] | None = None) -> Any:
     if not isinstance(node, dict):
         return node
+    stranded = stranded or {}
     old = draft in ("04", "06", "07")
     if old and "$ref" in node:
         # Before 2019-09 the siblings of $ref are ignored; the definitions stay reachable.
         node = {k: v for k, v in node.items() if k in ("$ref", "definitions", "$defs")}
+    if node.get("$ref") in stranded:
+        node = {**node, "$ref": f"#/$defs/{stranded[node['$ref']]}"}
     out: dict[str, Any] = {}
     for kw, value in node.items():
         where = _join(pointer, kw)
         if kw in _ONE:
-            out[kw] = _node(value, where, draft, ignored)
+            out[kw] = _node(value, where, draft, ignored, stranded)
         elif kw in _LIST and isinstance(value, list):
-            out[kw] = [_node(s, _join(where, i), draft, ignored) for i, s in enumerate(value)]
+            out[kw] = [_node(s, _join(where, i), draft, ignored, stranded)
+                       for i, s in enumerate(value)]
         elif kw in _MAP and isinstance(value, dict):
-            out[kw] = {k: _node(s, _join(where, k), draft, ignored) for k, s in value.items()}
+            out[kw] = {k: _node(s, _join(where, k), draft, ignored, stranded)
+                       for k, s in value.items()}
         elif kw == "dependencies" and isinstance(value, dict):
             for name, dep in value.items():
                 if isinstance(dep, list):
                     out.setdefault("dependentRequired", {})[name] = dep
                 else:
                     out.setdefault("dependentSchemas", {})[name] = _node(
-                        dep, _join(where, name), draft, ignored)
+                        dep, _join(where, name), draft, ignored, stranded)
         elif kw == "items" and isinstance(value, list):
-            out[kw] = [_node(s, _join(where, i), draft, ignored) for i, s in enumerate(value)]
+            out[kw] = [_node(s, _join(where, i), draft, ignored, stranded)
+                       for i, s in enumerate(value)]
         elif kw in ("id", "$id") and isinstance(value, str) and (kw == "$id" or draft == "04" or (
                 "$id" not in node and draft == "2020-12")):
             _identify(out, value)

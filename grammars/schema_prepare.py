@@ -21,15 +21,17 @@ from formcast.grammars.constraints import JsonSchema
 from formcast.grammars.errors import ConstraintError
 from formcast.grammars.json_spans import value_span
 from formcast.grammars.matcher import EndViolation
+from formcast.grammars.native_log import native_log
 from formcast.grammars.schema_coverage import (
     ANNOTATIONS, PROFILES, KeywordCoverage, SchemaCoverage, analyze, pointer_join,
 )
 from formcast.grammars.schema_drafts import Normalised, draft_of, normalise
+from formcast.grammars.schema_patterns import with_python_patterns
 from formcast.grammars.schema_refs import resolve_refs
 from formcast.grammars.schema_rewrite import Rewriter
 from formcast.grammars.schema_satisfiable import Inhabitation, check_root
 
-MAX_SCHEMA_BYTES = 1 << 20
+MAX_SCHEMA_BYTES = 8 << 20    # real schemas reach ~1.4 MB (renovate)
 MAX_SCHEMA_DEPTH = 128      # JSON nesting levels; deeper schemas are refused
 
 
@@ -71,6 +73,8 @@ def load_schema(constraint: JsonSchema) -> Normalised:
         raise ConstraintError("a JSON Schema is an object or a boolean, got "
                               f"{type(schema).__name__}")
     _check_depth(schema)
+    # ECMA-262 spellings Python's re cannot read (\p{L}, surrogate pairs) become Python's
+    schema = with_python_patterns(schema)
     _, validator = draft_of(schema)
     declared = isinstance(schema, dict) and "$schema" in schema
     try:
@@ -124,7 +128,9 @@ def explain(schema: dict | bool | str, *, backend: str = "xgrammar",
         One entry per keyword: ``mask`` (enforced by the token mask), ``end`` (checked
         on the finished document; the stop token is refused until it validates),
         ``annotation`` (constrains nothing; unknown keywords and formats, noted
-        "ignored") or ``unsupported`` (compiling it raises ConstraintError).
+        "ignored") or ``unsupported`` (compiling it raises ConstraintError); and
+        ``warnings``, what the mask library says when it builds the grammar (as
+        :attr:`CompiledGrammar.warnings` lists them).
 
     Raises
     ------
@@ -133,7 +139,25 @@ def explain(schema: dict | bool | str, *, backend: str = "xgrammar",
     """
     if backend not in PROFILES:
         raise ValueError(f"unknown backend {backend!r}; choose from {sorted(PROFILES)}")
-    return prepare(JsonSchema(schema, strict=strict), backend, refuse=False).coverage
+    prepared = prepare(JsonSchema(schema, strict=strict), backend, refuse=False)
+    if backend != "xgrammar" or prepared.coverage.with_status("unsupported"):
+        return prepared.coverage
+    return replace(prepared.coverage, warnings=(*prepared.coverage.warnings,
+                                                *_xgrammar_warnings(prepared.text)))
+
+
+def _xgrammar_warnings(text: str) -> tuple[str, ...]:
+    """What xgrammar logs while it builds the grammar of a prepared schema (its
+    warnings come from reading the schema, before any vocabulary is involved)."""
+    import xgrammar as xgr     # only explain() for xgrammar needs it here
+
+    with native_log().capture() as logged:
+        try:
+            xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=(",", ":"),
+                                         strict_mode=True)
+        except RuntimeError as exc:
+            raise ConstraintError(f"json_schema: {exc}") from None
+    return tuple(dict.fromkeys(f"xgrammar: {line}" for line in logged))
 
 
 def prepare(constraint: JsonSchema, backend: str, *, refuse: bool = True) -> PreparedSchema:
@@ -191,7 +215,10 @@ def _final_coverage(coverage: SchemaCoverage, normalised: Normalised,
               for (p, k), n in lossy.items()]
     items += [KeywordCoverage(pointer=p, keyword=k, status="annotation", note=n)
               for p, k, n in normalised.ignored]
-    return SchemaCoverage(backend=coverage.backend, items=tuple(items))
+    typos = tuple(dict.fromkeys(f"JSON Schema keyword {k!r} is unknown and ignored; "
+                                f"{n.split('; ', 1)[1]}" for _, k, n in normalised.ignored
+                                if "did you mean" in n))
+    return SchemaCoverage(backend=coverage.backend, items=tuple(items), warnings=typos)
 
 
 # Failures fixed by adding to a container: redo only its closing bracket.

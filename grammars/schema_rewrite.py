@@ -20,7 +20,6 @@ from typing import Any
 import jsonschema
 
 from formcast.grammars import regex_dialect
-from formcast.grammars.errors import ConstraintError
 from formcast.grammars.schema_coverage import BackendProfile
 from formcast.grammars.schema_merge import DROPPED, is_whole, literal, merge, same, widened
 from formcast.grammars.schema_refs import join, lookup
@@ -166,7 +165,7 @@ class Rewriter:
         if "integer" in types and "number" not in types:
             self.integer_bounds(node, pointer)
         if "pattern" in node:
-            node["pattern"] = _pattern(node["pattern"], join(pointer, "pattern"))
+            node["pattern"] = self.pattern(node["pattern"], pointer, "pattern")
         if "format" in node:
             if node["format"] not in self.profile.formats:
                 del node["format"]
@@ -200,7 +199,8 @@ class Rewriter:
             drop += ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"]
         if "multipleOf" in node and not (
                 p.integer_multiple_of and types == {"integer"} and not any(
-                    kw in node for kw in _RANGE) and float(node["multipleOf"]).is_integer()):
+                    kw in node for kw in _RANGE) and float(node["multipleOf"]).is_integer()
+                and node["multipleOf"] <= p.integer_multiple_limit):
             drop.append("multipleOf")        # the backend ignores it next to a range
         if not p.object_size:
             drop += ["minProperties", "maxProperties"]
@@ -211,6 +211,14 @@ class Rewriter:
                 self.widen(pointer, kw, f"{p.name} does not enforce it here")
         if "prefixItems" in drop and node.get("items") is False:
             node["items"] = True          # the items the prefix held must stay possible
+
+    def pattern(self, pattern: str, pointer: str, kw: str) -> str:
+        """A JSON Schema pattern (``re.search``) as a portable full-match regex (wider
+        where the mask cannot follow it: recorded, the end check decides)."""
+        found = regex_dialect.schema_pattern(pattern, where=join(pointer, kw))
+        if not found.exact:
+            self.widen(pointer, kw, found.note)
+        return found.regex
 
     def integer_bounds(self, node: dict, pointer: str) -> None:
         """Integer-only bounds as inclusive whole numbers (the backend takes no others)."""
@@ -251,7 +259,7 @@ class Rewriter:
                 props[name] = self.node(sub, join(pointer, "required"))
         if patterns:
             node["patternProperties"] = {
-                _pattern(p, join(pointer, "patternProperties", p)):
+                self.pattern(p, pointer, "patternProperties"):
                     self.node(s, join(pointer, "patternProperties", p))
                 for p, s in patterns.items() if self.analysis.types(s)}
             if not node["patternProperties"]:
@@ -327,14 +335,6 @@ class Rewriter:
             if merged is None:
                 return None
         return merged
-
-
-def _pattern(pattern: str, where: str) -> str:
-    """A JSON Schema pattern (``re.search``) as a portable full-match regex."""
-    try:
-        return regex_dialect.translate(pattern, where=where, search=True, json_string=True)
-    except ConstraintError:
-        return regex_dialect.translate(pattern, where=where, json_string=True)
 
 
 def _search(pattern: str, text: str) -> bool:

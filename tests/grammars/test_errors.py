@@ -42,7 +42,6 @@ BAD = [
      ["#/required", "'b' is not allowed"]),
     (JsonSchema({"$ref": "#/$defs/missing"}), "auto", ["#/$ref", "does not resolve"]),
     (JsonSchema({"$ref": "https://example.com/s.json"}), "auto", ["#/$ref", "not local"]),
-    (JsonSchema({"type": "string", "pattern": "(?<=a)b"}), "auto", ["#/pattern", "lookahead"]),
     (JsonSchema({"type": "integer", "maximum": 2 ** 70}), "xgrammar", ["#/maximum", "2**63"]),
     (JsonSchema({"type": "array", "prefixItems": [{}, {}], "maxItems": 1}), "xgrammar",
      ["#/maxItems", "prefixItems"]),
@@ -70,19 +69,21 @@ def test_bad_constraint_names_the_location(constraint, backend, expect, compiler
 
 def test_unsupported_keywords_are_listed_together(compiler, tiny_vocab):
     schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 2 ** 70},
-                                               "b": {"type": "string", "pattern": "(?=a)b"}},
+                                               "b": {"type": "array", "prefixItems": [{}, {}],
+                                                     "maxItems": 1}},
               "x-note": "an annotation", "colour": "red"}
     with pytest.raises(ConstraintError) as info:
         compiler.compile(JsonSchema(schema), tiny_vocab)
     message = str(info.value)
-    assert "#/properties/a/maximum" in message and "#/properties/b/pattern" in message
+    assert "#/properties/a/maximum" in message and "#/properties/b/maxItems" in message
     assert "x-note" not in message and "colour" not in message
 
 
 def test_huge_schema_is_refused(compiler, tiny_vocab):
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 200}
-                                                for i in range(6000)}}
-    assert len(json.dumps(schema)) > 1 << 20
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string",
+                                                         "description": "x" * 2000}
+                                                for i in range(4500)}}
+    assert len(json.dumps(schema)) > 8 << 20
     with pytest.raises(ConstraintError, match="at most"):
         compiler.compile(JsonSchema(schema), tiny_vocab)
 

@@ -74,8 +74,8 @@ def test_compiling_attaches_coverage_and_end_check(compiler, tiny_vocab):
 
 def test_unsupported_keywords_refuse_to_compile(compiler, tiny_vocab):
     schema = {**SCHEMA, "properties": {**SCHEMA["properties"],
-                                       "f": {"type": "string", "pattern": "(?=a)b"}}}
-    with pytest.raises(ConstraintError, match=r"#/properties/f/pattern"):
+                                       "f": {"type": "integer", "maximum": 2 ** 70}}}
+    with pytest.raises(ConstraintError, match=r"#/properties/f/maximum"):
         compiler.compile(JsonSchema(schema), tiny_vocab)
     compiled = compiler.compile(JsonSchema(SCHEMA), tiny_vocab)     # xgrammar takes it all
     assert compiled.end_check is not None
