@@ -367,15 +367,15 @@ class LLM:
         text : str
             The source text.
         schema : pydantic model, dataclass, TypedDict or JSON Schema dict
-            What to extract. Classes give instances back; a dict gives a dict.
-            Lists are kept distinct and bounded, optional fields may come back null
-            (see :mod:`formcast.extraction`).
+            What to extract (classes give instances, a dict gives a dict); lists are
+            kept distinct and bounded, optional fields may be null
+            (:mod:`formcast.extraction_schema`).
         instructions : str | None
             Extra guidance added to the prompt.
         grounding : {"auto", "strict", "off"}
             "auto": plain string fields (no enum, const, pattern or format) and fields
-            marked ``Grounded`` must be spans of ``text``; ``NotGrounded`` opts a field
-            out. "strict": every string field not marked ``NotGrounded``. "off": none.
+            marked ``Grounded`` take their values from ``text``, ``NotGrounded`` ones
+            do not; "strict": numbers too; "off": none.
         max_tokens : int | None
             Default 512.
         return_completions : bool
@@ -392,10 +392,9 @@ class LLM:
             ``text`` is empty or only whitespace.
         ConstraintError
             The schema cannot be compiled, or ``grounding`` is not a mode.
-        RepetitionError
-            The output looped until ``max_tokens``; names the repeated value.
         IncompleteOutputError
-            ``max_tokens`` ran out; carries the partial text.
+            ``max_tokens`` ran out; carries the partial text (a ``RepetitionError``
+            when the output looped: it names the repeated value).
         GroundingError
             A grounded field could take no value from the text; names the field.
         OutputValidationError
@@ -436,17 +435,13 @@ class LLM:
         from formcast.extraction import Extraction
 
         job = Extraction(schema, texts, grounding=grounding, instructions=instructions)
-        if raise_first:
-            for item in job.ids(self.tokenizer):
-                if isinstance(item, FormcastError):
-                    raise item
         params = _sampling(len(texts), max_tokens=max_tokens or 512, temperature=temperature,
                            seed=seed, logprobs=0 if logprobs else None)
         results = self._run(job.ids(self.tokenizer), params, job.spec, raise_first=False,
                             matcher_for=job.matcher)
         results = [job.checked(i, r) for i, r in enumerate(results)]
         if raise_first and isinstance(results[0], FormcastError):
-            raise results[0]
+            raise results[0]  # (an empty text comes back here without being generated)
         return results
 
     # -- scoring --------------------------------------------------------------------
