@@ -10,6 +10,7 @@ what comes back against the caller's schema.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 from typing import Any, is_typeddict
 
@@ -23,10 +24,12 @@ from formcast.completion import Completion
 from formcast.spec import OutputSpec, parse_json, type_spec
 
 GROUNDING_MODES = ("auto", "strict", "off")
+_WORD_START = re.compile(r"(?<!\S)\w")
 
 __all__ = ["ABSENT_NOTE", "GROUNDING_MODES", "MAX_FREE_STRING", "MAX_LIST_ITEMS", "Extraction",
            "cap_free_strings", "check_grounding", "check_text", "extraction_messages",
-           "extraction_spec", "form_lines", "generation_schema", "lists_distinct", "tidy",
+           "extraction_spec", "form_lines", "generation_schema", "grounding_source",
+           "lists_distinct", "tidy",
            "type_name"]
 
 
@@ -89,6 +92,17 @@ def check_text(text: Any, index: int | None = None) -> str:
     return text
 
 
+def grounding_source(text: str) -> str:
+    """What grounded values may be spans of: ``text``, then (on a line of its own, if
+    it differs) ``text`` with each word's first letter upper-cased.
+
+    A small model writes "Nurse" for "... a nurse in Valencia"; held to the text's
+    case it must pick another span ("Mari"), so the capitalised words count too.
+    """
+    titled = _WORD_START.sub(lambda m: m.group(0).upper(), text)
+    return text if titled == text else f"{text}\n{titled}"
+
+
 class Extraction:
     """One ``extract`` call over its texts: prompts, matchers and result checks.
 
@@ -137,8 +151,9 @@ class Extraction:
 
     def matcher(self, index: int, compiled: Any) -> Any:
         """Text ``index``'s own matcher of the compiled generation schema: its grounded
-        values come from the text, its lists end at their first repeated item."""
-        matcher = compiled.grounded_matcher(self.texts[index], self.plan,
+        values come from the text (:func:`grounding_source`), its lists end at their
+        first repeated item."""
+        matcher = compiled.grounded_matcher(grounding_source(self.texts[index]), self.plan,
                                             distinct_items=self.distinct_items)
         self._matchers[index] = matcher
         return matcher

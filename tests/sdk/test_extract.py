@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 import formcast
 from formcast import grammars
-from formcast.extraction import Extraction, generation_schema
+from formcast.extraction import Extraction, generation_schema, grounding_source
 
 TEXT = "Maria Gonzalez works as a nurse in Valencia."
 
@@ -43,16 +43,25 @@ def test_each_text_gets_a_matcher_grounded_in_it_by_the_mode(llm, mode):
     plan = grammars.grounding_plan(generation_schema(Person.model_json_schema()), mode)
     for i, text in enumerate(texts):
         matcher = job.matcher(i, compiled)
-        assert matcher.source_text == text
+        assert matcher.source_text == grounding_source(text)
         assert matcher.plan == plan
     assert bool(plan.strings) is (mode != "off")
     assert bool(plan.numbers) is (mode == "strict")
 
 
+@pytest.mark.parametrize(("text", "source"), [
+    ("a nurse in Valencia", "a nurse in Valencia\nA Nurse In Valencia"),
+    ("Oslo, 2026", "Oslo, 2026"),                     # nothing to capitalise
+    ("x\ny-z", "x\ny-z\nX\nY-z"),
+])
+def test_grounded_values_may_capitalise_the_texts_words(text, source):
+    assert grounding_source(text) == source
+
+
 def test_grounded_values_come_from_the_text_and_absent_ones_are_null(llm):
     person = llm.extract(TEXT, Person, grounding="strict")
     for value in (person.name, person.city, person.occupation):
-        assert value and value in TEXT
+        assert value and value in grounding_source(TEXT)
     assert person.age is None  # no number in the text: a grounded number can only be null
 
 
