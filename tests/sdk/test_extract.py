@@ -73,3 +73,13 @@ def test_return_completions_gives_per_field_confidence(llm):
     assert set(confidence) == {"/name", "/age", "/city", "/occupation"}
     assert all(-math.inf < c <= 0.0 for c in confidence.values())
     assert llm.extract_batch([TEXT], Person)[0] == completion.value  # same greedy output
+
+
+def test_a_grounded_field_the_text_has_no_value_for_is_a_grounding_error(llm):
+    schema = {"type": "object", "required": ["count"],
+              "properties": {"count": {"type": "integer", "x-grounded": True}}}
+    with pytest.raises(formcast.GroundingError) as caught:
+        llm.extract("There are no digits in this sentence.", schema)
+    assert caught.value.path == "/count"
+    assert "/count" in str(caught.value)
+    assert isinstance(caught.value, formcast.OutputValidationError)
