@@ -3,6 +3,8 @@
 ``llm.extract(text, Model)`` shows the model the fields, constrains generation with
 the model's JSON Schema (so the output always parses), and validates the result
 with pydantic. Literals, bounded integers and booleans come back as Python values.
+String fields are grounded: their values are spans of the text; a number marked
+``formcast.Grounded`` must be one the text writes.
 
 Run: python examples/extract.py   (the first run fetches the 94 MiB model)
 """
@@ -10,7 +12,7 @@ Run: python examples/extract.py   (the first run fetches the 94 MiB model)
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -38,8 +40,8 @@ class Review(BaseModel):
 
 class Recipe(BaseModel):
     dish: str
-    servings: int
-    minutes: int = Field(description="total cooking time in minutes")
+    servings: Annotated[int, formcast.Grounded]   # a number the text writes
+    minutes: Annotated[int, formcast.Grounded] = Field(description="total cooking time in minutes")
     vegetarian: bool
 
 

@@ -6,11 +6,13 @@ from formcast.errors import (
     DatasetError,
     EngineError,
     FormcastError,
+    GroundingError,
     IncompleteOutputError,
     ModelError,
     ModelFetchError,
     ModelNotFoundError,
     OutputValidationError,
+    RepetitionError,
     RequestError,
     ResumeMismatchError,
     UnsupportedModelError,
@@ -22,7 +24,8 @@ __version__ = "0.1.0"
 # The model API is imported lazily: formcast.engine imports formcast.errors, so
 # importing the engine from here at import time would be circular (and slow).
 _LAZY = {"load": "formcast.llm", "LLM": "formcast.llm", "Completion": "formcast.completion",
-         "Usage": "formcast.completion", "evaluate": "formcast.evaluation"}
+         "Usage": "formcast.completion", "evaluate": "formcast.evaluation",
+         "Grounded": "formcast.grammars.grounding", "NotGrounded": "formcast.grammars.grounding"}
 # Submodules reached as attributes (``formcast.dataset.generate``), imported on first use.
 # (evaluate() lives in formcast.evaluation: a module named evaluate would replace the
 # function attribute as soon as it was imported.)
@@ -47,16 +50,20 @@ __all__ = [
     "Usage",
     "dataset",
     "evaluate",
+    "Grounded",
+    "NotGrounded",
     "ConstraintError",
     "CorruptModelError",
     "DatasetError",
     "EngineError",
     "FormcastError",
+    "GroundingError",
     "IncompleteOutputError",
     "ModelError",
     "ModelFetchError",
     "ModelNotFoundError",
     "OutputValidationError",
+    "RepetitionError",
     "RequestError",
     "ResumeMismatchError",
     "UnsupportedModelError",

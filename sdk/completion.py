@@ -55,6 +55,10 @@ class Completion:
     value : Any
         The parsed value for ``json_schema`` / ``output_type`` / ``choices`` calls
         (None for free text, regex and grammar calls, and when the output is incomplete).
+    field_confidence : dict[str, float] | None
+        For ``extract(..., return_completions=True)``: the mean token log-prob, in
+        (-inf, 0], of each value of the output, keyed by JSON pointer (``/name``,
+        ``/items/0/sku``); a low one marks a field to check. None otherwise.
     """
 
     text: str
@@ -62,3 +66,4 @@ class Completion:
     finish_reason: str
     usage: Usage
     value: Any = None
+    field_confidence: dict[str, float] | None = None

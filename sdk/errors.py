@@ -38,6 +38,30 @@ class IncompleteOutputError(FormcastError):
         self.text = text
 
 
+class RepetitionError(IncompleteOutputError):
+    """Generation reached ``max_tokens`` because the output kept repeating itself.
+
+    A larger ``max_tokens`` would only buy more repeats: bound the part that loops
+    instead (``maxItems`` or ``uniqueItems`` on a list, a ``Literal`` or enum for a
+    field with known values, ``maxLength`` on a string).
+
+    Attributes
+    ----------
+    text : str
+        The partial output produced so far.
+    repeated : str
+        The value or text that repeats.
+    path : str
+        JSON pointer of the list or value where it repeats ("" for the whole output).
+    """
+
+    def __init__(self, message: str, *, text: str = "", repeated: str = "", path: str = ""
+                 ) -> None:
+        super().__init__(message, text=text)
+        self.repeated = repeated
+        self.path = path
+
+
 class OutputValidationError(FormcastError):
     """The output conformed to its constraint but the schema's validators rejected it.
 
@@ -53,6 +77,20 @@ class OutputValidationError(FormcastError):
         super().__init__(message)
         self.text = text
         self.error = error
+
+
+class GroundingError(OutputValidationError):
+    """A grounded field of an extraction could not take any value from the text.
+
+    Attributes
+    ----------
+    path : str
+        JSON pointer of the field (e.g. ``/vendor``).
+    """
+
+    def __init__(self, message: str, *, text: str, path: str) -> None:
+        super().__init__(message, text=text, error=ValueError(message))
+        self.path = path
 
 
 class DatasetError(FormcastError):
@@ -85,7 +123,9 @@ __all__ = [
     "ConstraintError",
     "UnsupportedTypeError",
     "IncompleteOutputError",
+    "RepetitionError",
     "OutputValidationError",
+    "GroundingError",
     "EngineError",
     "DatasetError",
     "ResumeMismatchError",

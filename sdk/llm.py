@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from formcast.completion import Completion, Usage
 from formcast.engine import Engine, RequestOutput, SamplingParams
-from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
-                             OutputValidationError, RequestError)
+from formcast.errors import ConstraintError, FormcastError, OutputValidationError, RequestError
 from formcast.partial_json import parse_partial
+from formcast.repetition import incomplete_error
 from formcast.spec import OutputSpec, output_spec
 
 
@@ -192,11 +192,14 @@ class LLM:
         return self._run(ids, params, spec, raise_first=raise_first)
 
     def _run(self, ids: list[list[int] | FormcastError], params: list[SamplingParams],
-             spec: OutputSpec, *, raise_first: bool) -> list[Completion | FormcastError]:
+             spec: OutputSpec, *, raise_first: bool,
+             matcher_for: Callable[[int, Any], Any] | None = None
+             ) -> list[Completion | FormcastError]:
         """Submit every item at once and drive the engine until all finish.
 
         ``raise_first``: raise the first failure (single calls) instead of returning
-        it in place (batch calls).
+        it in place (batch calls). ``matcher_for(i, compiled)``: item ``i``'s own
+        matcher (default: ``compiled.matcher()``).
         """
         results: list[Completion | FormcastError | None] = [None] * len(ids)
         pending: dict[str, int] = {}
@@ -207,7 +210,8 @@ class LLM:
                     results[i] = item
                     continue
                 try:
-                    matcher = compiled.matcher() if compiled is not None else None
+                    matcher = None if compiled is None else \
+                        matcher_for(i, compiled) if matcher_for else compiled.matcher()
                     rid = self.engine.add_request(item, sp, constraint=matcher)
                 except FormcastError as exc:
                     if raise_first:
@@ -260,15 +264,20 @@ class LLM:
         value = None
         if spec.parses:
             if out.finish_reason == "length":
-                return IncompleteOutputError(
-                    f"output cut at max_tokens ({m.num_output_tokens} tokens) before the "
-                    f"{spec.kind} was complete; raise max_tokens", text=out.text)
+                return incomplete_error(out.text, m.num_output_tokens, spec.kind)
             try:
                 value = spec.parse(out.text)
             except OutputValidationError as exc:
                 return exc
+        confidence = None
+        if out.logprobs is not None and spec.json_schema is not None:
+            from formcast.confidence import field_confidence
+
+            confidence = field_confidence(
+                out.text, out.token_ids, [lp.logprob for lp in out.logprobs],
+                lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         return Completion(text=out.text, token_ids=out.token_ids, finish_reason=out.finish_reason,
-                          usage=usage, value=value)
+                          usage=usage, value=value, field_confidence=confidence)
 
     # -- streaming ------------------------------------------------------------------
     def stream_text(self, prompt: str | list[dict[str, str]], **kwargs: Any) -> Iterator[str]:
@@ -348,8 +357,9 @@ class LLM:
 
     # -- extraction -----------------------------------------------------------------
     def extract(self, text: str, schema: Any, *, instructions: str | None = None,
-                max_tokens: int | None = None, seed: int | None = None,
-                temperature: float = 0.0) -> Any:
+                grounding: str = "auto", max_tokens: int | None = None,
+                seed: int | None = None, temperature: float = 0.0,
+                return_completions: bool = False) -> Any:
         """Extract a typed object from ``text``.
 
         Parameters
@@ -357,60 +367,82 @@ class LLM:
         text : str
             The source text.
         schema : pydantic model, dataclass, TypedDict or JSON Schema dict
-            What to extract. Classes give instances back; a dict gives a dict.
+            What to extract (classes give instances, a dict gives a dict); lists are
+            kept distinct and bounded, optional fields may be null
+            (:mod:`formcast.extraction_schema`).
         instructions : str | None
             Extra guidance added to the prompt.
+        grounding : {"auto", "strict", "off"}
+            "auto": plain string fields (no enum, const, pattern or format) and fields
+            marked ``Grounded`` take their values from ``text``, ``NotGrounded`` ones
+            do not; "strict": numbers too; "off": none.
         max_tokens : int | None
             Default 512.
+        return_completions : bool
+            Return the :class:`Completion` (``value`` is the object;
+            ``field_confidence`` the mean token log-prob of each field).
 
         Returns
         -------
-        An instance of ``schema`` (or a dict for a JSON Schema).
+        An instance of ``schema`` (or a dict for a JSON Schema), or its Completion.
 
         Raises
         ------
+        RequestError
+            ``text`` is empty or only whitespace.
         ConstraintError
-            The schema cannot be compiled.
+            The schema cannot be compiled, or ``grounding`` is not a mode.
         IncompleteOutputError
-            ``max_tokens`` ran out; carries the partial text.
+            ``max_tokens`` ran out; carries the partial text (a ``RepetitionError``
+            when the output looped: it names the repeated value).
+        GroundingError
+            A grounded field could take no value from the text; names the field.
         OutputValidationError
             The schema's validators rejected the output.
         """
-        result = self._extract([text], schema, instructions=instructions,
+        result = self._extract([text], schema, instructions=instructions, grounding=grounding,
                                max_tokens=max_tokens, seed=seed, temperature=temperature,
-                               raise_first=True)[0]
+                               raise_first=True, logprobs=return_completions)[0]
         assert isinstance(result, Completion)
-        return result.value
+        return result if return_completions else result.value
 
     def extract_batch(self, texts: Sequence[str], schema: Any, *, instructions: str | None = None,
-                      max_tokens: int | None = None, seed: int | None = None,
-                      temperature: float = 0.0, return_completions: bool = False) -> list[Any]:
+                      grounding: str = "auto", max_tokens: int | None = None,
+                      seed: int | None = None, temperature: float = 0.0,
+                      return_completions: bool = False) -> list[Any]:
         """:meth:`extract` over many texts in one engine batch.
 
         Returns one entry per text, in order: the extracted object, or the
-        :class:`FormcastError` that item failed with (the others still run). With
+        :class:`FormcastError` that item failed with (the others still run; an empty
+        text is a :class:`RequestError` in its place). With
         ``return_completions=True`` the successes are :class:`Completion` objects
-        (``value`` is the object; ``usage`` the token counts and timing).
+        (``value`` is the object; ``usage`` the token counts and timing;
+        ``field_confidence`` each field's mean token log-prob).
         With a ``seed``, text ``i`` uses ``seed + i``.
         """
-        results = self._extract(texts, schema, instructions=instructions, max_tokens=max_tokens,
-                                seed=seed, temperature=temperature, raise_first=False)
+        if isinstance(texts, str) or not isinstance(texts, Sequence):
+            raise RequestError(f"texts must be a list of str, got {type(texts).__name__}")
+        results = self._extract(texts, schema, instructions=instructions, grounding=grounding,
+                                max_tokens=max_tokens, seed=seed, temperature=temperature,
+                                raise_first=False, logprobs=return_completions)
         if return_completions:
             return results
         return [r.value if isinstance(r, Completion) else r for r in results]
 
     def _extract(self, texts: Sequence[str], schema: Any, *, instructions: str | None,
-                 max_tokens: int | None, seed: int | None, temperature: float,
-                 raise_first: bool) -> list[Completion | FormcastError]:
-        from formcast.extraction import extraction_messages, extraction_spec
+                 grounding: str, max_tokens: int | None, seed: int | None, temperature: float,
+                 raise_first: bool, logprobs: bool) -> list[Completion | FormcastError]:
+        from formcast.extraction import Extraction
 
-        spec = extraction_spec(schema)
+        job = Extraction(schema, texts, grounding=grounding, instructions=instructions)
         params = _sampling(len(texts), max_tokens=max_tokens or 512, temperature=temperature,
-                           seed=seed)
-        ids = [self.tokenizer.apply_chat_template(
-            extraction_messages(t, spec.json_schema, instructions=instructions),
-            add_generation_prompt=True, tokenize=True) for t in texts]
-        return self._run(ids, params, spec, raise_first=raise_first)
+                           seed=seed, logprobs=0 if logprobs else None)
+        results = self._run(job.ids(self.tokenizer), params, job.spec, raise_first=False,
+                            matcher_for=job.matcher)
+        results = [job.checked(i, r) for i, r in enumerate(results)]
+        if raise_first and isinstance(results[0], FormcastError):
+            raise results[0]  # (an empty text comes back here without being generated)
+        return results
 
     # -- scoring --------------------------------------------------------------------
     def score(self, prompt: str | list[dict[str, str]], continuations: Sequence[str], *,
@@ -446,7 +478,8 @@ class LLM:
 
 def _sampling(n: int, *, max_tokens: int, temperature: float, top_p: float = 1.0,
               seed: int | Sequence[int] | None = None,
-              stop: str | Sequence[str] | None = None) -> list[SamplingParams]:
+              stop: str | Sequence[str] | None = None, logprobs: int | None = None
+              ) -> list[SamplingParams]:
     """One SamplingParams per item; with a seed, item ``i`` uses ``seed + i`` (or
     ``seed[i]`` when one seed per item is given)."""
     if seed is None or isinstance(seed, int):
@@ -456,7 +489,7 @@ def _sampling(n: int, *, max_tokens: int, temperature: float, top_p: float = 1.0
         if len(seeds) != n:
             raise RequestError(f"got {len(seeds)} seeds for {n} prompts; give one per prompt")
     return [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                           seed=s, stop=() if stop is None else stop)
+                           seed=s, stop=() if stop is None else stop, logprobs=logprobs)
             for s in seeds]
 
 

@@ -46,6 +46,9 @@ def test_extract_prints_typed_objects():
     assert re.search(r"stars=[1-5],", out)
     assert re.search(r"sentiment='(positive|negative|mixed)'", out)
     assert re.search(r"vegetarian=(True|False)", out)
+    # values read from the text (grounded), not invented
+    assert "servings=4, minutes=45" in out
+    assert re.search(r"occupation='nurse'", out, flags=re.I)
     assert "5 typed objects in" in out
 
 

@@ -46,7 +46,7 @@ def test_prompt_is_one_user_turn_with_the_json_form_then_the_text():
         '  "status": <one of "paid", "open">,',
         '  "address": {',
         '    "city": <string>,',
-        '    "postcode": <string or null>',
+        '    "postcode": <string or null> // null if the text does not say',
         "  },",
         '  "lines": [',
         "    {",

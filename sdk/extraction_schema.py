@@ -1,0 +1,195 @@
+"""The schema extraction generates under, and the value it gives back.
+
+Generation runs under a copy of the caller's schema (:func:`generation_schema`)
+that keeps a small model from running on until ``max_tokens`` and lets it say
+that the text does not give a value:
+
+- free strings (no ``maxLength``, ``enum``, ``const``, ``pattern`` or ``format``)
+  are capped at :data:`MAX_FREE_STRING` characters;
+- lists without ``maxItems`` are capped at :data:`MAX_LIST_ITEMS` items, and their
+  items are distinct unless the schema says ``uniqueItems: false`` (or asks for at
+  least two items without saying): the matcher ends a list at its first repeated
+  item, which is dropped from the value (:func:`tidy`);
+- optional fields (not required) are always written and may be ``null``; a null
+  the caller's schema does not allow is dropped, so the field takes its default.
+
+The output is validated against the caller's own schema afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from typing import Any
+
+MAX_FREE_STRING = 64  # characters, for generation only; see the module docstring
+MAX_LIST_ITEMS = 20  # items of a list without maxItems, for generation only
+# generation-schema annotations: the optional properties that were made nullable,
+# and whether a list's items are kept distinct
+_NULL_ADDED = "x-formcast-null-added"
+DISTINCT = "x-formcast-distinct"
+# keywords whose value maps names to schemas (the names are not schema keywords)
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+
+
+def generation_schema(schema: dict, *, max_string: int = MAX_FREE_STRING,
+                      max_items: int = MAX_LIST_ITEMS) -> dict:
+    """The copy of ``schema`` that extraction generates under (see the module docstring).
+
+    Does not change ``schema``.
+    """
+    gen = cap_free_strings(schema, max_string)
+    _walk(gen, lambda node: _bound_list(node, max_items))
+    _walk(gen, _nullable_optionals)
+    return gen
+
+
+def cap_free_strings(schema: dict, limit: int = MAX_FREE_STRING) -> dict:
+    """A copy of ``schema`` where every string without its own length, value or
+    shape bound gets ``maxLength: limit``."""
+    capped = copy.deepcopy(schema)
+    _walk(capped, lambda node: _cap_string(node, limit))
+    return capped
+
+
+def _walk(node: Any, visit: Callable[[dict], None]) -> None:
+    """Call ``visit`` on every schema object inside ``node`` (not on data keywords)."""
+    if isinstance(node, list):
+        for item in node:
+            _walk(item, visit)
+        return
+    if not isinstance(node, dict):
+        return
+    visit(node)
+    for key, value in node.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for sub in value.values():
+                _walk(sub, visit)
+        elif key not in ("enum", "const", "default", "examples", "required", _NULL_ADDED):
+            _walk(value, visit)
+
+
+def _types(node: dict) -> list:
+    types = node.get("type")
+    return types if isinstance(types, list) else [types]
+
+
+def _cap_string(node: dict, limit: int) -> None:
+    if "string" in _types(node) and not any(
+            k in node for k in ("maxLength", "enum", "const", "pattern", "format")):
+        node["maxLength"] = max(limit, node.get("minLength", 0))
+
+
+def _bound_list(node: dict, limit: int) -> None:
+    if "array" not in _types(node) or "prefixItems" in node:
+        return  # (a tuple's items are positional: neither capped nor distinct)
+    low = node.get("minItems", 0)
+    node.setdefault("maxItems", max(limit, low))
+    # distinct unless asked otherwise; a long minimum could then be out of reach
+    distinct = node.pop("uniqueItems", low <= 1) is not False
+    # (the matcher ends a list at its first repeated item and tidy() drops that item;
+    # uniqueItems itself is checked only when the document ends, and the rollbacks
+    # it takes there let a small model loop instead)
+    node[DISTINCT] = distinct
+
+
+def lists_distinct(gen: dict) -> bool:
+    """Whether every list of the generation schema ``gen`` keeps its items distinct."""
+    found = []
+    _walk(gen, lambda node: found.append(node.get(DISTINCT, True)))
+    return all(found)
+
+
+def _nullable_optionals(node: dict) -> None:
+    props = node.get("properties")
+    if not isinstance(props, dict) or not props:
+        return
+    required = list(node.get("required", []))
+    added = []
+    for name, prop in props.items():
+        if name in required:
+            continue
+        required.append(name)
+        if not (isinstance(prop, dict) and _allows_null(prop)):
+            props[name] = {"anyOf": [prop, {"type": "null"}]}
+            added.append(name)
+    node["required"] = required
+    if added:
+        node[_NULL_ADDED] = added
+
+
+def _allows_null(node: dict) -> bool:
+    if "null" in _types(node) or None in node.get("enum", [1]) or \
+            ("const" in node and node["const"] is None):
+        return True
+    return any(isinstance(o, dict) and _allows_null(o)
+               for key in ("anyOf", "oneOf") for o in node.get(key, []))
+
+
+def is_optional(prop: dict, name: str, parent: dict, defs: dict) -> bool:
+    """Whether the property ``name`` of ``parent`` may be absent or null."""
+    return name not in parent.get("required", []) or _allows_null(resolve(prop, defs))
+
+
+def tidy_then(parse: Callable[[str], Any], gen: dict) -> Callable[[str], Any]:
+    """A parser that tidies the generated JSON (:func:`tidy`) before ``parse``."""
+    def parse_tidied(text: str) -> Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return parse(text)  # (the caller's parser reports it)
+        return parse(json.dumps(tidy(value, gen), ensure_ascii=False))
+    return parse_tidied
+
+
+def tidy(value: Any, gen: dict) -> Any:
+    """``value`` generated under ``gen`` (:func:`generation_schema`), with repeated items
+    of its distinct lists and the nulls it added to optional fields taken out."""
+    return _tidy(value, gen, gen.get("$defs", {}))
+
+
+def _tidy(value: Any, node: Any, defs: dict) -> Any:
+    if not isinstance(node, dict):
+        return value
+    node = resolve(node, defs)
+    options = [node] + [resolve(o, defs) for key in ("anyOf", "oneOf", "allOf")
+                        for o in node.get(key, []) if isinstance(o, dict)]
+    if isinstance(value, dict):
+        for option in options:
+            props = option.get("properties", {})
+            for name in option.get(_NULL_ADDED, []):
+                if name in value and value[name] is None:
+                    del value[name]
+            for name in list(value):
+                if name in props:
+                    value[name] = _tidy(value[name], props[name], defs)
+    elif isinstance(value, list):
+        for option in options:
+            if isinstance(option.get("items"), dict):
+                value = [_tidy(item, option["items"], defs) for item in value]
+                if option.get(DISTINCT) is True:
+                    value = _distinct(value)
+                break
+    return value
+
+
+def _distinct(items: list) -> list:
+    """``items`` without the items equal to an earlier one (first occurrences kept)."""
+    seen: set[str] = set()
+    kept = []
+    for item in items:
+        key = json.dumps(item, sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            kept.append(item)
+    return kept
+
+
+def resolve(schema: dict, defs: dict) -> dict:
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/$defs/"):
+        return defs.get(ref.split("/")[-1], schema)
+    return schema
+
+

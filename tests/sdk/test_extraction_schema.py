@@ -1,0 +1,88 @@
+"""The schema extraction generates under, and the value it gives back (no model)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from pydantic import BaseModel
+
+from formcast.extraction import (MAX_LIST_ITEMS, extraction_spec, generation_schema,
+                                 lists_distinct, tidy)
+
+
+def _array(**keywords) -> dict:
+    return {"type": "object", "required": ["xs"],
+            "properties": {"xs": {"type": "array", "items": {"type": "string"}, **keywords}}}
+
+
+@pytest.mark.parametrize(("keywords", "max_items", "distinct"), [
+    ({}, MAX_LIST_ITEMS, True),                       # no bound: capped, distinct
+    ({"maxItems": 3}, 3, True),                       # the schema's own cap stays
+    ({"maxItems": 500}, 500, True),
+    ({"minItems": 40}, 40, False),                    # never below the minimum
+    ({"uniqueItems": False}, MAX_LIST_ITEMS, False),  # the schema says repeats are fine
+    ({"uniqueItems": True, "minItems": 2}, MAX_LIST_ITEMS, True),
+])
+def test_lists_are_capped_and_distinct_in_the_generation_schema(keywords, max_items, distinct):
+    schema = _array(**keywords)
+    gen = generation_schema(schema)
+    xs = gen["properties"]["xs"]
+    assert xs["maxItems"] == max_items
+    assert lists_distinct(gen) is distinct
+    # the matcher ends a list at its first repeat; uniqueItems itself would be end-checked
+    assert "uniqueItems" not in xs
+    assert schema == _array(**keywords)  # the caller's schema is untouched
+
+
+def test_tuples_are_neither_capped_nor_distinct():
+    schema = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}]}
+    gen = generation_schema(schema)
+    assert "maxItems" not in gen and lists_distinct(gen)
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ({"xs": ["a", "b", "a"]}, {"xs": ["a", "b"]}),    # the repeat that ended the list
+    ({"xs": ["a", "a", "b", "b"]}, {"xs": ["a", "b"]}),
+    ({"xs": []}, {"xs": []}),
+])
+def test_tidy_drops_repeated_items_of_distinct_lists(value, expected):
+    assert tidy(value, generation_schema(_array())) == expected
+    assert tidy(json.loads(json.dumps(value)), generation_schema(_array(uniqueItems=False))) \
+        == value
+
+
+class Address(BaseModel):
+    city: str
+    postcode: str | None = None   # optional and nullable
+    floor: int = 0                # optional, null not allowed
+
+
+class Person(BaseModel):
+    name: str
+    age: int | None               # required, nullable
+    homes: list[Address]
+
+
+def test_optional_fields_are_always_written_and_may_be_null():
+    gen = generation_schema(Person.model_json_schema())
+    address = gen["$defs"]["Address"]
+    assert sorted(address["required"]) == ["city", "floor", "postcode"]
+    for value in ({"city": "Oslo", "postcode": None, "floor": None},
+                  {"city": "Oslo", "postcode": "0150", "floor": 3}):
+        jsonschema.validate({"name": "Ada", "age": None, "homes": [value]}, gen)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "Ada", "age": None, "homes": [{"city": None}]}, gen)
+
+
+@pytest.mark.parametrize(("generated", "expected"), [
+    # a null the schema allows stays; one it does not is dropped, so the default applies
+    ({"name": "Ada", "age": None, "homes": [{"city": "Oslo", "postcode": None, "floor": None}]},
+     Person(name="Ada", age=None, homes=[Address(city="Oslo")])),
+    ({"name": "Ada", "age": 36, "homes": [{"city": "Oslo", "postcode": "0150", "floor": 2},
+                                          {"city": "Oslo", "postcode": "0150", "floor": 2}]},
+     Person(name="Ada", age=36, homes=[Address(city="Oslo", postcode="0150", floor=2)])),
+])
+def test_extraction_spec_parses_the_tidied_value(generated, expected):
+    assert extraction_spec(Person).parse(json.dumps(generated)) == expected
