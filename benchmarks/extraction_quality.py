@@ -1,7 +1,7 @@
 """Extraction quality: ``LLM.extract`` against two simpler ways, same model, same run.
 
-Methods, each over every text of ``data/extraction.jsonl`` (hand-written texts with
-gold fields, five schemas defined below):
+Methods, each over every text of ``data/extraction_tune.jsonl`` (hand-written texts with
+gold fields, schemas in ``extraction_data.py``):
 
 A  ``llm.extract(text, Model)``: formcast's extraction prompt (fields, types,
    descriptions, the null rule) + generation constrained by the model's schema.
@@ -40,72 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, ValidationError
+from extraction_data import SCHEMAS, SPLITS, Item, load_items  # noqa: F401  (same folder)
+from pydantic import BaseModel, ValidationError
 
-DATA = Path(__file__).parent / "data" / "extraction.jsonl"
+DATA = SPLITS["tune"]
 PLAIN_PROMPT = "Extract the information as JSON."
 
 
-# -- the schemas ------------------------------------------------------------------------
-class Person(BaseModel):
-    """A person mentioned in the text."""
-
-    name: str = Field(description="full name")
-    age: int | None = Field(description="age in years")
-    city: str | None = Field(description="city where the person lives or works")
-    occupation: str | None = Field(description="job or role")
-
-
-class Product(BaseModel):
-    """A product offer."""
-
-    name: str = Field(description="product name, without the brand")
-    brand: str
-    price: float = Field(description="price as a number, without the currency sign")
-    currency: Literal["USD", "EUR", "GBP", "JPY"]
-    in_stock: bool = Field(description="whether the product can be bought now")
-
-
-class Event(BaseModel):
-    """An event announcement."""
-
-    title: str = Field(description="name of the event")
-    date: datetime.date = Field(description="the (first) day of the event")
-    city: str
-    venue: str | None = Field(description="building or place inside the city")
-
-
-class Invoice(BaseModel):
-    """An invoice or payment reminder."""
-
-    invoice_number: str
-    vendor: str = Field(description="company that issued the invoice")
-    total: float = Field(description="amount due, as a number")
-    due_date: datetime.date
-
-
-class Book(BaseModel):
-    """A book."""
-
-    title: str
-    author: str
-    year: int = Field(description="year of publication")
-    pages: int | None = Field(description="number of pages")
-
-
-SCHEMAS: dict[str, type[BaseModel]] = {m.__name__: m for m in (Person, Product, Event, Invoice,
-                                                                 Book)}
-
-
 # -- data and scoring ----------------------------------------------------------------------
-@dataclass(frozen=True, kw_only=True)
-class Item:
-    schema: str
-    text: str
-    gold: dict[str, Any]
-    alternates: dict[str, list[Any]] = field(default_factory=dict)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Outcome:
     """One method's result on one item: the validated value (JSON form) or None."""
@@ -118,17 +60,6 @@ class Outcome:
     @property
     def valid(self) -> bool:
         return self.value is not None
-
-
-def load_items(path: Path) -> list[Item]:
-    items = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            row = json.loads(line)
-            if row["schema"] not in SCHEMAS:
-                raise ValueError(f"{path}:{number}: unknown schema {row['schema']!r}")
-            items.append(Item(**row))
-    return items
 
 
 def normalize(value: Any) -> Any:
