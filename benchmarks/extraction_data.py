@@ -304,19 +304,34 @@ _NUMBER = re.compile(r"\d[\d,.' ]*\d|\d")
 
 
 def numbers_in(text: str) -> set[float]:
-    """Every number written in ``text`` in digits, read with ``,``/``.``/``'``/space
-    as thousands separators or with ``,`` as the decimal mark."""
+    """Every number written in ``text`` in digits: ``,`` read as the decimal mark
+    unless it groups thousands (``37,980``) or a ``.`` follows it; ``'`` and spaces as
+    thousands separators (each space-separated part counts on its own too)."""
     found: set[float] = set()
     for match in _NUMBER.finditer(text):
         token = match.group().rstrip(".,' ")
         for part in {token, *token.split(" ")}:
-            for reading in (part.replace(",", "").replace("'", ""),
-                            part.replace(".", "").replace(",", ".")):
-                try:
-                    found.add(float(reading))
-                except ValueError:
-                    continue
+            number = _read_number(part)
+            if number is not None:
+                found.add(number)
     return found
+
+
+def _read_number(token: str) -> float | None:
+    token = token.replace("'", "").replace(" ", "")
+    if "," in token and "." in token:
+        decimal = "," if token.rfind(",") > token.rfind(".") else "."
+    elif "," in token:
+        decimal = "" if all(len(g) == 3 for g in token.split(",")[1:]) else ","
+    else:
+        decimal = "." if token.count(".") <= 1 else ""
+    for separator in ",.":
+        if separator != decimal:
+            token = token.replace(separator, "")
+    try:
+        return float(token.replace(",", "."))
+    except ValueError:
+        return None
 
 
 def grounded_values(value: Any, schema: dict, defs: dict) -> tuple[list[str], list[float]]:
