@@ -44,10 +44,12 @@ into the user cache on first use, as every formcast call does)::
     .venv/bin/python benchmarks/extraction_quality.py --split all --limit 2 --show-errors
 
 Options: ``--split tune|heldout|all`` (default heldout), ``--limit N`` (texts per
-schema), ``--methods`` (default all four), ``--max-tokens`` (default 256),
+schema), ``--schemas Person,Receipt`` (default all), ``--methods`` (default all four),
+``--max-tokens`` (default 256),
 ``--device auto|cpu|cuda``, ``--quantization auto|none|int4|int8`` (formcast's weights;
 the peer reads the same GGUF dequantized), ``--show-errors``, ``--json FILE`` (every
-output with its score).
+output with its score, one JSON object a line, written as it comes). Each schema's
+figures go to stderr as soon as it is done, so a run cut short is still read.
 """
 
 from __future__ import annotations
@@ -344,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--split", choices=("tune", "heldout", "all"), default="heldout")
     parser.add_argument("--limit", type=int, default=None, help="texts per schema")
+    parser.add_argument("--schemas", default=None, help="comma-separated; default all")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--model", default="smollm2")
@@ -351,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", choices=("auto", "none", "int4", "int8"),
                         default="auto", help="formcast's weights (auto: int4 for the Q4_1 GGUF)")
     parser.add_argument("--show-errors", action="store_true", help="print every miss")
-    parser.add_argument("--json", type=Path, default=None, help="write every outcome here")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write every outcome here as it comes, one JSON object a line")
     args = parser.parse_args(argv)
 
     import formcast
@@ -359,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     groups: dict[str, list[Item]] = {}
     for it in load_split(args.split):
         groups.setdefault(it.schema, []).append(it)
+    if args.schemas:
+        groups = {k: groups[k] for k in args.schemas.split(",")}
     if args.limit:
         groups = {k: v[:args.limit] for k, v in groups.items()}
     quantization = None if args.quantization == "none" else args.quantization
@@ -375,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = {name: Tally() for name in runners}
     per_schema = {schema: {name: Tally() for name in runners} for schema in groups}
     gold = Tally()
-    records = []
+    records = args.json.open("w", encoding="utf-8") if args.json else None
     for schema, group in groups.items():
         model = SCHEMAS[schema]
         for it in group:
@@ -389,20 +395,27 @@ def main(argv: list[str] | None = None) -> int:
             for it, outcome in zip(group, outcomes, strict=True):
                 totals[name].add(it, outcome)
                 per_schema[schema][name].add(it, outcome)
-                credit, fields = score_item(it, outcome.value)
-                records.append({"method": name, "schema": schema, "text": it.text,
-                                "gold": it.gold, "value": outcome.value, "output": outcome.text,
-                                "error": outcome.error, "runaway": outcome.runaway,
-                                "credit": credit, "fields": fields})
+                if records:  # as it comes, so a run cut short still leaves its outcomes
+                    credit, fields = score_item(it, outcome.value)
+                    records.write(json.dumps(
+                        {"method": name, "schema": schema, "seconds": elapsed, "text": it.text,
+                         "gold": it.gold, "value": outcome.value, "output": outcome.text,
+                         "tokens": outcome.tokens, "error": outcome.error,
+                         "runaway": outcome.runaway, "credit": credit, "fields": fields},
+                        ensure_ascii=False) + "\n")
+                    records.flush()
                 if args.show_errors:
                     _show_errors(name, it, outcome)
-            print(f"{schema:12s} {name:10s} {elapsed:6.1f} s", file=sys.stderr, flush=True)
+            t = per_schema[schema][name]
+            print(f"{schema:12s} {name:10s} {elapsed:6.1f} s  valid {t.valid}/{t.items}  "
+                  f"field acc {t.accuracy:6.1%}  runaway {t.runaway}  {t.tokens} tokens",
+                  file=sys.stderr, flush=True)
     weights = llm.engine.quantization or "float"
     title = (f"Extraction quality, {args.split} split ({count} texts), {weights} weights, "
              f"{device}, max_tokens {args.max_tokens}; tok/s batched per schema")
     print_report(totals, per_schema, gold, notes, title)
-    if args.json:
-        args.json.write_text(json.dumps(records, indent=1, ensure_ascii=False), encoding="utf-8")
+    if records:
+        records.close()
     return 0
 
 
