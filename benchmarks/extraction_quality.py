@@ -273,7 +273,7 @@ def print_report(totals: dict[str, Tally], per_schema: dict[str, dict[str, Tally
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 150)  # files
     table = Table(title=title, title_justify="left")
     for col in ("method", "valid", "field acc", "halluc. str", "halluc. num", "runaway",
                 "tokens", "seconds", "tok/s"):
