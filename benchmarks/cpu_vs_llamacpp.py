@@ -7,8 +7,8 @@ and the same thread count. Four measurements, each printed with its ratio:
 1. **decode**: batch 1, free text, 128 tokens after a short chat prompt (end of
    sequence ignored on both sides). Decode tokens/s counts from the first generated
    token to the last (prefill excluded); the whole request is printed too.
-2. **extraction**: JSON Schema extraction over texts of ``data/extraction.jsonl``
-   (five schemas), one request at a time, whole request time. formcast uses
+2. **extraction**: JSON Schema extraction over texts of ``data/extraction_tune.jsonl``
+   (eleven schemas), one request at a time, whole request time. formcast uses
    ``llm.extract`` (its default speculation included); llama.cpp its GBNF grammar
    made from the same schema (``LlamaGrammar.from_json_schema``, built once per
    schema, outside the timing; formcast's grammars are compiled, once per schema,

@@ -1,6 +1,6 @@
 """Speculative decoding on constrained extraction: tokens/s with and without, same run.
 
-``llm.extract`` over the texts of ``data/extraction.jsonl`` (five schemas), greedy,
+``llm.extract`` over the texts of ``data/extraction_tune.jsonl``, greedy,
 at batch 1 (one text at a time) and batch 8 (eight texts per call), with
 ``spec="none"`` and with ``spec="prompt_lookup"`` (grammar jump-forward + prompt
 lookup, drafts validated against the schema before verification). The two sides run
