@@ -11,6 +11,7 @@ from formcast.errors import (
     ModelFetchError,
     ModelNotFoundError,
     OutputValidationError,
+    QueueFullError,
     RequestError,
     ResumeMismatchError,
     UnsupportedModelError,
@@ -21,7 +22,7 @@ __version__ = "0.1.0"
 
 # The model API is imported lazily: formcast.engine imports formcast.errors, so
 # importing the engine from here at import time would be circular (and slow).
-_LAZY = {"load": "formcast.llm", "LLM": "formcast.llm", "Completion": "formcast.completion",
+_LAZY = {"load": "formcast.llm", "LLM": "formcast.llm", "AsyncLLM": "formcast.async_llm", "Completion": "formcast.completion",
          "Usage": "formcast.completion", "evaluate": "formcast.evaluation"}
 # Submodules reached as attributes (``formcast.dataset.generate``), imported on first use.
 # (evaluate() lives in formcast.evaluation: a module named evaluate would replace the
@@ -43,6 +44,7 @@ __all__ = [
     "__version__",
     "load",
     "LLM",
+    "AsyncLLM",
     "Completion",
     "Usage",
     "dataset",
@@ -57,6 +59,7 @@ __all__ = [
     "ModelFetchError",
     "ModelNotFoundError",
     "OutputValidationError",
+    "QueueFullError",
     "RequestError",
     "ResumeMismatchError",
     "UnsupportedModelError",

@@ -55,6 +55,10 @@ class OutputValidationError(FormcastError):
         self.error = error
 
 
+class QueueFullError(FormcastError):
+    """Too many requests are in flight on a served model; retry later (HTTP 429)."""
+
+
 class DatasetError(FormcastError):
     """A dataset run cannot go on: its output file is damaged or not formcast's, or a
     record could not be generated within its attempts."""
@@ -86,6 +90,7 @@ __all__ = [
     "UnsupportedTypeError",
     "IncompleteOutputError",
     "OutputValidationError",
+    "QueueFullError",
     "EngineError",
     "DatasetError",
     "ResumeMismatchError",
