@@ -151,12 +151,17 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if any(e.get("type") == "json_invalid" for e in errors):
+            return answer(ApiError(400, "the body is not valid JSON: " + errors[0].get(
+                "msg", ""), code="invalid_json"))
         problems = []
-        for e in exc.errors()[:5]:
+        for e in errors[:5]:
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
             problems.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
-        param = next((str(e["loc"][1]) for e in exc.errors() if len(e.get("loc", ())) > 1),
-                     None)
+        # (the first offending field: loc is ("body", field, ...))
+        param = next((e["loc"][1] for e in errors if len(e.get("loc", ())) > 1
+                      and isinstance(e["loc"][1], str)), None)
         return answer(ApiError(400, "invalid request: " + "; ".join(problems), param=param))
 
     @app.exception_handler(StarletteHTTPException)
