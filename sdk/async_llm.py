@@ -49,14 +49,24 @@ class AsyncLLM:
         """Load a model (same options as :func:`formcast.load`) and start its loop."""
         return cls(load(model, **options), max_pending=max_pending)
 
+    def __enter__(self) -> "AsyncLLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     async def __aenter__(self) -> "AsyncLLM":
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
+    def close(self) -> None:
+        """Stop the loop (requests in flight fail with EngineError); the LLM stays usable."""
+        self.loop.close()
+
     async def aclose(self) -> None:
-        """Stop the loop (requests in flight fail with EngineError)."""
+        """:meth:`close`, without blocking the event loop."""
         await asyncio.to_thread(self.loop.close)
 
     # -- the building blocks the server uses too ----------------------------------------
