@@ -109,6 +109,7 @@ def create_app(llm: AsyncLLM, *, model_name: str, api_key: str | None = None) ->
         job = await g.chat_job(state.llm, req)
         rid = responses.new_id("chatcmpl")
         if req.stream:
+            g.check_capacity(state.llm, job)
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(g.chat_stream(state.llm, job, rid=rid, model=req.model,
                                       logprobs=req.logprobs, include_usage=usage))
@@ -123,6 +124,7 @@ def create_app(llm: AsyncLLM, *, model_name: str, api_key: str | None = None) ->
         rid = responses.new_id("cmpl")
         logprobs = req.logprobs is not None
         if req.stream:
+            g.check_capacity(state.llm, job)
             usage = req.stream_options is not None and req.stream_options.include_usage
             return _sse(g.completion_stream(state.llm, job, rid=rid, model=req.model,
                                             logprobs=logprobs, include_usage=usage))

@@ -18,7 +18,7 @@ from starlette.requests import Request
 
 from formcast.async_llm import AsyncLLM
 from formcast.engine import RequestOutput, SamplingParams
-from formcast.errors import FormcastError, RequestError
+from formcast.errors import FormcastError, QueueFullError
 from formcast.server import responses as r
 from formcast.server.constraints import ToolPlan, request_spec
 from formcast.server.errors import ApiError, api_error
@@ -114,8 +114,8 @@ def _sampling(req: Any, prompt_len: int, llm: AsyncLLM, max_tokens: int | None,
 # -- whole answers ----------------------------------------------------------------------
 async def finals(llm: AsyncLLM, job: Job, request: Request) -> list[RequestOutput]:
     """Every choice's final output, checked (raises ApiError; ClientGone on disconnect)."""
-    outs = await until_disconnect(request, asyncio.gather(
-        *(llm.final(ids, p, compiled=job.compiled) for ids, p in zip(job.prompts, job.params))))
+    outs = await until_disconnect(request, _all_or_none(
+        [llm.final(ids, p, compiled=job.compiled) for ids, p in zip(job.prompts, job.params)]))
     for out in outs:
         check(llm, out, job.spec)
     return outs
@@ -130,6 +130,28 @@ def check(llm: AsyncLLM, out: RequestOutput, spec: OutputSpec) -> None:
         result = llm.finish(out, spec)
         if isinstance(result, FormcastError):
             raise api_error(result)
+
+
+async def _all_or_none(coros: list[Awaitable[T]]) -> list[T]:
+    """Every result, or the first failure with the others cancelled (their requests
+    aborted) rather than left running for nobody."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def check_capacity(llm: AsyncLLM, job: Job) -> None:
+    """Raise QueueFullError now if the job's requests would not fit (a stream's status
+    is sent before its requests are submitted)."""
+    loop = llm.loop
+    if loop.num_in_flight + len(job.prompts) > loop.max_pending:
+        raise QueueFullError(f"{loop.num_in_flight} requests are in flight (the limit is "
+                             f"{loop.max_pending}); retry later")
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -273,6 +273,8 @@ def test_full_queue_answers_429(llm):
             next(iter(stream))  # (its request is in flight)
             with pytest.raises(openai.RateLimitError):
                 c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1)
+            with pytest.raises(openai.RateLimitError):
+                c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, stream=True)
             stream.close()
     finally:
         small.loop.close()
