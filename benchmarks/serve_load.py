@@ -5,16 +5,18 @@ same thread count. For each number of concurrent clients (default 1, 16, 64),
 every client sends extraction requests back to back for a fixed time: chat
 completions with formcast's extraction prompt over the texts of
 ``data/extraction.jsonl`` (five schemas), greedy, the output constrained by the
-pydantic model's own JSON Schema (what a client of the ``openai`` package sends). formcast gets it as OpenAI's
-``response_format`` ``{"type": "json_schema", ...}``; llama-cpp-python's server
-as its own form of the same, ``{"type": "json_object", "schema": ...}``.
+pydantic model's own JSON Schema (what a client of the ``openai`` package sends).
+formcast gets it as OpenAI's ``response_format`` ``{"type": "json_schema", ...}``;
+llama-cpp-python's server as its own form, ``{"type": "json_object", "schema": ...}``.
 
 Reported per server and client count: requests/s, completion tokens/s (from each
 server's ``usage``), p50/p99 latency, errors (non-200 answers, failed
-connections, outputs that are not valid JSON), the server process's peak RSS and
-its mean RSS over the first and the last 10 s of the run. Then the ratios and the
-targets: formcast >= 3x the peer's tokens/s at 16 clients, 0 errors at 64
-clients, RSS flat within 10% (first vs last 10 s at the largest client count).
+connections, complete outputs that are not valid JSON), answers cut at
+``max_tokens`` (counted apart: the model's, not the server's), the server
+process's peak RSS and its mean RSS over the first and the last 10 s of the run.
+Then the ratios and the targets: formcast >= 3x the peer's tokens/s at 16
+clients, 0 errors at 64 clients, RSS flat within 10% (first vs last 10 s at the
+largest client count).
 
 Usage::
 
@@ -58,6 +60,7 @@ class Phase:
     seconds: float = 0.0
     latencies: list[float] = field(default_factory=list)
     tokens: int = 0
+    cut: int = 0  # answers cut at max_tokens (finish_reason "length"): the model's, not an error
     errors: int = 0
     error_samples: list[str] = field(default_factory=list)
     rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds into phase, bytes)
@@ -68,7 +71,7 @@ class Phase:
         first, last = _window_means(self.rss, 10.0)
         return {"clients": self.clients, "requests": len(lat), "req_s": len(lat) / self.seconds,
                 "tok_s": self.tokens / self.seconds, "p50_s": pick(0.50), "p99_s": pick(0.99),
-                "errors": self.errors,
+                "errors": self.errors, "cut": self.cut,
                 "peak_rss_mb": max((b for _, b in self.rss), default=0) / 2**20,
                 "rss_first_mb": first / 2**20, "rss_last_mb": last / 2**20}
 
@@ -177,7 +180,11 @@ async def load_phase(url: str, bodies: list[dict[str, Any]], clients: int,
                     data = resp.json()
                     if resp.status_code != 200:
                         raise RuntimeError(f"{resp.status_code}: {resp.text[:200]}")
-                    json.loads(data["choices"][0]["message"]["content"])
+                    choice = data["choices"][0]
+                    if choice["finish_reason"] == "length":
+                        phase.cut += 1
+                    else:
+                        json.loads(choice["message"]["content"])
                 except Exception as exc:  # (every failure counts; a few are kept to show)
                     phase.errors += 1
                     if len(phase.error_samples) < 3:
@@ -216,7 +223,7 @@ def run_server(name: str, cmd: list[str], port: int, bodies: list[dict[str, Any]
 def _fmt(row: dict[str, Any]) -> str:
     return (f"clients {row['clients']:3}  {row['requests']:5} req  {row['req_s']:6.2f} req/s  "
             f"{row['tok_s']:7.1f} tok/s  p50 {row['p50_s']:6.2f} s  p99 {row['p99_s']:6.2f} s  "
-            f"errors {row['errors']}  peak RSS {row['peak_rss_mb']:6.0f} MB  "
+            f"errors {row['errors']}  cut {row['cut']}  peak RSS {row['peak_rss_mb']:6.0f} MB  "
             f"RSS first/last 10 s {row['rss_first_mb']:.0f}/{row['rss_last_mb']:.0f} MB")
 
 

@@ -26,6 +26,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.table import Table
 from rich.text import Text
 
+import formcast
 from formcast.cli_inputs import load_schema, read_json_schema, read_text, read_texts, read_vars
 from formcast.cli_reports import DatasetRateColumn, print_dataset_summary, print_eval_summary
 from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
@@ -40,15 +41,12 @@ app = typer.Typer(name="formcast", no_args_is_help=True, add_completion=False,
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
-LOG_LEVELS = ("debug", "info", "warning", "error")
 app.command("serve")(serve_command)
 
 
 def _print_version(value: bool) -> None:
     if value:
-        from formcast import __version__
-
-        typer.echo(f"formcast {__version__}")
+        typer.echo(f"formcast {formcast.__version__}")
         raise typer.Exit()
 
 
@@ -59,8 +57,8 @@ def _options(version: Annotated[bool, typer.Option(  # noqa: ARG001  (acted on b
              log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")
                                   ] = "warning") -> None:
     """Structured generation on formcast's embedded engine (no API key)."""
-    if log_level.lower() not in LOG_LEVELS:
-        raise typer.BadParameter(f"{log_level!r} is not one of {', '.join(LOG_LEVELS)}",
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise typer.BadParameter(f"{log_level!r} is not debug, info, warning or error",
                                  param_hint="--log-level")
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -80,8 +78,6 @@ class CliContext:
 
 
 def _default_load(model: str, **kwargs: Any) -> Any:
-    import formcast
-
     return formcast.load(model, **kwargs)
 
 
@@ -139,8 +135,7 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m",
                                        help="Registry name, .gguf file or HF folder.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 DtypeOpt = Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")]
-QuantOpt = Annotated[str | None, typer.Option(
-    help="CPU weights: none, auto (int4 for a Q4 GGUF; the default), int4 or int8.")]
+QuantOpt = Annotated[str | None, typer.Option(help="CPU weights: none, auto, int4 or int8.")]
 
 
 # -- pull ---------------------------------------------------------------------------
@@ -221,8 +216,6 @@ def _cache_files(path: Path) -> list[str]:
 
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
-
-    import formcast
 
     found = {"formcast": formcast.__version__, "python": platform.python_version()}
     for dist in ("torch", "tokenizers", "pydantic", "xgrammar", "outlines_core", "typer", "rich"):
