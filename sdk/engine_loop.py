@@ -233,7 +233,11 @@ class EngineLoop:
             try:
                 self.engine.add_request(cmd.prompt_ids, cmd.params, constraint=cmd.constraint,
                                         request_id=cmd.ticket.request_id)
-            except FormcastError as exc:
+            except Exception as exc:  # (refused alone: the loop and the batch go on)
+                if not isinstance(exc, FormcastError):
+                    exc = EngineError(f"the engine refused the request: "
+                                      f"{type(exc).__name__}: {exc}")
+                self._settle(cmd.ticket)
                 failed.append((cmd.ticket, exc))
                 self.stats.requests_failed += 1
                 continue

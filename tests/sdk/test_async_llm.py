@@ -89,3 +89,12 @@ def test_full_queue_and_early_exit(llm):
         assert small.loop.stats.requests_aborted == 1 and small.loop.stats.requests_rejected == 1
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def test_a_request_the_engine_refuses_leaves_nothing_in_flight(allm):
+    async def run():
+        with pytest.raises(formcast.RequestError, match="context"):
+            await allm.agenerate("word " * 20000, max_tokens=4)
+
+    asyncio.run(run())
+    assert allm.loop.num_in_flight == 0
