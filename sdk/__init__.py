@@ -13,6 +13,7 @@ from formcast.errors import (
     ModelNotFoundError,
     OutputValidationError,
     RepetitionError,
+    QueueFullError,
     RequestError,
     ResumeMismatchError,
     UnsupportedModelError,
@@ -23,8 +24,9 @@ __version__ = "0.1.0"
 
 # The model API is imported lazily: formcast.engine imports formcast.errors, so
 # importing the engine from here at import time would be circular (and slow).
-_LAZY = {"load": "formcast.llm", "LLM": "formcast.llm", "Completion": "formcast.completion",
-         "Usage": "formcast.completion", "evaluate": "formcast.evaluation",
+_LAZY = {"load": "formcast.llm", "LLM": "formcast.llm", "AsyncLLM": "formcast.async_llm",
+         "Completion": "formcast.completion", "Usage": "formcast.completion",
+         "evaluate": "formcast.evaluation",
          "Grounded": "formcast.grammars.grounding", "NotGrounded": "formcast.grammars.grounding"}
 # Submodules reached as attributes (``formcast.dataset.generate``), imported on first use.
 # (evaluate() lives in formcast.evaluation: a module named evaluate would replace the
@@ -46,6 +48,7 @@ __all__ = [
     "__version__",
     "load",
     "LLM",
+    "AsyncLLM",
     "Completion",
     "Usage",
     "dataset",
@@ -64,6 +67,7 @@ __all__ = [
     "ModelNotFoundError",
     "OutputValidationError",
     "RepetitionError",
+    "QueueFullError",
     "RequestError",
     "ResumeMismatchError",
     "UnsupportedModelError",

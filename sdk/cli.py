@@ -1,4 +1,4 @@
-"""The ``formcast`` command line: pull, info, generate, extract, dataset, eval.
+"""The ``formcast`` command line: pull, info, generate, extract, dataset, eval, serve.
 
 Exit codes: 0 success, 1 a runtime failure (fetch, engine, output cut short),
 2 a usage error (bad option, unreadable file, invalid schema or constraint,
@@ -10,6 +10,7 @@ Progress and status go to stderr, results to stdout (or the --output file), so
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import sys
 from collections.abc import Callable, Iterator
@@ -25,10 +26,13 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
 from rich.table import Table
 from rich.text import Text
 
+import formcast
 from formcast.cli_inputs import load_schema, read_json_schema, read_text, read_texts, read_vars
 from formcast.cli_reports import DatasetRateColumn, print_dataset_summary, print_eval_summary
 from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
                              ModelNotFoundError, OutputValidationError, RequestError)
+from formcast.server.command import serve_command
+from formcast.spec import output_spec
 
 app = typer.Typer(name="formcast", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False,
@@ -37,6 +41,27 @@ app = typer.Typer(name="formcast", no_args_is_help=True, add_completion=False,
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
+app.command("serve")(serve_command)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"formcast {formcast.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(  # noqa: ARG001  (acted on by its callback)
+                 "--version", callback=_print_version, is_eager=True, help="Print the version.")
+             ] = False,
+             log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")
+                                  ] = "warning") -> None:
+    """Structured generation on formcast's embedded engine (no API key)."""
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise typer.BadParameter(f"{log_level!r} is not debug, info, warning or error",
+                                 param_hint="--log-level")
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +78,6 @@ class CliContext:
 
 
 def _default_load(model: str, **kwargs: Any) -> Any:
-    import formcast
-
     return formcast.load(model, **kwargs)
 
 
@@ -94,13 +117,13 @@ def _load_llm(ctx: typer.Context, model: str, device: str, dtype: str | None,
     if dtype is not None and dtype not in DTYPES:
         raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}",
                                  param_hint="--dtype")
-    if quantization not in (None, "int4", "int8"):
-        raise typer.BadParameter(f"{quantization!r} is not int4 or int8",
+    if quantization not in (None, "none", "auto", "int4", "int8"):
+        raise typer.BadParameter(f"{quantization!r} is not none, auto, int4 or int8",
                                  param_hint="--quantization")
     options: dict[str, Any] = {"device": device,
                                "dtype": getattr(torch, dtype) if dtype else None}
     if quantization:
-        options["quantization"] = quantization
+        options["quantization"] = None if quantization == "none" else quantization
     state = ctx.find_object(CliContext)
     load = state.load if state is not None else _default_load
     with _err().status(f"loading {model} ..."):
@@ -112,7 +135,7 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m",
                                        help="Registry name, .gguf file or HF folder.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 DtypeOpt = Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")]
-QuantOpt = Annotated[str | None, typer.Option(help="CPU weight quantization: int4 or int8.")]
+QuantOpt = Annotated[str | None, typer.Option(help="CPU weights: none, auto, int4 or int8.")]
 
 
 # -- pull ---------------------------------------------------------------------------
@@ -149,7 +172,7 @@ def info(ctx: typer.Context,
                   "vocab_size": cfg.vocab_size, "context_length": cfg.max_position_embeddings,
                   "tied_embeddings": cfg.tie_word_embeddings},
         "runtime": {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-                    "quantization": quantization or "none",
+                    "quantization": engine.quantization or "none",
                     "max_model_len": engine.max_model_len,
                     "kv_blocks": engine.block_manager.num_blocks,
                     "block_size": engine.config.block_size},
@@ -193,8 +216,6 @@ def _cache_files(path: Path) -> list[str]:
 
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
-
-    import formcast
 
     found = {"formcast": formcast.__version__, "python": platform.python_version()}
     for dist in ("torch", "tokenizers", "pydantic", "xgrammar", "outlines_core", "typer", "rich"):
@@ -248,6 +269,7 @@ def generate(
     if prompt == "-":
         prompt = sys.stdin.read()
     with _errors_to_exit_codes():
+        output_spec(**constraint).check()  # (a bad constraint fails before the model loads)
         llm = _load_llm(ctx, model, device, dtype, quantization)
         out = llm.generate(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, system=system, **constraint)

@@ -93,6 +93,10 @@ class GroundingError(OutputValidationError):
         self.path = path
 
 
+class QueueFullError(FormcastError):
+    """Too many requests are in flight on a served model; retry later (HTTP 429)."""
+
+
 class DatasetError(FormcastError):
     """A dataset run cannot go on: its output file is damaged or not formcast's, or a
     record could not be generated within its attempts."""
@@ -126,6 +130,7 @@ __all__ = [
     "RepetitionError",
     "OutputValidationError",
     "GroundingError",
+    "QueueFullError",
     "EngineError",
     "DatasetError",
     "ResumeMismatchError",

@@ -45,6 +45,39 @@ class OutputSpec:
         assert self.parser is not None
         return self.parser(text)
 
+    def check(self) -> None:
+        """Validate the constraint without a tokenizer, so that a command line or a
+        server refuses it before loading a model (no state change).
+
+        Raises
+        ------
+        ConstraintError
+            Invalid regex or JSON Schema, unsatisfiable schema, a grammar that does
+            not parse or derives no string.
+        """
+        if self.constraint is None:
+            return
+        from formcast.grammars.constraints import Regex
+        from formcast.grammars.regex_dialect import translate
+
+        if isinstance(self.constraint, Regex):  # (its syntax first: no torch to import)
+            translate(self.constraint.pattern)
+        from formcast.grammars.compiler import grammar_source
+        from formcast.grammars.grammar_check import check_grammar
+
+        source, _, _ = grammar_source(self.constraint, "xgrammar")
+        if source.kind in ("ebnf", "lark"):
+            import xgrammar
+
+            try:
+                if source.kind == "ebnf":
+                    xgrammar.Grammar.from_ebnf(source.text, root_rule_name=source.root)
+                else:
+                    xgrammar.Grammar.from_lark(source.text)
+            except RuntimeError as exc:
+                raise ConstraintError(f"invalid {source.kind} grammar: {exc}") from None
+        check_grammar(source)
+
     def compile(self, tokenizer: Any, *, vocab_size: int):
         """The compiled grammar (cached by the grammar layer), or None for free text."""
         if self.constraint is None:

@@ -1,0 +1,77 @@
+"""The command line's serving and packaging conventions: ``formcast serve``,
+``--version``, ``--log-level``, ``--quantization``, constraints checked before the
+model loads, and the ``py.typed`` marker."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import formcast
+from formcast.cli import CliContext, app
+
+RUNNER = CliRunner()
+
+
+def _no_load(model, **kwargs):
+    raise AssertionError("the model must not be loaded")
+
+
+def test_version():
+    result = RUNNER.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.stdout.strip() == f"formcast {formcast.__version__}"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "hi", "--regex", "(unclosed"], "invalid regex"),
+    (["generate", "hi", "--json-schema", '{"type": "nonsense"}'], "#/type"),
+    (["generate", "hi", "--json-schema", '{"type": "integer", "minimum": 3, "maximum": 1}'],
+     "unsatisfiable"),
+    (["generate", "hi", "--quantization", "int3"], "none, auto, int4 or int8"),
+    (["--log-level", "loud", "generate", "hi"], "loud"),
+    (["serve", "--quantization", "fp8"], "fp8"),
+    (["serve", "--port", "0"], "port"),
+])
+def test_bad_options_and_constraints_fail_before_the_model_loads(args, message):
+    result = RUNNER.invoke(app, args, obj=CliContext(load=_no_load))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_bad_regex_fails_in_a_fresh_process_without_the_model():
+    proc = subprocess.run([sys.executable, "-m", "formcast", "generate", "hi", "--regex", "a[b"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "invalid regex" in proc.stderr
+    assert "torch" not in proc.stderr
+
+
+def test_serve_help_lists_its_options():
+    result = RUNNER.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    for option in ("--model", "--host", "--port", "--api-key", "FORMCAST_API_KEY",
+                   "--max-concurrency", "--quantization", "--max-num-seqs"):
+        assert option in result.stdout
+
+
+@pytest.mark.parametrize("quantization,expected", [(None, "none"), ("none", "none")])
+def test_info_reports_the_quantization_the_engine_uses(llm, quantization, expected):
+    seen = {}
+
+    def load(model, **kwargs):
+        seen.update(kwargs)
+        return llm
+
+    args = ["info", "--json"] + (["--quantization", quantization] if quantization else [])
+    result = RUNNER.invoke(app, args, obj=CliContext(load=load))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["runtime"]["quantization"] == expected
+    assert seen.get("quantization", "auto") == ("auto" if quantization is None else None)
+
+
+def test_the_package_is_typed():
+    assert importlib.resources.files("formcast").joinpath("py.typed").is_file()
