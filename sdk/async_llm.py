@@ -85,7 +85,7 @@ class AsyncLLM:
                                        vocab_size=self.llm.engine.model.config.vocab_size)
 
     async def outputs(self, prompt_ids: Sequence[int], params: SamplingParams, *,
-                      compiled: Any = None, stream: bool = False
+                      compiled: Any = None, stream: bool = False, matcher: Any = None
                       ) -> AsyncIterator[RequestOutput]:
         """Run one request in the shared batch; yield its outputs (every change when
         ``stream``, else only the final one). Leaving the iteration early aborts
@@ -102,7 +102,8 @@ class AsyncLLM:
             The engine refused the request (e.g. the prompt is longer than the context).
         """
         hold = compiled is not None and compiled.end_check is not None
-        matcher = compiled.matcher() if compiled is not None else None
+        if matcher is None and compiled is not None:
+            matcher = compiled.matcher()
         ticket = self.loop.submit(prompt_ids, params, constraint=matcher,
                                   stream=stream and not hold)
         try:
@@ -112,9 +113,9 @@ class AsyncLLM:
             self.loop.abort(ticket)  # (no-op once it finished)
 
     async def final(self, prompt_ids: Sequence[int], params: SamplingParams, *,
-                    compiled: Any = None) -> RequestOutput:
+                    compiled: Any = None, matcher: Any = None) -> RequestOutput:
         """The final output of one request (see :meth:`outputs`)."""
-        async for out in self.outputs(prompt_ids, params, compiled=compiled):
+        async for out in self.outputs(prompt_ids, params, compiled=compiled, matcher=matcher):
             return out
         raise FormcastError("the engine loop ended the request without an output")
 
@@ -134,22 +135,25 @@ class AsyncLLM:
         return result
 
     async def aextract(self, text: str, schema: Any, *, instructions: str | None = None,
-                       max_tokens: int | None = None, seed: int | None = None,
-                       temperature: float = 0.0) -> Any:
+                       grounding: str = "auto", max_tokens: int | None = None,
+                       seed: int | None = None, temperature: float = 0.0,
+                       return_completions: bool = False) -> Any:
         """:meth:`formcast.LLM.extract`, awaited; same parameters, result and errors."""
-        from formcast.extraction import extraction_messages, extraction_spec
+        from formcast.extraction import Extraction
 
-        spec = extraction_spec(schema)
+        job = Extraction(schema, [text], grounding=grounding, instructions=instructions)
+        ids = job.ids(self.llm.tokenizer)[0]
+        if isinstance(ids, FormcastError):
+            raise ids
         params = _sampling(1, max_tokens=max_tokens or 512, temperature=temperature,
-                           seed=seed)[0]
-        ids = self.llm.tokenizer.apply_chat_template(
-            extraction_messages(text, spec.json_schema, instructions=instructions),
-            add_generation_prompt=True, tokenize=True)
-        compiled = await self.compile(spec)
-        result = self.finish(await self.final(ids, params, compiled=compiled), spec)
+                           seed=seed, logprobs=0 if return_completions else None)[0]
+        compiled = await self.compile(job.spec)
+        out = await self.final(ids, params, compiled=compiled,
+                               matcher=job.matcher(0, compiled))
+        result = job.checked(0, self.finish(out, job.spec))
         if isinstance(result, FormcastError):
             raise result
-        return result.value
+        return result if return_completions else result.value
 
     async def astream_text(self, prompt: str | list[dict[str, str]],
                            **kwargs: Any) -> AsyncIterator[str]:
