@@ -205,7 +205,7 @@ class _Emitter:
     def chars(self, ranges: Ranges) -> str | None:
         """A class of ``ranges`` (less the control characters inside a JSON string)."""
         if self.json_string:
-            ranges = _merge([(max(lo, 0x20), hi) for lo, hi in ranges if hi >= 0x20])
+            ranges = merge_ranges([(max(lo, 0x20), hi) for lo, hi in ranges if hi >= 0x20])
         return _class(ranges) if _without_surrogates(ranges) else None
 
     def fail(self, construct: str) -> ConstraintError:
@@ -340,7 +340,7 @@ class _Emitter:
                     ranges.extend(_category(positive, self.ascii_only or not negated))
             else:
                 raise self.fail(f"the class item {op}")
-        merged = _merge(ranges)
+        merged = merge_ranges(ranges)
         return _complement(merged) if negate else merged
 
 
@@ -387,7 +387,8 @@ def _class(ranges: Ranges) -> str:
     return "[" + "".join(parts) + "]"
 
 
-def _merge(ranges: Ranges) -> Ranges:
+def merge_ranges(ranges: Ranges) -> Ranges:
+    """``ranges`` of code points sorted, with touching and overlapping ones joined."""
     out: Ranges = []
     for lo, hi in sorted(ranges):
         if out and lo <= out[-1][1] + 1:
@@ -400,7 +401,7 @@ def _merge(ranges: Ranges) -> Ranges:
 def _complement(ranges: Ranges) -> Ranges:
     out: Ranges = []
     nxt = 0
-    for lo, hi in _merge(ranges):
+    for lo, hi in merge_ranges(ranges):
         if lo > nxt:
             out.append((nxt, lo - 1))
         nxt = hi + 1
@@ -427,9 +428,9 @@ def _without_surrogates(ranges: Ranges) -> Ranges:
 def _category(name: str, ascii_only: bool) -> Ranges:
     """The exact code points Python's ``\\d``/``\\w``/``\\s`` match, as ranges."""
     if ascii_only:
-        return _merge([(ord(c), ord(c)) for c in _ASCII_SETS[name]])
+        return merge_ranges([(ord(c), ord(c)) for c in _ASCII_SETS[name]])
     everything = "".join(chr(c) for c in range(_MAX_CODE_POINT + 1)
                          if not _SURROGATES[0] <= c <= _SURROGATES[1])
     hits = sorted(ord(c) for c in re.findall(_CATEGORY_PATTERNS[name], everything))
-    return _merge([(c, c) for c in hits])
+    return merge_ranges([(c, c) for c in hits])
 

@@ -21,6 +21,8 @@ import warnings
 from functools import lru_cache
 from typing import Any
 
+from formcast.grammars.regex_dialect import merge_ranges
+
 Ranges = list[tuple[int, int]]
 
 _MAX = sys.maxunicode
@@ -65,20 +67,10 @@ def _categories() -> dict[str, Ranges]:
     return found
 
 
-def _merge(ranges: Ranges) -> Ranges:
-    out: Ranges = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
-
-
 def _complement(ranges: Ranges) -> Ranges:
     out: Ranges = []
     nxt = 0
-    for lo, hi in _merge(ranges):
+    for lo, hi in merge_ranges(ranges):
         if lo > nxt:
             out.append((nxt, lo - 1))
         nxt = hi + 1
@@ -122,7 +114,7 @@ def property_ranges(name: str) -> tuple[tuple[int, int], ...] | None:
         picked = list(table.get(code, []))
     else:
         return None
-    return tuple(_merge(picked))
+    return tuple(merge_ranges(picked))
 
 
 def _escape(cp: int) -> str:
