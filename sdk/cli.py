@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import platform
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +27,8 @@ from rich.text import Text
 
 import formcast
 from formcast.cli_inputs import load_schema, read_json_schema, read_text, read_texts, read_vars
-from formcast.cli_reports import DatasetRateColumn, print_dataset_summary, print_eval_summary
+from formcast.cli_reports import (DatasetRateColumn, cache_files, print_dataset_summary,
+                                  print_eval_summary, versions)
 from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
                              ModelNotFoundError, OutputValidationError, RequestError)
 from formcast.server.command import serve_command
@@ -178,8 +178,8 @@ def info(ctx: typer.Context,
                     "block_size": engine.config.block_size},
         "tokenizer": {"vocab_size": tok.vocab_size, "bos_token_id": tok.bos_token_id,
                       "eos_token_ids": sorted(tok.eos_token_ids)},
-        "cache": {"home": str(formcast_home()), "files": _cache_files(source.path)},
-        "versions": _versions(),
+        "cache": {"home": str(formcast_home()), "files": cache_files(source.path)},
+        "versions": versions(),
     }
     if as_json:
         typer.echo(json.dumps(report, indent=2))
@@ -206,24 +206,6 @@ def _parameter_count(cfg: Any) -> int:
     layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size + 2 * h
     head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
     return cfg.vocab_size * h + cfg.num_hidden_layers * layer + h + head
-
-
-def _cache_files(path: Path) -> list[str]:
-    if path.is_dir():
-        return [str(path)]
-    return [str(p) for p in sorted(path.parent.iterdir()) if p.name.startswith(path.name)]
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {"formcast": formcast.__version__, "python": platform.python_version()}
-    for dist in ("torch", "tokenizers", "pydantic", "xgrammar", "outlines_core", "typer", "rich"):
-        try:
-            found[dist] = version(dist)
-        except PackageNotFoundError:
-            continue
-    return found
 
 
 # -- generate -----------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""What the ``dataset`` and ``eval`` commands print: a progress column and the end
-summaries (rendering only; the numbers come from formcast.dataset / formcast.evaluation)."""
+"""What the ``info``, ``dataset`` and ``eval`` commands print: the versions and cache
+files, a progress column and the end summaries (rendering only; the numbers come from
+formcast.dataset / formcast.evaluation)."""
 
 from __future__ import annotations
 
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,8 @@ from rich.console import Console
 from rich.progress import ProgressColumn, Task
 from rich.table import Table
 from rich.text import Text
+
+from formcast import __version__
 
 
 class DatasetRateColumn(ProgressColumn):
@@ -79,3 +83,23 @@ def print_eval_summary(out: Console, err: Console, data: dict[str, Any], report:
     out.print(table)
     where = f"report -> {report}" + (f", plot -> {plot}" if plot else "")
     err.print(where)
+
+
+def cache_files(path: Path) -> list[str]:
+    """The cache's files of a model at ``path`` (a folder, or a file and its siblings)."""
+    if path.is_dir():
+        return [str(path)]
+    return [str(p) for p in sorted(path.parent.iterdir()) if p.name.startswith(path.name)]
+
+
+def versions() -> dict[str, str]:
+    """Versions of formcast, Python and the libraries it runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {"formcast": __version__, "python": platform.python_version()}
+    for dist in ("torch", "tokenizers", "pydantic", "xgrammar", "outlines_core", "typer", "rich"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            continue
+    return found
