@@ -1602,7 +1602,7 @@ def test_a_batch_of_greedy_constrained_rows_sorts_as_any_batch_does(smollm2_engi
     rng = random.Random(0)
     live = []
     for i in range(40):
-        seq = make_seq([1, 2, 3], rid=f"r{i}", temperature=0.0)
+        seq = make_seq([1, 2, 3], rid=f"r{i}", temperature=0.0, epochs=engine.scheduler.epochs)
         seq.constraint = AllowOnly({5, 6})
         live.append(seq)
 
@@ -1625,7 +1625,8 @@ def test_a_batch_of_greedy_constrained_rows_sorts_as_any_batch_does(smollm2_engi
     assert not general(live)
     fast, slow = both(None)
     assert fast == slow and 7 in fast[1] and 7 not in fast[0]
-    live[7:8] = [make_seq([1, 2, 3], rid="free", temperature=0.0)]  # (no constraint)
+    live[7:8] = [make_seq([1, 2, 3], rid="free", temperature=0.0,
+                          epochs=engine.scheduler.epochs)]  # (no constraint)
     assert not general(live)
     fast, slow = both(None)
     assert fast == slow and fast[4] == [7]
