@@ -63,6 +63,7 @@ LIVE = [
     (Ebnf('root ::= "q" | b\nb ::= "x" b'), ["q"], ["x", "xq"]),
     (Lark('start: a*\na: "x" a'), [""], ["x"]),
     (Ebnf('root ::= "a" [^\\x00-\\U0010FFFF]*'), ["a"], ["ab"]),
+    (Regex(r"x|[^\d\D]y"), ["x"], ["y", ""]),    # (one empty branch: the other stays)
 ]
 
 
