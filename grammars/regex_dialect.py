@@ -398,7 +398,8 @@ def merge_ranges(ranges: Ranges) -> Ranges:
     return out
 
 
-def _complement(ranges: Ranges) -> Ranges:
+def complement_ranges(ranges: Ranges) -> Ranges:
+    """The code points (surrogates included) that ``ranges`` leave out, as ranges."""
     out: Ranges = []
     nxt = 0
     for lo, hi in merge_ranges(ranges):
@@ -407,7 +408,11 @@ def _complement(ranges: Ranges) -> Ranges:
         nxt = hi + 1
     if nxt <= _MAX_CODE_POINT:
         out.append((nxt, _MAX_CODE_POINT))
-    return _without_surrogates(out)
+    return out
+
+
+def _complement(ranges: Ranges) -> Ranges:
+    return _without_surrogates(complement_ranges(ranges))
 
 
 def _without_surrogates(ranges: Ranges) -> Ranges:

@@ -21,7 +21,7 @@ import warnings
 from functools import lru_cache
 from typing import Any
 
-from formcast.grammars.regex_dialect import merge_ranges
+from formcast.grammars.regex_dialect import complement_ranges, merge_ranges
 
 Ranges = list[tuple[int, int]]
 
@@ -67,18 +67,6 @@ def _categories() -> dict[str, Ranges]:
     return found
 
 
-def _complement(ranges: Ranges) -> Ranges:
-    out: Ranges = []
-    nxt = 0
-    for lo, hi in merge_ranges(ranges):
-        if lo > nxt:
-            out.append((nxt, lo - 1))
-        nxt = hi + 1
-    if nxt <= _MAX:
-        out.append((nxt, _MAX))
-    return out
-
-
 @lru_cache(maxsize=64)
 def property_ranges(name: str) -> tuple[tuple[int, int], ...] | None:
     """The code points of the Unicode property ``\\p{name}`` (None: a name not known).
@@ -96,7 +84,7 @@ def property_ranges(name: str) -> tuple[tuple[int, int], ...] | None:
     if low == "any":
         return ((0, _MAX),)
     if low == "assigned":
-        return tuple(_complement(list(_categories().get("Cn", []))))
+        return tuple(complement_ranges(list(_categories().get("Cn", []))))
     posix = _POSIX.get(low) or _POSIX.get(low.removeprefix("is"))
     if posix is not None:
         return tuple(posix)
@@ -151,7 +139,7 @@ def _rewrite(pattern: str) -> str | None:
                 ranges = property_ranges(m.group(2))
                 if ranges is None:
                     return None
-                ranges = list(ranges) if m.group(1) == "p" else _complement(list(ranges))
+                ranges = list(ranges) if m.group(1) == "p" else complement_ranges(list(ranges))
                 body = _class_body(ranges)
                 out.append(body if in_class else f"[{body}]")
                 i = m.end()
