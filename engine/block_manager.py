@@ -5,6 +5,13 @@ decides which block ids each sequence uses. A block holding ``block_size`` compu
 tokens gets a hash chained over its whole prefix; a later sequence whose prompt
 starts with the same tokens reuses it instead of computing it again. Blocks whose
 ref count drops to zero stay hashed in an LRU pool until their memory is needed.
+
+A manager built with a ``window`` serves sliding-window layers (one KV group of
+:mod:`formcast.engine.kv_groups`): once no query can see a block any more (all its
+positions older than the window, less a margin for rollbacks) it goes back to the
+pool, still hashed, and its table entry becomes :data:`NULL_BLOCK`, a block the
+pool never hands out (the attention's window mask never reads it). A prefix hit
+then needs only the blocks of the window before the hit point (:meth:`window_hit`).
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from formcast.engine.sequence import Sequence
+
+NULL_BLOCK = 0  # a windowed pool's table entry for a released block (reserved there)
 
 
 @dataclass(kw_only=True)
@@ -32,10 +41,20 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
 class BlockManager:
     """Allocates KV blocks to sequences; shares full blocks between equal prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 window: int | None = None, margin: int = 0, free_out_of_window: bool = True):
+        """``window``: the sliding window of the layers this manager's blocks serve
+        (None: full attention); blocks older than it and ``margin`` more tokens are
+        released as the sequence moves on, unless ``free_out_of_window`` is False."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need positive num_blocks and block_size, got {num_blocks}, {block_size}")
+        if window is not None and (window <= 0 or margin < 0 or num_blocks < 2):
+            raise ValueError(f"a windowed manager needs window > 0, margin >= 0 and 2 blocks or "
+                             f"more, got window={window}, margin={margin}, {num_blocks} blocks")
         self.block_size = block_size
+        self.window = window
+        self.margin = margin
+        self.frees_behind = window is not None and free_out_of_window
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(block_id=i) for i in range(num_blocks)]
         # ref_count == 0 blocks, least recently freed first; hashed ones may be revived
@@ -45,6 +64,8 @@ class BlockManager:
         self._deferred: dict[Sequence, None] = {}
         self._early_seqs: list[Sequence] | None = None  # the rows open_early went over last
         self._early_at = 0  # and where it stopped
+        if window is not None:  # (held for good: released entries point at it)
+            self._take(NULL_BLOCK)
 
     @property
     def num_blocks(self) -> int:
@@ -191,9 +212,16 @@ class BlockManager:
         fill their blocks at the same step (256 rows: 256 blocks to hash). A
         block counts as full once its tokens are computed and in the sequence's
         token ids (a decode step's token in flight is computed before the host
-        has it)."""
-        if not self.enable_prefix_caching:
-            return
+        has it). A windowed manager then releases the blocks that fell out of
+        each one's window (:meth:`release_behind`)."""
+        if self.enable_prefix_caching:
+            self._hash_full(seqs)
+        if self.frees_behind:
+            for seq in seqs:
+                self.release_behind(seq)
+
+    def _hash_full(self, seqs) -> None:
+        """The hashing of :meth:`commit_many`."""
         bs, blocks, by_hash = self.block_size, self.blocks, self._by_hash
         for seq in seqs:
             hashes, table, ids_of = seq.block_hashes, seq.block_table, seq.token_ids
@@ -250,10 +278,13 @@ class BlockManager:
         if self._deferred and seq in self._deferred:  # (cached with their hashes)
             del self._deferred[seq]
             self.commit_many((seq,))
+        nulls = self.window is not None
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
-        seq.block_table = []
-        seq.block_hashes = []
+            if not (nulls and block_id == NULL_BLOCK):
+                self._release(block_id)
+        # (cleared in place: a KV group's table is a list the sequence holds)
+        seq.block_table.clear()
+        seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
@@ -262,8 +293,10 @@ class BlockManager:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         keep = self.blocks_for(num_tokens)
+        nulls = self.window is not None
         for block_id in reversed(seq.block_table[keep:]):
-            self._release(block_id)
+            if not (nulls and block_id == NULL_BLOCK):
+                self._release(block_id)
         del seq.block_table[keep:]
         del seq.block_hashes[num_tokens // self.block_size:]
         if num_tokens % self.block_size and seq.block_table:
@@ -275,6 +308,75 @@ class BlockManager:
                 if self._by_hash.get(block.hash) == block.block_id:
                     del self._by_hash[block.hash]
                 block.hash, block.token_ids = None, ()
+
+    # -- sliding windows ----------------------------------------------------------
+    def first_needed_block(self, num_tokens: int, margin: int = 0) -> int:
+        """The first block a query at position ``num_tokens`` (or up to ``margin``
+        positions before it, after a rollback) can see; 0 without a window."""
+        if self.window is None:
+            return 0
+        return max(0, num_tokens - margin - self.window + 1) // self.block_size
+
+    def release_behind(self, seq: Sequence) -> int:
+        """Release the blocks of ``seq`` that no query from its next position on
+        (less :attr:`margin` for rollbacks) can see; how many were released. Oldest
+        first, so the pool evicts them first (they stay hashed until then)."""
+        table = seq.block_table
+        end = min(self.first_needed_block(seq.num_computed_tokens, self.margin), len(table))
+        start = end
+        while start > 0 and table[start - 1] != NULL_BLOCK:
+            start -= 1
+        for i in range(start, end):
+            self._release(table[i])
+            table[i] = NULL_BLOCK
+        return end - start
+
+    def window_held(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq`` still holds every block a query at ``num_tokens`` sees
+        (what a rollback to ``num_tokens`` needs; else it recomputes)."""
+        first = self.first_needed_block(num_tokens)
+        return NULL_BLOCK not in seq.block_table[first:self.blocks_for(num_tokens)] \
+            if self.window is not None else True
+
+    def window_hit(self, seq: Sequence, max_blocks: int) -> int:
+        """The most leading blocks, at most ``max_blocks``, that a block-less
+        ``seq`` could take from the prefix cache with the window before them
+        cached: blocks ``[first_needed_block(h * block_size), h)`` all cached with
+        ``seq``'s tokens. Changes nothing (:meth:`attach_window` takes them)."""
+        if not self.enable_prefix_caching or max_blocks <= 0:
+            return 0
+        bs, run, parent = self.block_size, 0, None
+        best = 0
+        for i in range(max_blocks):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, ids)
+            block_id = self._by_hash.get(parent)
+            run = run + 1 if block_id is not None and self.blocks[block_id].token_ids == ids else 0
+            if run >= i + 1 - self.first_needed_block((i + 1) * bs):
+                best = i + 1
+        return best
+
+    def attach_window(self, seq: Sequence, num_blocks: int) -> None:
+        """Give a block-less ``seq`` its first ``num_blocks`` blocks from the prefix
+        cache, the window's (a :meth:`window_hit`), the ones before it as
+        :data:`NULL_BLOCK`; sets ``seq.num_computed_tokens``."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.request_id} already has blocks")
+        bs, parent = self.block_size, None
+        first = self.first_needed_block(num_blocks * bs)
+        for i in range(num_blocks):
+            ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            parent = chain_hash(parent, ids)
+            seq.block_hashes.append(parent)
+            if i < first:
+                seq.block_table.append(NULL_BLOCK)
+                continue
+            block_id = self._by_hash.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != ids:
+                raise ValueError(f"block {i} of {seq.request_id} is not cached")
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = num_blocks * bs
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -31,6 +31,12 @@ class LlamaConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     architecture: str = "llama"
+    # sliding-window attention: a sliding layer's query at position p sees keys in
+    # (p - sliding_window, p]; layer_types names each layer's kind, transformers'
+    # way ("sliding_attention" / "full_attention"); empty: every layer sliding when
+    # sliding_window is set (Mistral), else every layer full
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -44,6 +50,29 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"LlamaConfig.sliding_window must be positive, got "
+                             f"{self.sliding_window}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"LlamaConfig.layer_types names {len(self.layer_types)} layers, "
+                                 f"the model has {self.num_hidden_layers}")
+            unknown = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
+            if unknown:
+                raise ValueError(f"LlamaConfig.layer_types: unknown kinds {unknown}; expected "
+                                 "'sliding_attention' or 'full_attention'")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("LlamaConfig.layer_types has sliding layers but "
+                                 "sliding_window is None")
+
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window: ``sliding_window`` for a sliding layer,
+        None for a full-attention one."""
+        if not self.layer_types:
+            return (self.sliding_window,) * self.num_hidden_layers
+        return tuple(self.sliding_window if kind == "sliding_attention" else None
+                     for kind in self.layer_types)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
@@ -54,6 +83,7 @@ class LlamaConfig:
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -69,6 +99,9 @@ class LlamaConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", False),
             mlp_bias=d.get("mlp_bias", False),
+            # (Qwen2 files carry a sliding_window that use_sliding_window turns off)
+            sliding_window=window,
+            layer_types=tuple(d.get("layer_types") or ()) if window else (),
         )
 
 
@@ -92,6 +125,12 @@ class EngineConfig:
         Longest sequence (prompt + output); None takes the model's context length.
     enable_prefix_caching : bool
         Share KV blocks between requests whose prompts start alike.
+    free_out_of_window_blocks : bool
+        A sliding-window layer's KV blocks that no query can see any more (every
+        position older than the window, with a margin for rollbacks) go back to the
+        pool as decoding moves on, so a request's memory for those layers is bounded
+        by the window (:mod:`formcast.engine.kv_groups`). False keeps them to the
+        end of the request; outputs are the same either way.
     spec : SpecConfig | str | None
         Speculative decoding (:class:`formcast.engine.speculative.SpecConfig`, or a method
         name: "auto", "prompt_lookup", "none"). Default "auto": greedy requests
@@ -192,6 +231,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    free_out_of_window_blocks: bool = True
     max_constraint_rollbacks: int = 8
     num_threads: int | None = None
     overlap_masks: bool = True

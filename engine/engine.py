@@ -17,7 +17,6 @@ from collections.abc import Sequence as SequenceABC
 
 import torch
 
-from formcast.engine.block_manager import BlockManager
 from formcast.engine.chores import HostChores
 from formcast.engine.config import EngineConfig
 from formcast.engine.constraint import LogitsConstraint
@@ -25,7 +24,8 @@ from formcast.engine.constraint_ops import MaskThread, prepare_constraints
 from formcast.engine.errors import EngineError, RequestError
 from formcast.engine.intake import RequestIntake
 from formcast.engine.kernels import to_device
-from formcast.engine.loading import build_runner, load, max_len, settle_process
+from formcast.engine.loading import (block_manager_for, build_runner, full_blocks, load, max_len,
+                                     settle_process)
 from formcast.engine.model_runner import ModelRunner
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.llama import LlamaForCausalLM
@@ -58,11 +58,11 @@ class Engine:
         self.device = device = device or param.device
         self.dtype = param.dtype
         cuda, tuning = device.type == "cuda", config.tuning
-        self.runner, num_blocks, self.prefix_caching, mtp = build_runner(
+        self.runner, kv_groups, self.prefix_caching, mtp = build_runner(
             model, tokenizer, config, device=device, dtype=self.dtype)
-        self.max_model_len = max_len(config, model.config, num_blocks)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          enable_prefix_caching=self.prefix_caching)
+        self.max_model_len = max_len(config, model.config, full_blocks(kv_groups))
+        self.block_manager = block_manager_for(kv_groups, config,
+                                               prefix_caching=self.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.sampler = Sampler(model.config.vocab_size, tokenizer.vocab_size, batch_fill=cuda,
@@ -86,7 +86,8 @@ class Engine:
         if asynchronous is None:
             asynchronous = cuda
         self.pipeline: Pipeline | None = None
-        if asynchronous and isinstance(self.runner, ModelRunner):
+        # (the pipeline keeps one block table a sequence: not for sliding-window models)
+        if asynchronous and isinstance(self.runner, ModelRunner) and not self.runner.grouped:
             self.pipeline = Pipeline(config, self.scheduler, self.block_manager, self.runner,
                                      self.sampler, self.output, self.chores, self.speculative,
                                      self.masks, tokenizer, device=device,

@@ -11,7 +11,9 @@ import gc
 
 import torch
 
+from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
+from formcast.engine.kv_groups import GroupedBlockManager, KVGroup, group_layers, size_groups
 from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -129,17 +131,44 @@ def state_blocks(config: EngineConfig, model_config: DeepseekV4Config, dtype: to
 
 
 def max_len(config: EngineConfig, model_config: LlamaConfig | DeepseekV4Config,
-            num_blocks: int) -> int:
+            num_blocks: int | None) -> int:
     """The longest sequence: the model's context, capped by the config and by the
-    cache (a sequence must always fit alone in it)."""
+    cache (a sequence must always fit alone in its ``num_blocks``; None: the
+    cache sets no bound, its layers' windows do)."""
     mpe = model_config.max_position_embeddings
-    return min(config.max_model_len or mpe, mpe, num_blocks * config.block_size)
+    cap = mpe if num_blocks is None else num_blocks * config.block_size
+    return min(config.max_model_len or mpe, mpe, cap)
+
+
+def full_blocks(groups: tuple[KVGroup, ...]) -> int | None:
+    """The blocks of the full-attention group of ``groups`` (None: none has one)."""
+    return next((g.num_blocks for g in groups if g.window is None), None)
+
+
+def rollback_margin(config: EngineConfig) -> int:
+    """Tokens a rollback may take back without losing a sliding window: a whole
+    rejected draft, and at least 16 (a constraint's dead end backed out of)."""
+    return max(16, config.spec.max_draft + 1)
+
+
+def block_manager_for(groups: tuple[KVGroup, ...], config: EngineConfig, *,
+                      prefix_caching: bool) -> BlockManager | GroupedBlockManager:
+    """The block manager of a runner's KV ``groups``: a plain one for one
+    full-attention group, else one per group (:class:`GroupedBlockManager`)."""
+    if len(groups) == 1 and groups[0].window is None:
+        return BlockManager(groups[0].num_blocks, config.block_size,
+                            enable_prefix_caching=prefix_caching)
+    return GroupedBlockManager(groups, config.block_size, enable_prefix_caching=prefix_caching,
+                               margin=rollback_margin(config),
+                               free_out_of_window=config.free_out_of_window_blocks)
 
 
 def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tokenizer,
                  config: EngineConfig, *, device: torch.device, dtype: torch.dtype):
-    """The model runner for ``model``, its number of KV blocks, whether prefix
+    """The model runner for ``model``, its KV groups (sized), whether prefix
     caching is on, and the MTP proposer when the model drafts with its own head.
+    (DeepSeek-V4 keeps its sliding windows in per-request states, bounded by the
+    window: its one group of blocks only admits requests.)
 
     Raises
     ------
@@ -147,7 +176,7 @@ def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tok
         Speculative method "mtp" for a model without an MTP layer.
     """
     from formcast.engine.cuda_graph import graph_ladder
-    from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block
+    from formcast.engine.model_runner import ModelRunner, layer_block_bytes
     from formcast.engine.models.deepseek_v4_runner import DeepseekV4Runner
     from formcast.engine.speculative.mtp import MTPProposer
 
@@ -162,24 +191,32 @@ def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tok
         # per-request states, not paged KV: blocks only admit requests, nothing is shared
         prefix_caching = False
         runner = DeepseekV4Runner(model, max_rollback=max_rollback, keep_hidden=uses_mtp)
+        groups = (KVGroup(window=None, layers=tuple(range(mcfg.num_hidden_layers)),
+                          num_blocks=num_blocks),)
         if uses_mtp:
             mtp = MTPProposer(runner, valid_vocab_size=tokenizer.vocab_size)
     else:
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory // kv_bytes_per_block(mcfg, bs, dtype))
+        groups = size_groups(group_layers(mcfg.layer_windows()),
+                             layer_block_bytes=layer_block_bytes(mcfg, bs, dtype),
+                             memory=config.kv_cache_memory, num_blocks=config.num_kv_blocks,
+                             max_num_seqs=config.max_num_seqs, margin=rollback_margin(config),
+                             block_size=bs, lookahead=spec.max_draft + 1,
+                             step_tokens=config.max_num_batched_tokens)
         prefix_caching = config.enable_prefix_caching
-        graph_sizes = graph_ladder(config.max_num_seqs) \
-            if config.cuda_graphs and device.type == "cuda" else ()
-        runner = ModelRunner(model, num_blocks=num_blocks, block_size=bs, device=device,
-                             dtype=dtype, cuda_graph_sizes=graph_sizes,
-                             max_model_len=max_len(config, mcfg, num_blocks),
+        # (graphs serve one full-attention group: sliding-window models run eagerly)
+        graph_sizes = graph_ladder(config.max_num_seqs) if config.cuda_graphs and \
+            device.type == "cuda" and len(groups) == 1 and groups[0].window is None else ()
+        runner = ModelRunner(model, num_blocks=groups[0].num_blocks, block_size=bs,
+                             device=device, dtype=dtype, cuda_graph_sizes=graph_sizes,
+                             kv_groups=groups,
+                             max_model_len=max_len(config, mcfg, full_blocks(groups)),
                              sample_vocab=min(tokenizer.vocab_size, mcfg.vocab_size),
                              max_prefill_tokens=config.max_num_batched_tokens,
                              max_prefill_chunks=config.max_num_seqs, tuning=config.tuning)
     if spec.enabled and spec.method == "mtp" and mtp is None:
         raise ValueError("spec method 'mtp' needs a model with an MTP layer (a DeepSeek-V4 "
                          "checkpoint with mtp.0.* weights); use 'prompt_lookup' or 'auto'")
-    return runner, num_blocks, prefix_caching, mtp
+    return runner, groups, prefix_caching, mtp
 
 
 def settle_process(config: EngineConfig, device: torch.device) -> None:

@@ -1,12 +1,15 @@
 """Turns a scheduled batch into tensors, runs the model, returns logits.
 
 Owns the KV cache memory: one tensor per layer, ``[2, NBtotal, BS, Hkv, D]``
-(keys then values). Batch tensors are built on the host and moved once.
+(keys then values), ``NBtotal`` the blocks of the layer's KV group
+(:mod:`formcast.engine.kv_groups`: a model with sliding-window layers has a pool
+and a block table a sequence for each kind). Batch tensors are built on the host
+and moved once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -14,6 +17,7 @@ from formcast.engine.config import LlamaConfig
 from formcast.engine.cuda_graph import DecodeGraphs
 from formcast.engine.kernels import to_device
 from formcast.engine.kernels.paged_attention import pack_prefills
+from formcast.engine.kv_groups import KVGroup
 from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
 from formcast.engine.layers.quant import prompt_rows
 from formcast.engine.models.llama import LlamaForCausalLM
@@ -24,9 +28,13 @@ from formcast.engine.tuning import EngineTuning
 
 
 def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    return config.num_hidden_layers * layer_block_bytes(config, block_size, dtype)
+
+
+def layer_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block of one layer (keys and values)."""
     elem = torch.empty(0, dtype=dtype).element_size()
-    return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads \
-        * config.head_dim * elem
+    return 2 * block_size * config.num_key_value_heads * config.head_dim * elem
 
 
 @dataclass(kw_only=True)
@@ -70,8 +78,11 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype,
                  cuda_graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None,
                  sample_vocab: int | None = None, max_prefill_tokens: int = 0,
-                 max_prefill_chunks: int = 0, tuning: EngineTuning | None = None) -> None:
-        """``cuda_graph_sizes``: batch sizes whose decode steps are captured as CUDA
+                 max_prefill_chunks: int = 0, tuning: EngineTuning | None = None,
+                 kv_groups: tuple[KVGroup, ...] | None = None) -> None:
+        """``kv_groups``: the layers' KV groups, sized (None: one group of every
+        layer, full attention, ``num_blocks`` blocks); graphs serve that case only.
+        ``cuda_graph_sizes``: batch sizes whose decode steps are captured as CUDA
         graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables;
         ``sample_vocab``: the columns the graphs' greedy sampling may pick;
         ``max_prefill_tokens``, ``max_prefill_chunks``: the largest prompt step that
@@ -92,12 +103,24 @@ class ModelRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks
         cfg = model.config
+        if kv_groups is None:
+            kv_groups = (KVGroup(window=None, layers=tuple(range(cfg.num_hidden_layers)),
+                                 num_blocks=num_blocks),)
+        self.kv_groups = kv_groups
+        # one layout and metadata per group, each layer reading its group's
+        self.grouped = len(kv_groups) > 1 or kv_groups[0].window is not None
+        self._layer_group = [0] * cfg.num_hidden_layers
+        for g, group in enumerate(kv_groups):
+            for layer in group.layers:
+                self._layer_group[layer] = g
         graphs = bool(cuda_graph_sizes) and device.type == "cuda"
+        if graphs and self.grouped:
+            raise ValueError("CUDA graphs serve full-attention models only (one KV group)")
         # with graphs, one block more: padding rows write their keys there
         self.kv_caches = [
-            torch.zeros(2, num_blocks + graphs, block_size, cfg.num_key_value_heads,
-                        cfg.head_dim, dtype=dtype, device=device)
-            for _ in range(cfg.num_hidden_layers)
+            torch.zeros(2, kv_groups[self._layer_group[i]].num_blocks + graphs, block_size,
+                        cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+            for i in range(cfg.num_hidden_layers)
         ]
         self.graphs: DecodeGraphs | None = None
         if graphs:
@@ -145,6 +168,9 @@ class ModelRunner:
             if logits is not None:
                 return logits
         token_ids, positions, meta, sample_rows = self._prepare(layout)
+        if self.grouped:
+            meta = self._layer_metas(meta, [self._layout(batch, g)
+                                            for g in range(1, len(self.kv_groups))])
         is_prompt = layout.is_prompt
         head_is_prompt = is_prompt if all_logits else [is_prompt[r] for r in layout.sample_rows]
         if not prompt_float:
@@ -168,12 +194,18 @@ class ModelRunner:
         self._replayed = self.graphs is not None and self.graphs.size_for(len(seqs)) is not None
         if self._replayed:
             return self.graphs.run_seqs(seqs, tokens, staged=staged)
-        layout = StepLayout()
-        for seq in seqs:
-            p = seq.num_computed_tokens
-            layout.add_decode(None, p, seq.block_table, p < seq.num_prompt_tokens,
-                              self.block_size)
+        layouts = []
+        for g in range(len(self.kv_groups)):
+            layout = StepLayout()
+            for seq in seqs:
+                p = seq.num_computed_tokens
+                layout.add_decode(None, p, seq.block_table if g == 0 else seq.group_tables[g - 1],
+                                  p < seq.num_prompt_tokens, self.block_size)
+            layouts.append(layout)
+        layout = layouts[0]
         _, pos, meta, _ = self._prepare(layout)
+        if self.grouped:
+            meta = self._layer_metas(meta, layouts[1:])
         with prompt_rows(layout.is_prompt, self.device):
             hidden = self.model(tokens, pos, self.kv_caches, meta)
             return self.model.logits(hidden)
@@ -218,7 +250,18 @@ class ModelRunner:
     def release(self, seq: Sequence) -> None:
         """Nothing to free: a sequence's KV blocks belong to the block manager."""
 
-    def _layout(self, batch: list[ScheduledSeq]) -> StepLayout:
+    def _layer_metas(self, first: AttentionMetadata, others: list[StepLayout]
+                     ) -> list[AttentionMetadata]:
+        """Each layer's metadata: its group's tables and window (``first``: the
+        first group's, made without a window; ``others``: the other groups')."""
+        groups = self.kv_groups
+        metas = [replace(first, window=groups[0].window)]
+        metas += [self._metadata(layout, group.window)
+                  for layout, group in zip(others, groups[1:])]
+        return [metas[g] for g in self._layer_group]
+
+    def _layout(self, batch: list[ScheduledSeq], group: int = 0) -> StepLayout:
+        """The step's rows over the block tables of KV group ``group``."""
         bs = self.block_size
         out = StepLayout()
         tokens = out.tokens
@@ -228,7 +271,8 @@ class ModelRunner:
             row0 = len(tokens)
             if n == 1 and not d and start == len(seq.token_ids) - 1:
                 # a plain decode (most rows of most steps): the general case, unrolled
-                out.add_decode(seq.token_ids[start], start, seq.block_table,
+                out.add_decode(seq.token_ids[start], start,
+                               seq.block_table if not group else seq.group_tables[group - 1],
                                start < seq.num_prompt_tokens, bs)
                 continue
             tokens.extend(seq.token_ids[start:start + n - d])
@@ -237,7 +281,7 @@ class ModelRunner:
             pos = range(start, start + n)
             out.positions.extend(pos)
             out.is_prompt.extend(p < seq.num_prompt_tokens for p in pos)
-            table = seq.block_table
+            table = seq.block_table if not group else seq.group_tables[group - 1]
             out.slots.extend(table[p // bs] * bs + p % bs for p in pos)
             if n == d + 1:
                 # a decode, and each draft position after it as a decode of its own:
@@ -259,6 +303,13 @@ class ModelRunner:
     def _prepare(self, layout: StepLayout
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         dev = self.device
+        return (to_device(layout.tokens, torch.long, dev),
+                to_device(layout.positions, torch.long, dev), self._metadata(layout),
+                to_device(layout.sample_rows, torch.long, dev))
+
+    def _metadata(self, layout: StepLayout, window: int | None = None) -> AttentionMetadata:
+        """The attention metadata of ``layout``'s rows over its tables."""
+        dev = self.device
         tables = layout.decode_tables
         max_blocks = max((len(t) for t in tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in tables]
@@ -271,13 +322,11 @@ class ModelRunner:
             spans = tuple(PrefillSpan(start=row0, length=n, context_len=ctx,
                                       block_table=row[:len(table)])
                           for row, (row0, n, ctx, table) in zip(rows, layout.prefills))
-        meta = AttentionMetadata(
+        return AttentionMetadata(
             slot_mapping=to_device(layout.slots, torch.long, dev),
             decode_rows=to_device(layout.decode_rows, torch.long, dev),
             decode_block_tables=to_device(padded, torch.long, dev).view(len(padded), max_blocks),
             decode_lens=to_device(layout.decode_lens, torch.long, dev),
             prefills=spans, prefill_packed=packed, one_token_rows=not layout.drafts,
+            window=window,
         )
-        return (to_device(layout.tokens, torch.long, dev),
-                to_device(layout.positions, torch.long, dev), meta,
-                to_device(layout.sample_rows, torch.long, dev))

@@ -125,6 +125,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # hashes of the leading full, computed blocks
+        # the block tables of the model's further KV groups (kv_groups), if any
+        self.group_tables: list[list[int]] = []
         self.num_computed_tokens = 0   # tokens whose KV is in the cache
         self.num_cached_prompt_tokens = 0
         self.num_preemptions = 0

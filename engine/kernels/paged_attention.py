@@ -27,10 +27,16 @@ from formcast.engine.kernels import to_device, use_triton
 SPLIT_BELOW = 128
 
 
-def decode_masked_out(context_lens: torch.Tensor, width: int) -> torch.Tensor:
-    """``[B, 1, 1, width]`` bool, True at key positions past each row's context."""
+def decode_masked_out(context_lens: torch.Tensor, width: int,
+                      window: int | None = None) -> torch.Tensor:
+    """``[B, 1, 1, width]`` bool, True at key positions past each row's context
+    (and, with a sliding ``window``, at those ``window`` or more before its query)."""
     cols = torch.arange(width, device=context_lens.device)
-    return (cols >= context_lens.view(-1, 1)).view(-1, 1, 1, width)
+    lens = context_lens.view(-1, 1)
+    out = cols >= lens
+    if window is not None:
+        out |= cols < lens - window
+    return out.view(-1, 1, 1, width)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -136,7 +142,7 @@ def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.
                              scale: float, *, k: torch.Tensor | None = None,
                              v: torch.Tensor | None = None,
                              packed: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             backend: str = "auto") -> None:
+                             window: int | None = None, backend: str = "auto") -> None:
     """Causal attention of prefill chunks, written into ``out`` [T, H, D] in place.
 
     Chunk ``i`` is rows ``starts[i] : starts[i] + lengths[i]`` of ``q`` [T, H, D]: the
@@ -146,9 +152,13 @@ def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.
     directly for a chunk with nothing cached before it. ``packed``: the same
     chunks as (starts, lengths, context lengths) [3, P] and padded block tables
     [P, NB], on the device already (the Triton path then moves nothing).
+    ``window``: a sliding window, each query seeing the keys of the ``window``
+    positions up to its own (torch path only).
     """
     if not starts:
         return
+    if window is not None:
+        backend = "torch"  # (the Triton kernel has no window mask)
     if use_triton(q, backend):
         from formcast.engine.kernels.paged_attention_triton import paged_prefill_attention_triton_
 
@@ -161,7 +171,8 @@ def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.
     for start, length, context, table in zip(starts, lengths, context_lens, block_tables):
         rows = slice(start, start + length)
         qs = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, L, D]
-        if context == length and k is not None:  # nothing cached before this chunk
+        if context == length and k is not None and (window is None or length <= window):
+            # nothing cached before this chunk
             ks = k[rows].transpose(0, 1).unsqueeze(0)                    # [1, Hkv, L, D]
             vs = v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
@@ -170,7 +181,10 @@ def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.
             ks = k_cache[table].view(-1, hkv, d)[:context].transpose(0, 1).unsqueeze(0)
             vs = v_cache[table].view(-1, hkv, d)[:context].transpose(0, 1).unsqueeze(0)
             qpos = torch.arange(length, device=q.device).unsqueeze(1) + (context - length)
-            mask = torch.arange(context, device=q.device).unsqueeze(0) <= qpos  # [L, S]
+            cols = torch.arange(context, device=q.device).unsqueeze(0)
+            mask = cols <= qpos  # [L, S]
+            if window is not None:
+                mask &= cols > qpos - window
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
         out[rows] = o.squeeze(0).transpose(0, 1)

@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
         return x.is_cuda and self.fused_decode and x.dtype != torch.float32 and \
             self.head_dim <= 64 and t * self.num_kv_heads >= SPLIT_BELOW and \
             meta.one_token_rows and not meta.prefills and meta.num_decodes == t and \
-            triton_available()
+            meta.window is None and triton_available()
 
     def fused_decode_attention(self, x: torch.Tensor, positions: torch.Tensor,
                                rotary: RotaryEmbedding, kv_cache: torch.Tensor,
@@ -215,12 +215,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        # token_ids, positions [T]; kv_caches[layer] [2, NBtotal, BS, Hkv, D] -> [T, E]
+                kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        # token_ids, positions [T]; kv_caches[layer] [2, NBtotal, BS, Hkv, D] -> [T, E];
+        # meta: every layer's, or one a layer (KV groups: each its tables and window)
         x = self.model.embed_tokens(token_ids)
         pending = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, pending = layer.forward(x, pending, positions, self.model.rotary, kv_cache, meta)
+        metas = meta if isinstance(meta, list) else [meta] * len(kv_caches)
+        for layer, kv_cache, m in zip(self.model.layers, kv_caches, metas):
+            x, pending = layer.forward(x, pending, positions, self.model.rotary, kv_cache, m)
         return x if pending is None else x + pending
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
