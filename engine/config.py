@@ -33,10 +33,10 @@ class LlamaConfig:
     architecture: str = "llama"
     # sliding-window attention: a sliding layer's query at position p sees keys in
     # (p - sliding_window, p]; layer_types names each layer's kind, transformers'
-    # way ("sliding_attention" / "full_attention"); empty: every layer sliding when
+    # way ("sliding_attention" / "full_attention"); None: every layer sliding when
     # sliding_window is set (Mistral), else every layer full
     sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -53,8 +53,8 @@ class LlamaConfig:
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"LlamaConfig.sliding_window must be positive, got "
                              f"{self.sliding_window}")
-        object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        if self.layer_types:
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
             if len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(f"LlamaConfig.layer_types names {len(self.layer_types)} layers, "
                                  f"the model has {self.num_hidden_layers}")
@@ -69,7 +69,7 @@ class LlamaConfig:
     def layer_windows(self) -> tuple[int | None, ...]:
         """Each layer's attention window: ``sliding_window`` for a sliding layer,
         None for a full-attention one."""
-        if not self.layer_types:
+        if self.layer_types is None:
             return (self.sliding_window,) * self.num_hidden_layers
         return tuple(self.sliding_window if kind == "sliding_attention" else None
                      for kind in self.layer_types)
@@ -101,7 +101,7 @@ class LlamaConfig:
             mlp_bias=d.get("mlp_bias", False),
             # (Qwen2 files carry a sliding_window that use_sliding_window turns off)
             sliding_window=window,
-            layer_types=tuple(d.get("layer_types") or ()) if window else (),
+            layer_types=tuple(d["layer_types"]) if window and d.get("layer_types") else None,
         )
 
 

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from formcast.engine.block_manager import BlockManager
+from formcast.engine.kv_groups import GroupedBlockManager
 from formcast.engine.sequence import SamplingEpochs, Sequence, SequenceStatus
 
 
@@ -40,9 +41,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting and running queues over a :class:`BlockManager`."""
+    """Waiting and running queues over a :class:`BlockManager` (or one per KV
+    group of a model with sliding-window layers: :class:`GroupedBlockManager`)."""
 
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
+    def __init__(self, block_manager: BlockManager | GroupedBlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -123,6 +125,7 @@ class Scheduler:
         count once verification has accepted them)."""
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_tokens - item.num_draft
+            # (and a sliding group gives back the blocks that left its window)
             self.block_manager.commit(item.seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -89,8 +89,8 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("layer_types, sliding_window, expected", [
-    ((), None, (None, None)),
-    ((), 8, (8, 8)),
+    (None, None, (None, None)),
+    (None, 8, (8, 8)),
     (("sliding_attention", "full_attention"), 8, (8, None)),
     (("full_attention", "full_attention"), 8, (None, None)),
 ])
@@ -246,3 +246,21 @@ def test_a_rollback_past_the_margin_recomputes_from_the_start(back, recomputes):
     bm.truncate(seq, 48 - back)
     assert seq.num_computed_tokens == (0 if recomputes else 48 - back)
     assert (bm.held_blocks(seq) == [0]) == recomputes
+
+
+def test_deepseek_v4_keeps_its_sliding_window_bounded_in_its_state():
+    # V4 keeps its SWA keys in each request's state, not in paged blocks: the last
+    # window - 1 + max_rollback rows, however long the sequence grows
+    from tests.engine.deepseek_v4_helpers import our_model, reference_model, run_chunks
+
+    model = our_model(reference_model(seed=0))
+    window, rollback = model.config.sliding_window, 4
+    state = model.new_state(max_rollback=rollback)
+    tokens = torch.randint(1, model.config.vocab_size, (64,),
+                           generator=torch.Generator().manual_seed(12))
+    rows = []
+    for n in [16] + [1] * 48:
+        run_chunks(model, tokens, [n], state)
+        rows.append(max(layer.window.shape[0] for layer in state.layers))
+    assert state.num_tokens == 64
+    assert max(rows) == window - 1 + rollback
