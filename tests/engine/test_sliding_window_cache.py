@@ -264,3 +264,37 @@ def test_deepseek_v4_keeps_its_sliding_window_bounded_in_its_state():
         rows.append(max(layer.window.shape[0] for layer in state.layers))
     assert state.num_tokens == 64
     assert max(rows) == window - 1 + rollback
+
+
+@pytest.mark.parametrize("back", [8, 30])  # within the margin (16), and past it
+def test_a_dead_end_backed_out_of_gives_the_outputs_of_kept_blocks(models, back):
+    from tests.engine.test_deepseek_v4_engine import DeadEndOnce
+
+    _, model = models["gemma_like"]
+    ids = prompt(30, seed=13)
+    params = SamplingParams(max_tokens=60, logprobs=0, **GREEDY)
+    outs = [engine(model, free_out_of_window_blocks=free).generate(
+                [ids], params, constraints=[DeadEndOnce(length=48, back=back)])[0]
+            for free in (True, False)]
+    assert outs[0].finish_reason == "stop" and len(outs[0].token_ids) == 48
+    assert outs[0].token_ids == outs[1].token_ids
+    # (past the margin the sequence is computed again as a prompt, whose attention
+    # rounds apart from a decode step's, as a preempted request's recompute does)
+    diff = max(abs(a.logprob - b.logprob) for a, b in zip(outs[0].logprobs, outs[1].logprobs))
+    assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("windows, expected", [
+    ((None, None), [2000 // 2]),          # one full group: all the memory
+    ((8, 8), [2000 // 2]),                # one sliding group: all of it too
+    # a sliding group: 2 sequences' windows (8 + margin 4 + lookahead 4: 4 blocks,
+    # +1) and a step's 16 tokens (4 blocks), +1; the full group the rest
+    ((8, None), [2000 - 15, 15]),
+])
+def test_pools_are_sized_from_the_memory(windows, expected):
+    from formcast.engine.kv_groups import size_groups
+
+    groups = size_groups(group_layers(windows), layer_block_bytes=1, memory=2000,
+                         num_blocks=None, max_num_seqs=2, margin=4, block_size=BS,
+                         lookahead=4, step_tokens=16)
+    assert [g.num_blocks for g in groups] == expected
