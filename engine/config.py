@@ -31,12 +31,6 @@ class LlamaConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     architecture: str = "llama"
-    # sliding-window attention: a sliding layer's query at position p sees keys in
-    # (p - sliding_window, p]; layer_types names each layer's kind, transformers'
-    # way ("sliding_attention" / "full_attention"); None: every layer sliding when
-    # sliding_window is set (Mistral), else every layer full
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -50,29 +44,6 @@ class LlamaConfig:
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"LlamaConfig.sliding_window must be positive, got "
-                             f"{self.sliding_window}")
-        if self.layer_types is not None:
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-            if len(self.layer_types) != self.num_hidden_layers:
-                raise ValueError(f"LlamaConfig.layer_types names {len(self.layer_types)} layers, "
-                                 f"the model has {self.num_hidden_layers}")
-            unknown = sorted(set(self.layer_types) - {"sliding_attention", "full_attention"})
-            if unknown:
-                raise ValueError(f"LlamaConfig.layer_types: unknown kinds {unknown}; expected "
-                                 "'sliding_attention' or 'full_attention'")
-            if "sliding_attention" in self.layer_types and self.sliding_window is None:
-                raise ValueError("LlamaConfig.layer_types has sliding layers but "
-                                 "sliding_window is None")
-
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """Each layer's attention window: ``sliding_window`` for a sliding layer,
-        None for a full-attention one."""
-        if self.layer_types is None:
-            return (self.sliding_window,) * self.num_hidden_layers
-        return tuple(self.sliding_window if kind == "sliding_attention" else None
-                     for kind in self.layer_types)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
@@ -83,7 +54,6 @@ class LlamaConfig:
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -99,9 +69,6 @@ class LlamaConfig:
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             attention_bias=d.get("attention_bias", False),
             mlp_bias=d.get("mlp_bias", False),
-            # (Qwen2 files carry a sliding_window that use_sliding_window turns off)
-            sliding_window=window,
-            layer_types=tuple(d["layer_types"]) if window and d.get("layer_types") else None,
         )
 
 

@@ -19,7 +19,8 @@ from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
                                                         state_bytes_per_token)
-from formcast.engine.models.llama import LlamaForCausalLM
+from formcast.engine.models.families import build_causal_lm
+from formcast.engine.models.llama import LlamaForCausalLM, decoder_config
 from formcast.engine.tokenizer import Tokenizer
 from formcast.engine.tokenizer_files import cached_gguf_tokenizer
 
@@ -87,7 +88,7 @@ def build_model(config: LlamaConfig | DeepseekV4Config, weights: dict[str, torch
         model.load_weights(weights)
         return model.cast_(dtype).to(device).eval()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = build_causal_lm(config)  # Llama or a family sharing its module
     model.to_empty(device="cpu")
     model.tie_weights()
     model.load_weights(weights)
@@ -196,7 +197,8 @@ def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tok
         if uses_mtp:
             mtp = MTPProposer(runner, valid_vocab_size=tokenizer.vocab_size)
     else:
-        groups = size_groups(group_layers(mcfg.layer_windows()),
+        windows = tuple(decoder_config(mcfg).window(i) for i in range(mcfg.num_hidden_layers))
+        groups = size_groups(group_layers(windows),
                              layer_block_bytes=layer_block_bytes(mcfg, bs, dtype),
                              memory=config.kv_cache_memory, num_blocks=config.num_kv_blocks,
                              max_num_seqs=config.max_num_seqs, margin=rollback_margin(config),

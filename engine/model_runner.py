@@ -9,7 +9,7 @@ and moved once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -252,12 +252,10 @@ class ModelRunner:
 
     def _layer_metas(self, first: AttentionMetadata, others: list[StepLayout]
                      ) -> list[AttentionMetadata]:
-        """Each layer's metadata: its group's tables and window (``first``: the
-        first group's, made without a window; ``others``: the other groups')."""
-        groups = self.kv_groups
-        metas = [replace(first, window=groups[0].window)]
-        metas += [self._metadata(layout, group.window)
-                  for layout, group in zip(others, groups[1:])]
+        """Each layer's metadata, over its group's block tables (``first``: the
+        first group's; ``others``: the layouts of the other groups). The layers
+        mask their own windows."""
+        metas = [first] + [self._metadata(layout) for layout in others]
         return [metas[g] for g in self._layer_group]
 
     def _layout(self, batch: list[ScheduledSeq], group: int = 0) -> StepLayout:
@@ -307,7 +305,7 @@ class ModelRunner:
                 to_device(layout.positions, torch.long, dev), self._metadata(layout),
                 to_device(layout.sample_rows, torch.long, dev))
 
-    def _metadata(self, layout: StepLayout, window: int | None = None) -> AttentionMetadata:
+    def _metadata(self, layout: StepLayout) -> AttentionMetadata:
         """The attention metadata of ``layout``'s rows over its tables."""
         dev = self.device
         tables = layout.decode_tables
@@ -328,5 +326,4 @@ class ModelRunner:
             decode_block_tables=to_device(padded, torch.long, dev).view(len(padded), max_blocks),
             decode_lens=to_device(layout.decode_lens, torch.long, dev),
             prefills=spans, prefill_packed=packed, one_token_rows=not layout.drafts,
-            window=window,
         )

@@ -44,9 +44,6 @@ class AttentionMetadata:
     # every decode row is its sequence's one new token (no draft positions): a kernel
     # may then store a row's key and value while the other rows attend
     one_token_rows: bool = False
-    # the sliding window of the layers reading this metadata (None: full attention):
-    # a query at position p sees the keys of positions p - window + 1 .. p
-    window: int | None = None
 
     def rely_on_one_token_rows(self) -> None:
         """A layer took a path that holds only with :attr:`one_token_rows` (a CUDA
@@ -72,44 +69,46 @@ class AttentionMetadata:
     def num_decodes(self) -> int:
         return int(self.decode_rows.numel())
 
-    def decode_masked_out(self, width: int) -> torch.Tensor:
-        """:func:`decode_masked_out` of the decode rows, made once per step rather
-        than once per layer."""
-        cached = self.__dict__.get("_masked_out")
+    def decode_masked_out(self, width: int, window: int | None = None) -> torch.Tensor:
+        """:func:`decode_masked_out` of the decode rows (for layers of this
+        ``window``), made once per step rather than once per layer."""
+        masks = self.__dict__.setdefault("_masked_out", {})
+        cached = masks.get(window)
         if cached is None or cached.shape[-1] != width:
-            cached = decode_masked_out(self.decode_lens, width, self.window)
-            object.__setattr__(self, "_masked_out", cached)
+            cached = masks[window] = decode_masked_out(self.decode_lens, width, window)
         return cached
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, stored: bool = False
+                    meta: AttentionMetadata, scale: float, *, stored: bool = False,
+                    window: int | None = None, softcap: float | None = None
                     ) -> torch.Tensor:
     """Causal attention of the step's queries over their sequences' cached keys.
 
     q [T, H, D]; k, v [T, Hkv, D] (this step's, already rotated); caches
     [NBtotal, BS, Hkv, D]. Returns [T, H, D]. Writes k, v into the caches first,
-    unless ``stored`` (the rotation wrote them already).
+    unless ``stored`` (the rotation wrote them already). ``window``: each query
+    sees its last ``window`` tokens only (itself included; sliding-window
+    layers); ``softcap``: scores are soft-capped (see
+    :mod:`formcast.engine.kernels.paged_attention`).
     """
     if not stored:
         store_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
-    window = meta.window
-    backend = "auto" if window is None else "torch"  # (the Triton kernels have no window mask)
     t, h, d = q.shape
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
         only_decodes = meta.num_decodes == t  # rows are then 0..T-1 in order (the runner's layout)
         tables = meta.decode_block_tables
         width = tables.shape[1] * k_cache.shape[1]
-        masked_out = None if q.is_cuda and window is None else meta.decode_masked_out(width)
+        masked_out = None if q.is_cuda else meta.decode_masked_out(width, window)
         o = paged_decode_attention(q if only_decodes else q[meta.decode_rows], k_cache, v_cache,
                                    tables, meta.decode_lens, scale, masked_out=masked_out,
-                                   backend=backend)
+                                   window=window, softcap=softcap)
         if only_decodes:
             return o
         out[meta.decode_rows] = o
     paged_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale, k=k, v=v,
-                             packed=meta.prefill_packed, window=window)
+                             packed=meta.prefill_packed, window=window, softcap=softcap)
     return out
 

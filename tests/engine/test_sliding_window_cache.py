@@ -13,8 +13,8 @@ import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams
 from formcast.engine.block_manager import NULL_BLOCK
-from formcast.engine.config import LlamaConfig
 from formcast.engine.kv_groups import GroupedBlockManager, KVGroup, group_layers, window_blocks
+from formcast.engine.models.decoder_config import DecoderConfig
 from formcast.engine.models.llama import LlamaForCausalLM
 from formcast.engine.tokenizer import Tokenizer
 from tests.engine.deepseek_v4_helpers import _one_thread  # noqa: F401  (autouse)
@@ -44,7 +44,7 @@ def reference(kinds: tuple[str, ...]):
 
 def ours(ref, kinds: tuple[str, ...]) -> LlamaForCausalLM:
     c = ref.config
-    model = LlamaForCausalLM(LlamaConfig(
+    model = LlamaForCausalLM(DecoderConfig(
         vocab_size=VOCAB, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
         num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
@@ -86,19 +86,6 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.mark.parametrize("layer_types, sliding_window, expected", [
-    (None, None, (None, None)),
-    (None, 8, (8, 8)),
-    (("sliding_attention", "full_attention"), 8, (8, None)),
-    (("full_attention", "full_attention"), 8, (None, None)),
-])
-def test_layer_windows_come_from_the_config(layer_types, sliding_window, expected):
-    cfg = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                      sliding_window=sliding_window, layer_types=layer_types)
-    assert cfg.layer_windows() == expected
 
 
 @pytest.mark.parametrize("windows, expected", [
@@ -153,7 +140,7 @@ def test_long_generation_holds_a_window_of_sliding_blocks(models, name, spec):
     kept, held_kept = run_holding(engine(model, spec=spec, free_out_of_window_blocks=False),
                                   ids, 160)
     assert freed == kept
-    groups = group_layers(model.config.layer_windows())
+    groups = group_layers(tuple(model.config.window(i) for i in range(len(LAYERS[name]))))
     sliding = [g for g, group in enumerate(groups) if group.window is not None]
     bound = window_blocks(WINDOW, 16, BS, lookahead=16)  # (spec's margin: max(16, draft + 1))
     assert max(h[g] for h in held for g in sliding) <= bound
