@@ -4,9 +4,11 @@ One :class:`Tokenizer` wraps a ``tokenizers.Tokenizer`` (the Rust BPE) built eit
 from a GGUF file's metadata or from an HF folder's ``tokenizer.json``. It loads no
 weights and never imports transformers.
 
-From GGUF, the byte-level BPE is rebuilt from ``tokenizer.ggml.tokens`` and
-``tokenizer.ggml.merges``; the pre-tokenizer is chosen by ``tokenizer.ggml.pre``
-following llama.cpp, which is what the model's own ``tokenizer.json`` does. For
+From GGUF, a byte-level BPE is rebuilt from ``tokenizer.ggml.tokens`` and
+``tokenizer.ggml.merges``, the pre-tokenizer chosen by ``tokenizer.ggml.pre``
+following llama.cpp, which is what the model's own ``tokenizer.json`` does; a
+SentencePiece vocabulary (``tokenizer.ggml.model == "llama"``: Gemma, Mistral,
+Phi-3) from its pieces and scores (:mod:`.tokenizer_spm`). For
 ``smollm`` (and ``starcoder``) that is ``Digits(individual)`` then ``ByteLevel``: every
 numeric character stands alone, so a run of spaces before a digit stays one piece
 (``"a  1"`` -> ``a``, ``ĠĠ``, ``1``) and ``" ½"`` is ``Ġ``, ``Â½``. (transformers' GGUF
@@ -107,14 +109,9 @@ class Tokenizer:
         UnsupportedModelError
             A tokenizer kind or pre-tokenizer formcast does not reproduce.
         """
-        from formcast.engine.loader.gguf import open_gguf
+        from formcast.engine.gguf_metadata import read_gguf_metadata
 
-        path = Path(path)
-        if not path.is_file():
-            raise ModelNotFoundError(f"no GGUF file at {path}")
-        reader = open_gguf(path)  # damage of any kind -> CorruptModelError naming the file
-        meta = {name: field.contents() for name, field in reader.fields.items()
-                if name.startswith("tokenizer.")}
+        meta = read_gguf_metadata(path, keep=("tokenizer.", "general.architecture"))
         return cls.from_gguf_metadata(meta, source=str(path))
 
     @classmethod
@@ -126,7 +123,9 @@ class Tokenizer:
         Parameters
         ----------
         meta : mapping
-            GGUF metadata, values as ``GGUFReader``'s ``field.contents()`` returns them.
+            GGUF metadata, values as ``GGUFReader``'s ``field.contents()`` returns them:
+            the ``tokenizer.*`` keys, and ``general.architecture`` for a SentencePiece
+            vocabulary (it picks the family's space handling).
         source : str
             Names the file in error messages.
 

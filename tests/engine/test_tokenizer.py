@@ -284,8 +284,9 @@ def test_gguf_metadata_bos_eos_flags_and_turn_end_rule() -> None:
 
 
 @pytest.mark.parametrize("overrides, error", [
-    ({"tokenizer.ggml.model": "llama"}, UnsupportedModelError),
-    ({"tokenizer.ggml.pre": "qwen2"}, UnsupportedModelError),
+    ({"tokenizer.ggml.model": "t5"}, UnsupportedModelError),
+    ({"tokenizer.ggml.model": "llama"}, CorruptModelError),  # SentencePiece needs scores
+    ({"tokenizer.ggml.pre": "deepseek-v3"}, UnsupportedModelError),
     ({"tokenizer.ggml.merges": ["ab"]}, CorruptModelError),
     ({"tokenizer.ggml.token_type": [3, 3]}, CorruptModelError),
 ])
