@@ -31,7 +31,7 @@ from tokenizers import Tokenizer as _Backend
 from formcast.engine.errors import CorruptModelError
 
 SPACE = "\u2581"
-_CONTROL, _USER_DEFINED = 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
 
 def spm_family(architecture: str | None) -> str:
@@ -134,8 +134,9 @@ def spm_backend(meta: Mapping[str, Any], source: str, architecture: str | None) 
         if prefix:
             steps.append(decoders.Strip(content=" ", left=1, right=0))
     backend.decoder = decoders.Sequence(steps)
+    # the unknown piece is special too: its text in a prompt means the token, as in llama.cpp
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, k in zip(tokens, types) if k == _CONTROL])
+                                for t, k in zip(tokens, types) if k in (_UNKNOWN, _CONTROL)])
     # a user-defined piece is matched whole in text; one respelled above is not text
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, s, k in zip(tokens, stored, types) if k == _USER_DEFINED and t == s])
