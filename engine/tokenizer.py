@@ -331,7 +331,7 @@ class Tokenizer:
     @cached_property
     def _token_bytes(self) -> tuple[bytes, ...]:
         added = self._backend.get_added_tokens_decoder()
-        spelled = decoder_spelling(json.loads(self._backend.to_str()).get("decoder"))
+        spelled = decoder_spelling(self._decoder_json)
         out = []
         for i in range(self.vocab_size):
             text = self._backend.id_to_token(i)
@@ -367,13 +367,17 @@ class Tokenizer:
     @cached_property
     def strips_leading_space(self) -> bool:
         """Whether decoding drops the first word's leading space (as streamed text must)."""
+        return decoder_strips_space(self._decoder_json)
+
+    @cached_property
+    def _decoder_json(self) -> Any:
         # the decoder's own state is its JSON: a thousandth of the whole
         # tokenizer's (a cost the first request would pay)
         decoder = self._backend.decoder
         state = decoder.__getstate__() if decoder is not None else None
         if isinstance(state, (bytes, str)):
-            return decoder_strips_space(json.loads(state))
-        return decoder_strips_space(json.loads(self._backend.to_str()).get("decoder"))
+            return json.loads(state)
+        return json.loads(self._backend.to_str()).get("decoder")
 
     def save_pretrained(self, folder: str | os.PathLike[str]) -> Path:
         """Write this tokenizer as an HF folder that :meth:`from_hf_dir` reads back.

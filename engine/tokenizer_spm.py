@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
@@ -62,15 +64,22 @@ def derive_merges(pieces: Sequence[str], rank: Sequence[float]) -> list[tuple[st
     ids: dict[str, int] = {}
     for i, piece in enumerate(pieces):
         ids.setdefault(piece, i)
-    found: list[tuple[float, int, int, int, int, int, str, str]] = []
+    get = ids.get
+    found: list[tuple[int, int, int]] = []  # (joined id, left id, right id)
     for piece, i in ids.items():
         for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in ids and right in ids:
-                found.append((-rank[i], -len(left), -len(right), i, ids[left], ids[right],
-                              left, right))
-    found.sort(key=lambda m: m[:6])
-    return [(m[6], m[7]) for m in found]
+            left = get(piece[:cut])
+            if left is not None:
+                right = get(piece[cut:])
+                if right is not None:
+                    found.append((i, left, right))
+    if not found:
+        return []
+    joined, left, right = (np.array(column, dtype=np.int64) for column in zip(*found))
+    lengths = np.array([len(p) for p in pieces], dtype=np.int64)
+    order = np.lexsort((right, left, joined, -lengths[right], -lengths[left],
+                        -np.asarray(rank, dtype=np.float64)[joined]))  # last key sorts first
+    return [(pieces[left[k]], pieces[right[k]]) for k in order.tolist()]
 
 
 def spm_backend(meta: Mapping[str, Any], source: str, architecture: str | None) -> _Backend:

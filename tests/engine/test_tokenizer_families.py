@@ -229,7 +229,6 @@ def test_gemma_is_a_base_model_tokenizer(pairs: Callable[[str], Pair]) -> None:
 
 def test_gemma_tokenizer_by_name_is_the_cached_copy(pairs: Callable[[str], Pair]) -> None:
     ours = pairs("gemma3-270m").ours
-    first, again = load_tokenizer("gemma3-270m"), load_tokenizer("google/gemma-3-270m")
-    for text in TEXTS:
-        assert first.encode(text) == again.encode(text) == ours.encode(text), text
-    assert first.fingerprint() == ours.fingerprint()
+    cached = load_tokenizer("google/gemma-3-270m")  # an alias; built once, then read back
+    assert cached.encode_batch(TEXTS) == ours.encode_batch(TEXTS)
+    assert cached.token_bytes() == ours.token_bytes()
