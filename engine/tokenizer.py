@@ -35,7 +35,7 @@ from typing import Any, Literal, overload
 
 from tokenizers import Tokenizer as _Backend
 
-from formcast.engine.chat_template import ChatTemplate
+from formcast.engine.chat_template import ChatTemplate, plain_prompt
 from formcast.engine.errors import CorruptModelError, ModelNotFoundError, RequestError
 from formcast.engine.token_spelling import decoder_spelling, decoder_strips_space, set_bos_eos
 
@@ -272,11 +272,8 @@ class Tokenizer:
     # ------------------------------------------------------------------- chat
 
     @cached_property
-    def _compiled_template(self) -> ChatTemplate:
-        if not self.chat_template:
-            raise RequestError("this model has no chat template; pass a plain prompt string "
-                               "instead of chat messages")
-        return ChatTemplate(self.chat_template)
+    def _compiled_template(self) -> ChatTemplate | None:
+        return ChatTemplate(self.chat_template) if self.chat_template else None
 
     @overload
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
@@ -296,6 +293,10 @@ class Tokenizer:
         Renders exactly as transformers' ``apply_chat_template`` (the template sees
         ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
         ``unk_token``, ``pad_token``, ``tools``, ``documents`` and ``template_kwargs``).
+        A model without a chat template (a base model, such as Gemma 3 270M) is
+        prompted completion style: the messages' texts joined by blank lines, after
+        the bos token when the model adds one (:func:`plain_prompt`), so a one-message
+        conversation encodes as ``encode(text)`` does.
 
         Parameters
         ----------
@@ -315,16 +316,30 @@ class Tokenizer:
         Raises
         ------
         RequestError
-            The model has no chat template, or the template rejected the conversation.
+            The template rejected the conversation, or a message has no text.
         CorruptModelError
             The template is not valid jinja.
         """
         names = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id,
                  "unk_token": self.unk_token_id, "pad_token": self.pad_token_id}
         variables = {k: self._backend.id_to_token(v) for k, v in names.items() if v is not None}
-        text = self._compiled_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                              **{**variables, **template_kwargs})
+        template = self._compiled_template
+        if template is None:
+            text = plain_prompt(messages, bos_token=variables.get("bos_token")
+                                if self.adds_bos else None)
+        else:
+            text = template.render(messages, add_generation_prompt=add_generation_prompt,
+                                   **{**variables, **template_kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def adds_bos(self) -> bool:
+        """Whether :meth:`encode` puts the bos token first (with ``add_special_tokens``)."""
+        if self.bos_token_id is None:
+            return False
+        probe = self._backend.encode("a", add_special_tokens=True).ids
+        return probe[:1] == [self.bos_token_id] and \
+            self._backend.encode("a", add_special_tokens=False).ids[:1] != [self.bos_token_id]
 
     # ---------------------------------------------------------- token bytes
 

@@ -223,8 +223,9 @@ def test_gemma_is_a_base_model_tokenizer(pairs: Callable[[str], Pair]) -> None:
     assert ours.encode("Hi")[0] == ours.bos_token_id == 2 and ours.eos_token_ids == {1}
     assert ours.encode("\n\n\n", add_special_tokens=False) == [ours.token_to_id("\n\n\n")]
     assert ours.chat_template is None and ours.strips_leading_space is False
-    with pytest.raises(RequestError, match="no chat template"):
-        ours.apply_chat_template([{"role": "user", "content": "hi"}])
+    # a base model: a conversation is prompted as its plain text, bos first
+    assert ours.apply_chat_template([{"role": "user", "content": "The capital of France is"}],
+                                    tokenize=True) == ours.encode("The capital of France is")
 
 
 def test_gemma_tokenizer_by_name_is_the_cached_copy(pairs: Callable[[str], Pair]) -> None:
