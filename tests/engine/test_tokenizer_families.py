@@ -233,3 +233,16 @@ def test_gemma_tokenizer_by_name_is_the_cached_copy(pairs: Callable[[str], Pair]
     cached = load_tokenizer("google/gemma-3-270m")  # an alias; built once, then read back
     assert cached.encode_batch(TEXTS) == ours.encode_batch(TEXTS)
     assert cached.token_bytes() == ours.token_bytes()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_text_is_the_decoded_text(pairs: Callable[[str], Pair], family: str) -> None:
+    from formcast.engine.detokenizer import IncrementalDetokenizer
+
+    ours = pairs(family).ours
+    for text in TEXTS:
+        ids = ours.encode(text)
+        for skip in (False, True):
+            detok = IncrementalDetokenizer(ours, skip_special_tokens=skip)
+            streamed = "".join(detok.feed(i) for i in ids) + detok.flush()
+            assert streamed == ours.decode(ids, skip_special_tokens=skip), (text, skip)
