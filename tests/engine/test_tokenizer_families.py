@@ -26,7 +26,8 @@ from .chat_templates import (TOOLS, TOOLS_CONVERSATIONS, TOOLS_TEMPLATE, TURNS_C
                              TURNS_TEMPLATE)
 from .test_tokenizer import CORPUS, NUMERIC_SPLIT_CASES
 from .tokenizer_family_files import (byte_level_meta, cached_hf_from_gguf, hf_from_gguf, hf_ids,
-                                     pieces_of, sentencepiece_meta, write_tokenizer_gguf)
+                                     pieces_of, sentencepiece_meta, sentencepiece_model,
+                                     write_tokenizer_gguf)
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,9 +54,14 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def spm_meta() -> dict[str, Any]:
+def spm_model() -> Any:
     pytest.importorskip("sentencepiece")
-    return sentencepiece_meta()
+    return sentencepiece_model()
+
+
+@pytest.fixture(scope="module")
+def spm_meta(spm_model: Any) -> dict[str, Any]:
+    return sentencepiece_meta(spm_model)
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +222,26 @@ def test_splits_differ_where_the_families_do(name: str, text: str, pieces: list[
 ])
 def test_derive_merges(pieces: list[str], rank: list[float], merges: list[tuple[str, str]]) -> None:
     assert derive_merges(pieces, rank) == merges
+
+
+# SentencePiece cuts text at each space before merging, which BPE on the whole text
+# does not; they agree wherever no run of spaces (or leading space) is involved.
+@pytest.mark.parametrize("text", [t for t in CORPUS if t and "  " not in t
+                                  and not t.startswith((" ", "\n", "\r", "\t"))
+                                  and "<" not in t and "\u00a0" not in t])
+def test_merges_from_scores_segment_as_sentencepiece_does(spm_model: Any,
+                                                          pairs: Callable[[str], Pair],
+                                                          text: str) -> None:
+    assert pairs("spm-llama").ours.encode(text) == [1, *spm_model.encode(text)]
+
+
+@pytest.mark.parametrize("prefix, first", [(True, "▁"), (False, "H")])
+def test_add_space_prefix_flag(spm_meta: dict[str, Any], prefix: bool, first: str) -> None:
+    tok = Tokenizer.from_gguf_metadata({**spm_meta, "general.architecture": "llama",
+                                        "tokenizer.ggml.add_space_prefix": prefix})
+    ids = tok.encode("Hello world", add_special_tokens=False)
+    assert tok.id_to_token(ids[0]).startswith(first)
+    assert tok.decode(ids) == "Hello world" and tok.strips_leading_space is prefix
 
 
 def test_gemma_is_a_base_model_tokenizer(pairs: Callable[[str], Pair]) -> None:

@@ -72,9 +72,9 @@ def _training_text() -> list[str]:
     return [line for line in lines if line.strip()]
 
 
-def sentencepiece_meta(*, vocab_size: int = 1200) -> dict[str, Any]:
-    """``tokenizer.*`` metadata of a SentencePiece BPE trained here (byte fallback,
-    ``[INST]``/``[/INST]`` control symbols, ``<tool_call>`` user-defined)."""
+def sentencepiece_model(*, vocab_size: int = 1200) -> Any:
+    """A SentencePiece BPE trained here (byte fallback, ``[INST]``/``[/INST]`` control
+    symbols, ``<tool_call>`` user-defined), as a ``SentencePieceProcessor``."""
     import sentencepiece as spm
 
     model = io.BytesIO()
@@ -85,7 +85,12 @@ def sentencepiece_meta(*, vocab_size: int = 1200) -> dict[str, Any]:
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, split_digits=True,
         remove_extra_whitespaces=False, allow_whitespace_only_pieces=True,
         normalization_rule_name="identity", minloglevel=2)
-    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    return spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+
+def sentencepiece_meta(sp: Any) -> dict[str, Any]:
+    """``tokenizer.*`` metadata of :func:`sentencepiece_model`'s model, as llama.cpp
+    writes a SentencePiece vocabulary."""
     pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     types = [UNKNOWN if sp.is_unknown(i) else CONTROL if sp.is_control(i) else
              BYTE if sp.is_byte(i) else USER_DEFINED if p == "<tool_call>" else NORMAL
