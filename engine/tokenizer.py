@@ -4,9 +4,11 @@ One :class:`Tokenizer` wraps a ``tokenizers.Tokenizer`` (the Rust BPE) built eit
 from a GGUF file's metadata or from an HF folder's ``tokenizer.json``. It loads no
 weights and never imports transformers.
 
-From GGUF, the byte-level BPE is rebuilt from ``tokenizer.ggml.tokens`` and
-``tokenizer.ggml.merges``; the pre-tokenizer is chosen by ``tokenizer.ggml.pre``
-following llama.cpp, which is what the model's own ``tokenizer.json`` does. For
+From GGUF, a byte-level BPE is rebuilt from ``tokenizer.ggml.tokens`` and
+``tokenizer.ggml.merges``, the pre-tokenizer chosen by ``tokenizer.ggml.pre``
+following llama.cpp, which is what the model's own ``tokenizer.json`` does; a
+SentencePiece vocabulary (``tokenizer.ggml.model == "llama"``: Gemma, Mistral,
+Phi-3) from its pieces and scores (:mod:`.tokenizer_spm`). For
 ``smollm`` (and ``starcoder``) that is ``Digits(individual)`` then ``ByteLevel``: every
 numeric character stands alone, so a run of spaces before a digit stays one piece
 (``"a  1"`` -> ``a``, ``ĠĠ``, ``1``) and ``" ½"`` is ``Ġ``, ``Â½``. (transformers' GGUF
@@ -33,7 +35,7 @@ from typing import Any, Literal, overload
 
 from tokenizers import Tokenizer as _Backend
 
-from formcast.engine.chat_template import ChatTemplate
+from formcast.engine.chat_template import ChatTemplate, plain_prompt
 from formcast.engine.errors import CorruptModelError, ModelNotFoundError, RequestError
 from formcast.engine.token_spelling import decoder_spelling, decoder_strips_space, set_bos_eos
 
@@ -107,14 +109,9 @@ class Tokenizer:
         UnsupportedModelError
             A tokenizer kind or pre-tokenizer formcast does not reproduce.
         """
-        from formcast.engine.loader.gguf import open_gguf
+        from formcast.engine.gguf_metadata import read_gguf_metadata
 
-        path = Path(path)
-        if not path.is_file():
-            raise ModelNotFoundError(f"no GGUF file at {path}")
-        reader = open_gguf(path)  # damage of any kind -> CorruptModelError naming the file
-        meta = {name: field.contents() for name, field in reader.fields.items()
-                if name.startswith("tokenizer.")}
+        meta = read_gguf_metadata(path, keep=("tokenizer.", "general.architecture"))
         return cls.from_gguf_metadata(meta, source=str(path))
 
     @classmethod
@@ -126,7 +123,9 @@ class Tokenizer:
         Parameters
         ----------
         meta : mapping
-            GGUF metadata, values as ``GGUFReader``'s ``field.contents()`` returns them.
+            GGUF metadata, values as ``GGUFReader``'s ``field.contents()`` returns them:
+            the ``tokenizer.*`` keys, and ``general.architecture`` for a SentencePiece
+            vocabulary (it picks the family's space handling).
         source : str
             Names the file in error messages.
 
@@ -273,11 +272,8 @@ class Tokenizer:
     # ------------------------------------------------------------------- chat
 
     @cached_property
-    def _compiled_template(self) -> ChatTemplate:
-        if not self.chat_template:
-            raise RequestError("this model has no chat template; pass a plain prompt string "
-                               "instead of chat messages")
-        return ChatTemplate(self.chat_template)
+    def _compiled_template(self) -> ChatTemplate | None:
+        return ChatTemplate(self.chat_template) if self.chat_template else None
 
     @overload
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
@@ -297,6 +293,10 @@ class Tokenizer:
         Renders exactly as transformers' ``apply_chat_template`` (the template sees
         ``messages``, ``add_generation_prompt``, ``bos_token``, ``eos_token``,
         ``unk_token``, ``pad_token``, ``tools``, ``documents`` and ``template_kwargs``).
+        A model without a chat template (a base model, such as Gemma 3 270M) is
+        prompted completion style: the messages' texts joined by blank lines, after
+        the bos token when the model adds one (:func:`plain_prompt`), so a one-message
+        conversation encodes as ``encode(text)`` does.
 
         Parameters
         ----------
@@ -316,23 +316,37 @@ class Tokenizer:
         Raises
         ------
         RequestError
-            The model has no chat template, or the template rejected the conversation.
+            The template rejected the conversation, or a message has no text.
         CorruptModelError
             The template is not valid jinja.
         """
         names = {"bos_token": self.bos_token_id, "eos_token": self.eos_token_id,
                  "unk_token": self.unk_token_id, "pad_token": self.pad_token_id}
         variables = {k: self._backend.id_to_token(v) for k, v in names.items() if v is not None}
-        text = self._compiled_template.render(messages, add_generation_prompt=add_generation_prompt,
-                                              **{**variables, **template_kwargs})
+        template = self._compiled_template
+        if template is None:
+            text = plain_prompt(messages, bos_token=variables.get("bos_token")
+                                if self.adds_bos else None)
+        else:
+            text = template.render(messages, add_generation_prompt=add_generation_prompt,
+                                   **{**variables, **template_kwargs})
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def adds_bos(self) -> bool:
+        """Whether :meth:`encode` puts the bos token first (with ``add_special_tokens``)."""
+        if self.bos_token_id is None:
+            return False
+        probe = self._backend.encode("a", add_special_tokens=True).ids
+        return probe[:1] == [self.bos_token_id] and \
+            self._backend.encode("a", add_special_tokens=False).ids[:1] != [self.bos_token_id]
 
     # ---------------------------------------------------------- token bytes
 
     @cached_property
     def _token_bytes(self) -> tuple[bytes, ...]:
         added = self._backend.get_added_tokens_decoder()
-        spelled = decoder_spelling(json.loads(self._backend.to_str()).get("decoder"))
+        spelled = decoder_spelling(self._decoder_json)
         out = []
         for i in range(self.vocab_size):
             text = self._backend.id_to_token(i)
@@ -368,13 +382,17 @@ class Tokenizer:
     @cached_property
     def strips_leading_space(self) -> bool:
         """Whether decoding drops the first word's leading space (as streamed text must)."""
+        return decoder_strips_space(self._decoder_json)
+
+    @cached_property
+    def _decoder_json(self) -> Any:
         # the decoder's own state is its JSON: a thousandth of the whole
         # tokenizer's (a cost the first request would pay)
         decoder = self._backend.decoder
         state = decoder.__getstate__() if decoder is not None else None
         if isinstance(state, (bytes, str)):
-            return decoder_strips_space(json.loads(state))
-        return decoder_strips_space(json.loads(self._backend.to_str()).get("decoder"))
+            return json.loads(state)
+        return json.loads(self._backend.to_str()).get("decoder")
 
     def save_pretrained(self, folder: str | os.PathLike[str]) -> Path:
         """Write this tokenizer as an HF folder that :meth:`from_hf_dir` reads back.

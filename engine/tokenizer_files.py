@@ -1,12 +1,11 @@
-"""A tokenizer's files: the byte-level BPE rebuilt from a GGUF's vocabulary, the
-HF-folder copy that caches it next to the file, and loading a tokenizer by name.
+"""A tokenizer's files: the tokenizer rebuilt from a GGUF's metadata, the HF-folder
+copy that caches it next to the file, and loading a tokenizer by name.
 
-From GGUF, the byte-level BPE is rebuilt from ``tokenizer.ggml.tokens`` and
-``tokenizer.ggml.merges``; the pre-tokenizer is chosen by ``tokenizer.ggml.pre``
-following llama.cpp, which is what the model's own ``tokenizer.json`` does (see
-:mod:`formcast.engine.tokenizer`). Control tokens (type 3) become special added
-tokens and user-defined ones (type 4) plain added tokens, so both are matched
-whole in text.
+From GGUF, a byte-level BPE is rebuilt from ``tokenizer.ggml.tokens`` and
+``tokenizer.ggml.merges``, its pre-tokenizer chosen by ``tokenizer.ggml.pre``
+(:mod:`.pretokenizers`); a SentencePiece vocabulary from its pieces and scores
+(:mod:`.tokenizer_spm`). Control tokens (type 3) become special added tokens and
+user-defined ones (type 4) plain added tokens, so both are matched whole in text.
 """
 
 from __future__ import annotations
@@ -17,23 +16,27 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as _Backend
 
 from formcast.engine.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 from formcast.engine.token_spelling import BYTE_TO_CHAR, CHAR_TO_BYTE, set_bos_eos
+from formcast.engine.pretokenizers import byte_level_pre_tokenizer
 from formcast.engine.tokenizer import Tokenizer
+from formcast.engine.tokenizer_spm import spm_backend
 
 _GGUF_CONTROL = 3
 _GGUF_USER_DEFINED = 4
-# llama.cpp pre-tokenizer names whose split is "each digit alone, then the GPT-2 regex".
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder"})
-_GPT2 = frozenset({"gpt2", "gpt-2"})
 
 
 def gguf_backend(meta: Mapping[str, Any], source: str) -> tuple[_Backend, dict[str, Any]]:
-    """The BPE of a GGUF's ``tokenizer.*`` metadata, and the special token ids
-    (and chat template) :class:`Tokenizer` takes with it.
+    """The tokenizer of a GGUF's ``tokenizer.*`` metadata (plus ``general.architecture``),
+    and the special token ids (and chat template) :class:`Tokenizer` takes with it.
+
+    ``tokenizer.ggml.model`` picks the kind: ``gpt2`` is byte-level BPE split by
+    ``tokenizer.ggml.pre`` (:mod:`.pretokenizers`), ``llama`` a SentencePiece
+    vocabulary (:mod:`.tokenizer_spm`). bos is added when ``add_bos_token`` says so;
+    a SentencePiece file without the flag adds it, as llama.cpp does.
 
     Raises
     ------
@@ -41,23 +44,36 @@ def gguf_backend(meta: Mapping[str, Any], source: str) -> tuple[_Backend, dict[s
         As :meth:`Tokenizer.from_gguf`.
     """
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedModelError(
-            f"{source}: tokenizer.ggml.model={kind!r}; formcast builds only byte-level BPE "
-            "('gpt2') tokenizers from GGUF. Load the model's HF folder (tokenizer.json) "
-            "instead.")
-    pre = meta.get("tokenizer.ggml.pre", "gpt2")
-    if pre in _DIGITS_THEN_GPT2:
-        pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in _GPT2:
-        pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if kind == "gpt2":
+        backend = _byte_level_backend(meta, source)
+    elif kind == "llama":
+        backend = spm_backend(meta, source, meta.get("general.architecture"))
     else:
         raise UnsupportedModelError(
-            f"{source}: GGUF pre-tokenizer {pre!r} is not supported (known: "
-            f"{', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))}). Load the model's HF folder "
+            f"{source}: tokenizer.ggml.model={kind!r}; formcast builds byte-level BPE ('gpt2') "
+            "and SentencePiece ('llama') tokenizers from GGUF. Load the model's HF folder "
             "(tokenizer.json) instead.")
+    size = len(meta["tokenizer.ggml.tokens"])
+
+    def token_id(key: str) -> int | None:
+        value = meta.get(f"tokenizer.ggml.{key}")
+        return int(value) if value is not None and 0 <= int(value) < size else None
+
+    bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+    add_bos = meta.get("tokenizer.ggml.add_bos_token", kind == "llama")
+    set_bos_eos(backend, bos_id=bos if add_bos else None,
+                eos_id=eos if meta.get("tokenizer.ggml.add_eos_token") else None)
+    extra = [t for t in (token_id("eot_token_id"), token_id("eom_token_id")) if t is not None]
+    return backend, {"bos_token_id": bos, "eos_token_id": eos,
+                     "pad_token_id": token_id("padding_token_id"),
+                     "unk_token_id": token_id("unknown_token_id"), "extra_eos_token_ids": extra,
+                     "chat_template": meta.get("tokenizer.chat_template")}
+
+
+def _byte_level_backend(meta: Mapping[str, Any], source: str) -> _Backend:
+    """Byte-level BPE from ``tokenizer.ggml.tokens`` and ``tokenizer.ggml.merges``."""
+    pre_tokenizer = byte_level_pre_tokenizer(meta.get("tokenizer.ggml.pre", "gpt2"),
+                                             source=source)
     try:
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         merge_lines: list[str] = list(meta["tokenizer.ggml.merges"])
@@ -88,19 +104,7 @@ def gguf_backend(meta: Mapping[str, Any], source: str) -> tuple[_Backend, dict[s
                                 for t, k in zip(tokens, types) if k == _GGUF_CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, k in zip(tokens, types) if k == _GGUF_USER_DEFINED])
-
-    def token_id(key: str) -> int | None:
-        value = meta.get(f"tokenizer.ggml.{key}")
-        return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
-
-    bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
-    set_bos_eos(backend, bos_id=bos if meta.get("tokenizer.ggml.add_bos_token") else None,
-                 eos_id=eos if meta.get("tokenizer.ggml.add_eos_token") else None)
-    extra = [t for t in (token_id("eot_token_id"), token_id("eom_token_id")) if t is not None]
-    return backend, {"bos_token_id": bos, "eos_token_id": eos,
-                     "pad_token_id": token_id("padding_token_id"),
-                     "unk_token_id": token_id("unknown_token_id"), "extra_eos_token_ids": extra,
-                     "chat_template": meta.get("tokenizer.chat_template")}
+    return backend
 
 
 def load_tokenizer(name_or_path: str | os.PathLike[str]) -> Tokenizer:

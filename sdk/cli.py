@@ -1,4 +1,4 @@
-"""The ``formcast`` command line: pull, info, generate, extract, dataset, eval, serve.
+"""The ``formcast`` command line: models, pull, info, generate, extract, dataset, eval, serve.
 
 Exit codes: 0 success, 1 a runtime failure (fetch, engine, output cut short),
 2 a usage error (bad option, unreadable file, invalid schema or constraint,
@@ -27,10 +27,11 @@ from rich.text import Text
 
 import formcast
 from formcast.cli_inputs import load_schema, read_json_schema, read_text, read_texts, read_vars
-from formcast.cli_reports import (DatasetRateColumn, cache_files, print_dataset_summary,
-                                  print_eval_summary, versions)
+from formcast.cli_reports import (DatasetRateColumn, cache_files, model_card,
+                                  print_dataset_summary, print_eval_summary, versions)
 from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
                              ModelNotFoundError, OutputValidationError, RequestError)
+from formcast.cli_models import models_command
 from formcast.server.command import serve_command
 from formcast.spec import output_spec
 
@@ -42,6 +43,7 @@ EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
 app.command("serve")(serve_command)
+app.command("models")(models_command)
 
 
 def _print_version(value: bool) -> None:
@@ -140,7 +142,8 @@ QuantOpt = Annotated[str | None, typer.Option(help="CPU weights: none, auto, int
 
 # -- pull ---------------------------------------------------------------------------
 @app.command()
-def pull(model: Annotated[str, typer.Argument(help="Registry name.")] = "smollm2") -> None:
+def pull(model: Annotated[str, typer.Argument(
+        help="Registry name (formcast models lists them).")] = "smollm2") -> None:
     """Fetch a model into the local cache and print its path."""
     from formcast.engine.hub import resolve_model
 
@@ -170,7 +173,7 @@ def info(ctx: typer.Context,
                   "attention_heads": cfg.num_attention_heads,
                   "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim,
                   "vocab_size": cfg.vocab_size, "context_length": cfg.max_position_embeddings,
-                  "tied_embeddings": cfg.tie_word_embeddings},
+                  "tied_embeddings": cfg.tie_word_embeddings, **model_card(source, tok)},
         "runtime": {"device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
                     "quantization": engine.quantization or "none",
                     "max_model_len": engine.max_model_len,

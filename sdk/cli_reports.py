@@ -103,3 +103,14 @@ def versions() -> dict[str, str]:
         except PackageNotFoundError:
             continue
     return found
+
+
+def model_card(source: Any, tokenizer: Any) -> dict[str, Any]:
+    """``info``'s licence and prompting rows: a registry model's own, else whether the
+    file has a chat template (a model without one is prompted completion style)."""
+    entry = getattr(source, "entry", None)
+    instruct = entry.instruct if entry is not None else tokenizer.chat_template is not None
+    card = {"licence": entry.licence} if entry is not None else {}
+    card["prompting"] = "chat (instruct)" if instruct else \
+        "completion (base model: raw=True, or a plain string)"
+    return card

