@@ -17,6 +17,7 @@ from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
                                                         state_bytes_per_token)
+from formcast.engine.models.families import build_causal_lm
 from formcast.engine.models.llama import LlamaForCausalLM
 from formcast.engine.tokenizer import Tokenizer
 from formcast.engine.tokenizer_files import cached_gguf_tokenizer
@@ -85,7 +86,7 @@ def build_model(config: LlamaConfig | DeepseekV4Config, weights: dict[str, torch
         model.load_weights(weights)
         return model.cast_(dtype).to(device).eval()
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = build_causal_lm(config)  # Llama or a family sharing its module
     model.to_empty(device="cpu")
     model.tie_weights()
     model.load_weights(weights)

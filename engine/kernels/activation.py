@@ -1,8 +1,10 @@
-"""SwiGLU's gate: ``silu(gate) * up`` of a fused gate|up projection, in one pass.
+"""Gated MLP activations of a fused gate|up projection, in one pass: SwiGLU's
+``silu(gate) * up`` and GeGLU's ``gelu_tanh(gate) * up`` (Gemma's
+``gelu_pytorch_tanh``).
 
 ``x`` [T, 2 I] holds the gate in its first half and up in its second; the result
-is [T, I] in ``x``'s dtype. The torch path is the reference (and the CPU's): silu
-rounds to the dtype, then the product does, as the two unfused ops round. The
+is [T, I] in ``x``'s dtype. The torch path is the reference (and the CPU's): the
+activation rounds to the dtype, then the product does, as the two unfused ops round. The
 Triton kernel on CUDA rounds the same way in one launch instead of two.
 
 ``scale_by`` [T, E] (with ``eps``): each row of ``x`` is first scaled by the
@@ -36,3 +38,14 @@ def silu_and_mul(x: torch.Tensor, *, scale_by: torch.Tensor | None = None, eps: 
         x = scale_rows(x, scale_by, eps)
     gate, up = x.split(half, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` of ``x`` [T, 2 I] (gate first)."""
+    half = x.shape[-1] // 2
+    if use_triton(x, backend) and x.shape[0] > 0:
+        from formcast.engine.kernels.activation_triton import gelu_tanh_and_mul_triton
+
+        return gelu_tanh_and_mul_triton(x, half)
+    gate, up = x.split(half, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

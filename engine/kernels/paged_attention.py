@@ -1,7 +1,8 @@
 """Attention over the paged KV cache: decode rows (one query token each) and
 prefill chunks (many query tokens of one sequence, causal).
 
-Row ``b`` attends to the first ``context_lens[b]`` tokens of its sequence, whose
+Row ``b`` attends to the first ``context_lens[b]`` tokens of its sequence (with a
+sliding ``window``: the last ``window`` of them, its own included), whose
 keys/values sit in the cache blocks ``block_tables[b]`` (token ``j`` in block
 ``block_tables[b, j // BS]``, slot ``j % BS``). Query heads share key/value heads
 in groups (GQA). The torch path is the reference and the CPU's: it gathers the
@@ -13,6 +14,9 @@ replays it for any context lengths.
 Shapes: B rows, H query heads, Hkv key/value heads, D head dim, NBtotal cache
 blocks, BS block size, NB blocks a row (padded; entries past a row's context are
 never read), S = NB * BS.
+
+``softcap`` c (Gemma 2 style): scores become ``c * tanh(score / c)`` after the
+scale, before the mask.
 """
 
 from __future__ import annotations
@@ -27,20 +31,34 @@ from formcast.engine.kernels import to_device, use_triton
 SPLIT_BELOW = 128
 
 
-def decode_masked_out(context_lens: torch.Tensor, width: int) -> torch.Tensor:
-    """``[B, 1, 1, width]`` bool, True at key positions past each row's context."""
+def decode_masked_out(context_lens: torch.Tensor, width: int, window: int | None = None
+                      ) -> torch.Tensor:
+    """``[B, 1, 1, width]`` bool, True at key positions past each row's context
+    (and, with ``window``, before its last ``window`` tokens)."""
     cols = torch.arange(width, device=context_lens.device)
-    return (cols >= context_lens.view(-1, 1)).view(-1, 1, 1, width)
+    lens = context_lens.view(-1, 1)
+    out = cols >= lens
+    if window is not None:
+        out |= cols < lens - window
+    return out.view(-1, 1, 1, width)
+
+
+def _softcap_(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` in place (nothing without a cap)."""
+    if softcap is None:
+        return scores
+    return scores.div_(softcap).tanh_().mul_(softcap)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            *, masked_out: torch.Tensor | None = None,
+                           window: int | None = None, softcap: float | None = None,
                            backend: str = "auto") -> torch.Tensor:
     """Attention of ``q`` [B, H, D] over the cache ([NBtotal, BS, Hkv, D] each);
     ``block_tables`` [B, NB] and ``context_lens`` [B] integer. Returns [B, H, D] in
-    ``q``'s dtype. ``masked_out``: :func:`decode_masked_out` of the lengths, when
-    the caller made it once for many layers (torch path only)."""
+    ``q``'s dtype. ``masked_out``: :func:`decode_masked_out` of the lengths (and
+    ``window``), when the caller made it once for many layers (torch path only)."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     if h % hkv:
@@ -51,10 +69,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         from formcast.engine.kernels.paged_attention_triton import paged_decode_attention_triton
 
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
-                                             scale)
+                                             scale, window=window, softcap=softcap)
     width = block_tables.shape[1] * k_cache.shape[1]
     if masked_out is None:
-        masked_out = decode_masked_out(context_lens, width)
+        masked_out = decode_masked_out(context_lens, width, window)
     # K made contiguous: the score GEMM then takes the same kernel whatever B is
     # (on a strided K, MKL's choice depends on the batch and rows stop matching
     # their own one-row result), and it is faster
@@ -64,7 +82,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     vv = v_cache.index_select(0, flat).view(b, -1, hkv, d).transpose(1, 2)
     qq = q.reshape(b, hkv, h // hkv, d)                                            # [B,Hkv,G,D]
     scores = torch.matmul(qq, kk.transpose(-1, -2)).mul_(scale)                   # [B,Hkv,G,S]
-    scores.masked_fill_(masked_out, float("-inf"))
+    _softcap_(scores, softcap).masked_fill_(masked_out, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, vv).view(b, h, d)
 
@@ -74,7 +92,7 @@ def rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                           *, scale_by: torch.Tensor | None = None, eps: float = 0.0,
-                          backend: str = "auto") -> torch.Tensor:
+                          window: int | None = None, backend: str = "auto") -> torch.Tensor:
     """Decode rows' attention from their fused projection's output, its new
     token's rotation and cache store included: ``qkv`` ``[B, (H + 2 Hkv) * D]``
     (query heads, key heads, value heads) at ``positions`` [B] (the float32
@@ -108,14 +126,14 @@ def rope_decode_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
 
         return rope_decode_attention_triton(qkv, h, hkv, positions, cos, sin, k_cache, v_cache,
                                             slots, block_tables, context_lens, scale,
-                                            scale_by=scale_by, eps=eps)
+                                            scale_by=scale_by, eps=eps, window=window)
     if scale_by is not None:
         qkv = scale_rows(qkv, scale_by, eps)
     qk = qkv[:, :(h + hkv) * d].reshape(b, h + hkv, d).clone()
     apply_rope_(qk, positions, cos, sin, backend="torch")
     store_kv_(k_cache, v_cache, qk[:, h:], qkv[:, (h + hkv) * d:].reshape(b, hkv, d), slots)
     return paged_decode_attention(qk[:, :h], k_cache, v_cache, block_tables, context_lens, scale,
-                                  backend="torch")
+                                  window=window, backend="torch")
 
 
 def pack_prefills(starts: list[int], lengths: list[int], context_lens: list[int],
@@ -136,6 +154,7 @@ def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.
                              scale: float, *, k: torch.Tensor | None = None,
                              v: torch.Tensor | None = None,
                              packed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             window: int | None = None, softcap: float | None = None,
                              backend: str = "auto") -> None:
     """Causal attention of prefill chunks, written into ``out`` [T, H, D] in place.
 
@@ -155,22 +174,46 @@ def paged_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.
         if packed is None:
             packed = pack_prefills(starts, lengths, context_lens, block_tables, q.device)
         paged_prefill_attention_triton_(out, q, k_cache, v_cache, *packed, scale,
-                                        max_length=max(lengths))
+                                        max_length=max(lengths), window=window,
+                                        softcap=softcap)
         return
     hkv, d = k_cache.shape[2], k_cache.shape[3]
     for start, length, context, table in zip(starts, lengths, context_lens, block_tables):
         rows = slice(start, start + length)
         qs = q[rows].transpose(0, 1).unsqueeze(0)                       # [1, H, L, D]
+        plain = window is None and softcap is None
         if context == length and k is not None:  # nothing cached before this chunk
             ks = k[rows].transpose(0, 1).unsqueeze(0)                    # [1, Hkv, L, D]
             vs = v[rows].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=True)
+            if plain:
+                out[rows] = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+                ).squeeze(0).transpose(0, 1)
+                continue
         else:
             ks = k_cache[table].view(-1, hkv, d)[:context].transpose(0, 1).unsqueeze(0)
             vs = v_cache[table].view(-1, hkv, d)[:context].transpose(0, 1).unsqueeze(0)
-            qpos = torch.arange(length, device=q.device).unsqueeze(1) + (context - length)
-            mask = torch.arange(context, device=q.device).unsqueeze(0) <= qpos  # [L, S]
+        qpos = torch.arange(length, device=q.device).unsqueeze(1) + (context - length)
+        kpos = torch.arange(context, device=q.device).unsqueeze(0)
+        mask = kpos <= qpos                                              # [L, S]
+        if window is not None:
+            mask &= kpos > qpos - window
+        if softcap is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=True)
+        else:
+            o = _capped_attention(qs, ks, vs, mask, scale, softcap)
         out[rows] = o.squeeze(0).transpose(0, 1)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float, softcap: float) -> torch.Tensor:
+    """Attention with soft-capped scores (SDPA has no cap): q [1, H, L, D], k, v
+    [1, Hkv, S, D], ``mask`` [L, S] True where a query sees a key. Returns [1, H, L, D]."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = _softcap_(torch.matmul(q, k.transpose(-1, -2)).mul_(scale), softcap)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -11,6 +11,10 @@ for one split, the kernel writes the output itself.
 Prefill: one program per (chunk, tile of ``BLOCK_M`` queries, query head), over
 the chunk's keys up to the tile's last position (causal), read from the cache
 blocks the same way; all chunks of a step in one launch.
+
+A sliding ``window`` (0: none) starts each query's keys at its position minus
+``window - 1``: the loops begin there, no tile before it is read. ``softcap``
+(0: none) caps the scaled scores at ``c * tanh(s / c)`` before the mask.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from formcast.engine.kernels.rmsnorm_triton import row_inverse_rms
 @triton.jit
 def _attend_tile(q, acc, mx, total, k_ptr, v_ptr, table_ptr, offs, live, seen, kvh, d, live_d,
                  scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                 BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr, softcap=0.0,
+                 SOFTCAP: tl.constexpr = False):
     """One tile of keys (context positions ``offs``, ``live`` inside the range, the
     queries × keys mask ``seen``) folded into a running online softmax: returns
     the new (acc, running max, running sum). Keys and values are read straight
@@ -40,7 +45,10 @@ def _attend_tile(q, acc, mx, total, k_ptr, v_ptr, table_ptr, offs, live, seen, k
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = tl.where(seen, s * scale, float("-inf"))                        # [M, N]
+    s = s * scale
+    if SOFTCAP:  # c tanh(s / c) = c (1 - 2 / (exp(2 s / c) + 1))
+        s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+    s = tl.where(seen, s, float("-inf"))                                # [M, N]
     m_new = tl.maximum(mx, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)              # rows with nothing yet
     alpha = tl.exp(mx - m_safe)
@@ -58,9 +66,10 @@ def _attend_tile(q, acc, mx, total, k_ptr, v_ptr, table_ptr, offs, live, seen, k
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, scale,
                    group, head_dim, stride_qb, stride_qh, stride_kb, stride_kt, stride_kh,
-                   stride_vb, stride_vt, stride_vh, stride_tb,
+                   stride_vb, stride_vt, stride_vh, stride_tb, window, softcap,
                    BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
+                   SOFTCAP: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -75,9 +84,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    # this split's share of the row's context, in whole BLOCK_N tiles
-    split_len = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * split_len
+    # this split's share of the row's context (from its window's start), in whole
+    # BLOCK_N tiles
+    lo = tl.maximum(length - window, 0)
+    split_len = tl.cdiv(tl.cdiv(length - lo, SPLITS), BLOCK_N) * BLOCK_N
+    begin = lo + split * split_len
     end = tl.minimum(begin + split_len, length)
     for start in range(begin, end, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
@@ -85,7 +96,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, lse_ptr, 
         acc, m, total = _attend_tile(q, acc, m, total, k_ptr, v_ptr, tables_ptr + row * stride_tb,
                                      offs, live, live[None, :], kvh, d, live_d, scale,
                                      stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
-                                     stride_vh, BLOCK_SIZE, IEEE)
+                                     stride_vh, BLOCK_SIZE, IEEE, softcap, SOFTCAP)
     # an empty split (its range starts past the context) leaves total 0: lse -inf
     out = acc / tl.maximum(total, 1e-30)[:, None]
     lse = m + tl.log(total)
@@ -156,7 +167,8 @@ def decode_config(splits: int, dtype: torch.dtype, programs: int) -> tuple[int, 
 def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, context_lens: torch.Tensor, part: torch.Tensor,
                   lse: torch.Tensor, scale: float, splits: int,
-                  config: tuple[int, int, int]) -> None:
+                  config: tuple[int, int, int], *, window: int | None = None,
+                  softcap: float | None = None) -> None:
     """One launch of the decode kernel: ``part`` (and ``lse``) take each split's
     output; with one split ``part`` is the ``[B, H, D]`` output itself.
     ``config``: keys a tile, warps, stages (:func:`decode_config`)."""
@@ -167,15 +179,23 @@ def launch_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q, k_cache, v_cache, block_tables, context_lens, part, lse, scale,
         h // hkv, d, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), _window_arg(window), float(softcap or 0.0),
         BLOCK_SIZE=block_size, BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
-        IEEE=q.dtype == torch.float32, num_warps=warps, num_stages=stages)
+        IEEE=q.dtype == torch.float32, SOFTCAP=softcap is not None, num_warps=warps,
+        num_stages=stages)
+
+
+def _window_arg(window: int | None) -> int:
+    """A kernel's window argument: keys a query sees at most (no window: more than
+    any context holds)."""
+    return window if window is not None else 2 ** 30
 
 
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
-                                  scale: float) -> torch.Tensor:
+                                  scale: float, *, window: int | None = None,
+                                  softcap: float | None = None) -> torch.Tensor:
     b, h, d = q.shape
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged attention: the head dimension must be contiguous")
@@ -186,7 +206,8 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         part = torch.empty(b, h, splits, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(b, h, splits, dtype=torch.float32, device=q.device)
     launch_decode(q, k_cache, v_cache, block_tables, context_lens, part, lse, scale, splits,
-                  decode_config(splits, q.dtype, b * k_cache.shape[2]))
+                  decode_config(splits, q.dtype, b * k_cache.shape[2]), window=window,
+                  softcap=softcap)
     if splits == 1:
         return part
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
@@ -199,7 +220,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
 def _rope_decode_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, tables_ptr,
                         lens_ptr, out_ptr, lse_ptr, s_ptr, scale, group, num_q, head_dim,
                         stride_t, stride_h, table_stride, stride_kb, stride_kt, stride_kh,
-                        stride_vb, stride_vt, stride_vh, stride_tb, stride_s, n_s, eps,
+                        stride_vb, stride_vt, stride_vh, stride_tb, stride_s, n_s, eps, window,
                         BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr,
                         HAS_SCALE: tl.constexpr, BLOCK_E: tl.constexpr):
@@ -263,8 +284,9 @@ def _rope_decode_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ptr, v_p
     total = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     cached = length - 1
-    split_len = tl.cdiv(tl.cdiv(cached, SPLITS), BLOCK_N) * BLOCK_N
-    begin = split * split_len
+    lo = tl.maximum(length - window, 0)  # (the window's first key; the new token is its last)
+    split_len = tl.cdiv(tl.cdiv(cached - lo, SPLITS), BLOCK_N) * BLOCK_N
+    begin = lo + split * split_len
     end = tl.minimum(begin + split_len, cached)
     for start in range(begin, end, BLOCK_N):
         offs = start + tl.arange(0, BLOCK_N)
@@ -298,7 +320,8 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
                                  slots: torch.Tensor, block_tables: torch.Tensor,
                                  context_lens: torch.Tensor, scale: float, *,
                                  scale_by: torch.Tensor | None = None, eps: float = 0.0,
-                                 config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                                 config: tuple[int, int, int] | None = None,
+                                 window: int | None = None) -> torch.Tensor:
     """Decode rows' attention from their fused projection's output ``qkv``
     ``[B, (H + 2 Hkv) * D]`` (queries, keys, values; rows contiguous), each at
     ``positions`` with the new token's key and value written to ``slots`` of
@@ -336,7 +359,7 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
         lse, s, scale, h // hkv, h, d, qkv.stride(0), d, cos.stride(0), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
         v_cache.stride(2), block_tables.stride(0), s.stride(0), s.shape[1], eps,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
+        _window_arg(window), BLOCK_SIZE=k_cache.shape[1], BLOCK_G=max(16, triton.next_power_of_2(h // hkv)),
         BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
         IEEE=qkv.dtype == torch.float32, HAS_SCALE=scale_by is not None,
         BLOCK_E=triton.next_power_of_2(s.shape[1]) if scale_by is not None else 16,
@@ -352,8 +375,9 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, ctx_ptr, tables_ptr,
                     scale, group, head_dim, stride_qt, stride_qh, stride_ot, stride_oh,
                     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_tb,
+                    window, softcap,
                     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
     chunk = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     head = tl.program_id(2).to(tl.int64)
@@ -376,14 +400,18 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, ctx_ptr,
     mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(0, end, BLOCK_N):
+    # keys from the window's start of the tile's first query
+    lo = tl.maximum(offset + tile * BLOCK_M - window + 1, 0)
+    for n0 in range(lo, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         live_n = offs < end
-        seen = live_n[None, :] & (offs[None, :] <= qpos[:, None])
+        seen = live_n[None, :] & (offs[None, :] <= qpos[:, None]) & \
+            (offs[None, :] > qpos[:, None] - window)
         acc, mx, total = _attend_tile(q, acc, mx, total, k_ptr, v_ptr,
                                       tables_ptr + chunk * stride_tb, offs, live_n, seen, kvh,
                                       d, live_d, scale, stride_kb, stride_kt, stride_kh,
-                                      stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IEEE)
+                                      stride_vb, stride_vt, stride_vh, BLOCK_SIZE, IEEE,
+                                      softcap, SOFTCAP)
     o = acc / tl.maximum(total, 1e-30)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=live_m[:, None] & live_d[None, :])
@@ -391,11 +419,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, starts_ptr, lens_ptr, ctx_ptr,
 
 def paged_prefill_attention_triton_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                                     v_cache: torch.Tensor, meta: torch.Tensor,
-                                    tables: torch.Tensor, scale: float, *, max_length: int
+                                    tables: torch.Tensor, scale: float, *, max_length: int,
+                                    window: int | None = None, softcap: float | None = None
                                     ) -> None:
     """``meta`` [3, P] (starts, lengths, context lengths) and ``tables`` [P, NB] on
     the device (:func:`formcast.engine.kernels.paged_attention.pack_prefills`);
-    ``max_length``: the longest chunk, which sizes the grid."""
+    ``max_length``: the longest chunk, which sizes the grid; ``window``,
+    ``softcap``: see the module doc (None: none)."""
     h, d = q.shape[1], q.shape[2]
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     if q.stride(-1) != 1 or out.stride(-1) != 1 or k_cache.stride(-1) != 1 \
@@ -407,6 +437,7 @@ def paged_prefill_attention_triton_(out: torch.Tensor, q: torch.Tensor, k_cache:
         q, k_cache, v_cache, out, meta[0], meta[1], meta[2], tables, scale, h // hkv, d,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0),
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), tables.stride(0),
+        v_cache.stride(2), tables.stride(0), _window_arg(window), float(softcap or 0.0),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32)
+        BLOCK_D=max(16, triton.next_power_of_2(d)), IEEE=q.dtype == torch.float32,
+        SOFTCAP=softcap is not None)

@@ -69,25 +69,29 @@ class AttentionMetadata:
     def num_decodes(self) -> int:
         return int(self.decode_rows.numel())
 
-    def decode_masked_out(self, width: int) -> torch.Tensor:
-        """:func:`decode_masked_out` of the decode rows, made once per step rather
-        than once per layer."""
-        cached = self.__dict__.get("_masked_out")
+    def decode_masked_out(self, width: int, window: int | None = None) -> torch.Tensor:
+        """:func:`decode_masked_out` of the decode rows (for layers of this
+        ``window``), made once per step rather than once per layer."""
+        masks = self.__dict__.setdefault("_masked_out", {})
+        cached = masks.get(window)
         if cached is None or cached.shape[-1] != width:
-            cached = decode_masked_out(self.decode_lens, width)
-            object.__setattr__(self, "_masked_out", cached)
+            cached = masks[window] = decode_masked_out(self.decode_lens, width, window)
         return cached
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, *, stored: bool = False
+                    meta: AttentionMetadata, scale: float, *, stored: bool = False,
+                    window: int | None = None, softcap: float | None = None
                     ) -> torch.Tensor:
     """Causal attention of the step's queries over their sequences' cached keys.
 
     q [T, H, D]; k, v [T, Hkv, D] (this step's, already rotated); caches
     [NBtotal, BS, Hkv, D]. Returns [T, H, D]. Writes k, v into the caches first,
-    unless ``stored`` (the rotation wrote them already).
+    unless ``stored`` (the rotation wrote them already). ``window``: each query
+    sees its last ``window`` tokens only (itself included; sliding-window
+    layers); ``softcap``: scores are soft-capped (see
+    :mod:`formcast.engine.kernels.paged_attention`).
     """
     if not stored:
         store_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
@@ -97,13 +101,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         only_decodes = meta.num_decodes == t  # rows are then 0..T-1 in order (the runner's layout)
         tables = meta.decode_block_tables
         width = tables.shape[1] * k_cache.shape[1]
-        masked_out = None if q.is_cuda else meta.decode_masked_out(width)
+        masked_out = None if q.is_cuda else meta.decode_masked_out(width, window)
         o = paged_decode_attention(q if only_decodes else q[meta.decode_rows], k_cache, v_cache,
-                                   tables, meta.decode_lens, scale, masked_out=masked_out)
+                                   tables, meta.decode_lens, scale, masked_out=masked_out,
+                                   window=window, softcap=softcap)
         if only_decodes:
             return o
         out[meta.decode_rows] = o
     paged_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale, k=k, v=v,
-                             packed=meta.prefill_packed)
+                             packed=meta.prefill_packed, window=window, softcap=softcap)
     return out
 

@@ -1,4 +1,13 @@
-"""Rotary position embedding (rotate-half layout, as transformers' Llama)."""
+"""Rotary position embedding (rotate-half layout, as transformers' Llama).
+
+Scalings: linear, Llama 3's, and LongRoPE (Phi-3's "longrope", formerly "su"):
+per-frequency factors, short ones for positions inside the original context and
+long ones past it, and cos/sin scaled by an attention factor. transformers
+switches a whole forward to the long factors once its sequence outgrows the
+original context; a paged cache rotates each key once, so here each position
+takes the factors of its own side (the same tables wherever a sequence stays
+inside the original context).
+"""
 
 from __future__ import annotations
 
@@ -31,7 +40,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind in ("longrope", "su"):
+        return _longrope_inv_freq(head_dim, theta, scaling["short_factor"])
+    raise ValueError(f"unsupported rope scaling type {kind!r} "
+                     "(supported: default, linear, llama3, longrope)")
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float,
+                scaling: dict[str, Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables, float32 ``[max_positions, head_dim]`` (each row two equal
+    halves), with the scaling of the module doc."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(head_dim, theta, scaling))
+    factor = 1.0
+    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if kind in ("longrope", "su"):
+        original = int(scaling["original_max_position_embeddings"])
+        long_freq = _longrope_inv_freq(head_dim, theta, scaling["long_factor"])
+        freqs[original:] = torch.outer(positions[original:], long_freq)
+        factor = scaling.get("attention_factor")
+        if factor is None:
+            ratio = scaling.get("factor") or max_positions / original
+            factor = 1.0 if ratio <= 1.0 else math.sqrt(1 + math.log(ratio) / math.log(original))
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+    if factor != 1.0:
+        return emb.cos() * factor, emb.sin() * factor
+    return emb.cos(), emb.sin()
+
+
+def _longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,10 +90,8 @@ class RotaryEmbedding(nn.Module):
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tables is None or self._tables[0].device != device:
-            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
-            freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-            self._tables = (emb.cos().to(device), emb.sin().to(device))
+            cos, sin = rope_tables(self.head_dim, self.max_positions, self.theta, self.scaling)
+            self._tables = (cos.to(device), sin.to(device))
         return self._tables
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Load a Llama GGUF file into transformers-named float32 weights, with an on-disk cache.
+"""Load a GGUF file into transformers-named float32 weights, with an on-disk cache.
+
+Llama and the families that share its module (``general.architecture`` llama,
+qwen2, qwen3, gemma3, phi3: :mod:`formcast.engine.loader.gguf_arch`).
 
 Parsing is ``gguf.GGUFReader``; anything it trips over becomes a
 :class:`~formcast.engine.errors.CorruptModelError` naming the file. Dequantized weights are
@@ -13,7 +16,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,44 +27,18 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from formcast.engine.config import LlamaConfig
-from formcast.engine.loader.dequant import SUPPORTED_TYPES, dequantize, nbytes_of
-from formcast.engine.loader.hf import check_weights, expected_shapes
 from formcast.engine.errors import CorruptModelError, ModelError, ModelNotFoundError, UnsupportedModelError
+from formcast.engine.loader.dequant import SUPPORTED_TYPES, dequantize, nbytes_of
+from formcast.engine.loader.gguf_arch import (ROPE_FACTOR_TENSORS, SUPPORTED_ARCHITECTURES,
+                                              family_config, hf_name, stored_to_hf)
+from formcast.engine.loader.hf import check_weights, expected_shapes
+from formcast.engine.models.decoder_config import DecoderConfig
 
 _log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 CACHE_SUFFIX = ".formcast-f32.safetensors"
 # Bump when the cached tensors would come out differently (naming, permutation, config).
 _CACHE_FORMAT = "formcast-gguf-f32/1"
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def hf_name(gguf_name: str) -> str | None:
-    """The transformers name of a llama.cpp tensor name, or None if it is not a Llama weight."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _BLOCK_NAMES:
-        return None
-    return f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
 
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
@@ -120,17 +96,19 @@ def _number(reader: GGUFReader, key: str, path: Path, *, integer: bool,
     return value
 
 
-def _rope_scaling(reader: GGUFReader, path: Path) -> dict[str, Any] | None:
+def _rope_scaling(reader: GGUFReader, path: Path, arch: str) -> dict[str, Any] | None:
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         # Llama 3.1-style RoPE: llama.cpp stores per-frequency factors instead of the
         # scaling parameters, which transformers' llama3 rope type needs.
         raise UnsupportedModelError(
             f"{path}: carries a rope_freqs tensor (Llama 3.1-style RoPE scaling), which "
             "formcast does not support yet; use the HF-layout folder of this model instead")
-    kind = _value(reader, "llama.rope.scaling.type")
-    factor = _value(reader, "llama.rope.scaling.factor")
-    if kind is None and _value(reader, "llama.rope.scale_linear") is not None:
-        kind, factor = "linear", _value(reader, "llama.rope.scale_linear")
+    kind = _value(reader, f"{arch}.rope.scaling.type")
+    factor = _value(reader, f"{arch}.rope.scaling.factor")
+    if kind is None and _value(reader, f"{arch}.rope.scale_linear") is not None:
+        kind, factor = "linear", _value(reader, f"{arch}.rope.scale_linear")
+    if kind is None and arch != "llama" and factor is not None and factor != 1.0:
+        kind = "linear"  # (Gemma 3 files give a factor alone)
     if kind is None or kind == "none":
         return None
     scaling: dict[str, Any] = {"rope_type": str(kind)}
@@ -140,14 +118,16 @@ def _rope_scaling(reader: GGUFReader, path: Path) -> dict[str, Any] | None:
                            ("attn_factor", "attention_factor"),
                            ("yarn_beta_fast", "beta_fast"),
                            ("yarn_beta_slow", "beta_slow")):
-        value = _value(reader, f"llama.rope.scaling.{suffix}")
+        value = _value(reader, f"{arch}.rope.scaling.{suffix}")
         if value is not None:
             scaling[hf_key] = value
     return scaling
 
 
 def config_from_reader(reader: GGUFReader, path: Path) -> LlamaConfig:
-    """Build a :class:`LlamaConfig` from an opened GGUF's metadata and tensor table."""
+    """Build the config of an opened GGUF from its metadata and tensor table: a
+    :class:`LlamaConfig`, or a :class:`DecoderConfig` for another family (or a
+    Llama with a sliding window)."""
     try:
         arch = _value(reader, "general.architecture")
         if arch is None:
@@ -155,7 +135,8 @@ def config_from_reader(reader: GGUFReader, path: Path) -> LlamaConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
                 f"{path}: GGUF architecture {arch!r} is not supported; formcast runs "
-                f"{', '.join(map(repr, SUPPORTED_ARCHITECTURES))} models")
+                f"{', '.join(map(repr, SUPPORTED_ARCHITECTURES))} models (a Mistral GGUF "
+                "says 'llama')")
         p = f"{arch}."
         hidden = _number(reader, p + "embedding_length", path, integer=True)
         heads = _number(reader, p + "attention.head_count", path, integer=True)
@@ -179,7 +160,7 @@ def config_from_reader(reader: GGUFReader, path: Path) -> LlamaConfig:
             else:
                 raise CorruptModelError(f"{path}: cannot tell the vocabulary size (no "
                                         f"{p}vocab_size, tokenizer.ggml.tokens or token_embd)")
-        return LlamaConfig(
+        base = dict(
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=_number(reader, p + "feed_forward_length", path, integer=True),
@@ -192,14 +173,17 @@ def config_from_reader(reader: GGUFReader, path: Path) -> LlamaConfig:
                                        integer=False, default=1e-5)),
             rope_theta=float(_number(reader, p + "rope.freq_base", path, integer=False,
                                      default=10000.0)),
-            rope_scaling=_rope_scaling(reader, path),
+            rope_scaling=_rope_scaling(reader, path, arch),
             max_position_embeddings=_number(reader, p + "context_length", path, integer=True,
                                             default=2048),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
-            mlp_bias="blk.0.ffn_gate.bias" in names,
+            mlp_bias="blk.0.ffn_gate.bias" in names or "blk.0.ffn_down.bias" in names,
             architecture=str(arch),
         )
+        return family_config(
+            arch, base, lambda key: _value(reader, p + key), names,
+            lambda name: next(t for t in reader.tensors if t.name == name).data)
     except UnicodeDecodeError as exc:
         raise CorruptModelError(f"{path}: metadata holds invalid UTF-8 ({exc})") from exc
     except ValueError as exc:  # LlamaConfig's own validation
@@ -217,6 +201,7 @@ def read_gguf_config(path: str | os.PathLike[str]) -> LlamaConfig:
     Returns
     -------
     LlamaConfig
+        A :class:`DecoderConfig` for a family other than Llama.
 
     Raises
     ------
@@ -225,7 +210,8 @@ def read_gguf_config(path: str | os.PathLike[str]) -> LlamaConfig:
     CorruptModelError
         Not a GGUF file, truncated, or missing required metadata.
     UnsupportedModelError
-        An architecture other than Llama, or a Llama variant formcast does not run.
+        An architecture formcast does not run (the message lists those it does),
+        or a variant of one it does not.
     """
     return config_from_reader(open_gguf(path), Path(path))
 
@@ -260,15 +246,16 @@ def _weight(t: ReaderTensor, name: str, shape: tuple[int, ...], config: LlamaCon
         w = dequantize(t.data, t.tensor_type, shape)
     except ValueError as exc:
         raise CorruptModelError(f"{path}: tensor {t.name}: {exc}") from exc
-    if ".self_attn.q_proj." in name:
+    if config.architecture == "llama" and ".self_attn.q_proj." in name:
         w = _unpermute_rope_rows(w, config.num_attention_heads)
-    elif ".self_attn.k_proj." in name:
+    elif config.architecture == "llama" and ".self_attn.k_proj." in name:
         w = _unpermute_rope_rows(w, config.num_key_value_heads)
-    return w
+    convert = stored_to_hf(config.architecture, name)
+    return w if convert is None else convert(w)
 
 
 def load_gguf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Parse and dequantize a Llama GGUF into float32 weights with transformers names.
+    """Parse and dequantize a GGUF into float32 weights with transformers names.
 
     Raises
     ------
@@ -284,11 +271,13 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torc
     file_size = path.stat().st_size
     by_name: dict[str, ReaderTensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name in ROPE_FACTOR_TENSORS:  # (read into the config)
+            continue
+        name = hf_name(t.name, config.architecture)
         if name is None:
             raise UnsupportedModelError(
-                f"{path}: unexpected tensor {t.name!r} for a Llama model; formcast does not "
-                "know how to use it")
+                f"{path}: unexpected tensor {t.name!r} for a {config.architecture} model; "
+                "formcast does not know how to use it")
         if name not in shapes:
             raise CorruptModelError(
                 f"{path}: tensor {t.name} does not fit the metadata (block_count "
@@ -336,7 +325,9 @@ def read_cache(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, tor
             if any(meta.get(k) != v for k, v in key.items()):
                 _log.info("formcast: weight cache %s is stale; rebuilding it", target)
                 return None
-            config = LlamaConfig(**json.loads(meta["config"]))
+            fields = json.loads(meta["config"])
+            config = (DecoderConfig.from_dict(fields) if meta.get("config_class") == "DecoderConfig"
+                      else LlamaConfig(**fields))
             weights = {name: f.get_tensor(name) for name in f.keys()}
         check_weights(weights, config, origin=target)
     except FileNotFoundError:
@@ -356,7 +347,8 @@ def write_cache(path: str | os.PathLike[str], config: LlamaConfig,
     """
     path = Path(path)
     target = cache_path(path)
-    meta = {**_cache_key(path), "config": json.dumps(dataclasses.asdict(config))}
+    meta = {**_cache_key(path), "config": json.dumps(dataclasses.asdict(config)),
+            "config_class": type(config).__name__}
     tmp: str | None = None
     try:
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
@@ -447,8 +439,9 @@ def _int4_blocks(data, qtype: str, shape: tuple[int, int]) -> Int4Blocks:
 
 
 def read_int4_blocks(path: str | os.PathLike[str]) -> dict[str, Int4Blocks]:
-    """The weights a Llama GGUF stores as Q4_0 or Q4_1, kept 4-bit, by transformers
-    name (q/k rows put back in transformers' RoPE order, as :func:`load_gguf` does).
+    """The weights a GGUF stores as Q4_0 or Q4_1, kept 4-bit, by transformers
+    name (a Llama file's q/k rows put back in transformers' RoPE order, as
+    :func:`load_gguf` does).
     Other tensors are not read. Empty for a file without such tensors.
 
     Raises
@@ -462,7 +455,7 @@ def read_int4_blocks(path: str | os.PathLike[str]) -> dict[str, Int4Blocks]:
     file_size = path.stat().st_size
     out: dict[str, Int4Blocks] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, config.architecture)
         if name is None or t.tensor_type.name not in INT4_TYPES or len(t.shape) != 2:
             continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -475,7 +468,8 @@ def read_int4_blocks(path: str | os.PathLike[str]) -> dict[str, Int4Blocks]:
             blocks = _int4_blocks(t.data, t.tensor_type.name, shape)
         except ValueError as exc:
             raise CorruptModelError(f"{path}: tensor {t.name}: {exc}") from exc
-        heads = (config.num_attention_heads if ".self_attn.q_proj." in name else
+        heads = (None if config.architecture != "llama" else
+                 config.num_attention_heads if ".self_attn.q_proj." in name else
                  config.num_key_value_heads if ".self_attn.k_proj." in name else None)
         if heads is not None:
             order = _unpermute_rope_rows(torch.arange(shape[0])[:, None], heads)[:, 0]

@@ -1,8 +1,10 @@
-"""Load an HF-layout Llama folder: ``config.json`` plus one or more safetensors files.
+"""Load an HF-layout folder: ``config.json`` plus one or more safetensors files.
 
-The tensor names of a transformers ``LlamaForCausalLM`` state dict are formcast's
-canonical weight names; :func:`expected_shapes` lists them for a config and the GGUF
-loader maps onto the same table.
+Llama and the families that share its module (``model_type`` qwen2, qwen3,
+mistral, gemma3_text / gemma3, phi3). The tensor names of the family's transformers
+``*ForCausalLM`` state dict are formcast's canonical weight names;
+:func:`expected_shapes` lists them for a config and the GGUF loader maps onto the
+same table. A multimodal Gemma 3 folder gives its language model's weights.
 """
 
 from __future__ import annotations
@@ -17,33 +19,49 @@ from safetensors.torch import load_file
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
+from formcast.engine.models.decoder_config import HF_MODEL_TYPES, DecoderConfig
+from formcast.engine.models.llama import decoder_config
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
 _SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+# where a multimodal Gemma 3 checkpoint keeps its language model (two layouts)
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Names and shapes (``[out_features, in_features]``) of every weight of ``config``.
 
-    ``lm_head.weight`` is listed only when the head is untied.
+    ``lm_head.weight`` is listed only when the head is untied. Phi-3's projections
+    are its fused ``qkv_proj`` and ``gate_up_proj``.
     """
-    h, ff = config.hidden_size, config.intermediate_size
-    q_out = config.num_attention_heads * config.head_dim
-    kv_out = config.num_key_value_heads * config.head_dim
+    spec = decoder_config(config)
+    h, ff, d = config.hidden_size, config.intermediate_size, config.head_dim
+    q_out = config.num_attention_heads * d
+    kv_out = config.num_key_value_heads * d
+    fused = spec.architecture == "phi3"
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if spec.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        shapes.update((f"{p}{norm}.weight", (h,)) for norm in norms)
+        projections = ((("qkv_proj", q_out + 2 * kv_out),) if fused else
+                       (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)))
+        for proj, out in projections:
             shapes[f"{p}self_attn.{proj}.weight"] = (out, h)
-            if config.attention_bias:
+            if spec.has_qkv_bias:
                 shapes[f"{p}self_attn.{proj}.bias"] = (out,)
+        if spec.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         if config.attention_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        for proj, shape in (("gate_proj", (ff, h)), ("up_proj", (ff, h)), ("down_proj", (h, ff))):
+        mlp = ((("gate_up_proj", (2 * ff, h)),) if fused else
+               (("gate_proj", (ff, h)), ("up_proj", (ff, h))))
+        for proj, shape in mlp + (("down_proj", (h, ff)),):
             shapes[f"{p}mlp.{proj}.weight"] = shape
             if config.mlp_bias:
                 shapes[f"{p}mlp.{proj}.bias"] = (shape[0],)
@@ -75,7 +93,7 @@ def check_weights(weights: dict[str, torch.Tensor], config: LlamaConfig, *, orig
 
 
 def read_hf_config(folder: str | Path) -> LlamaConfig:
-    """Read and validate ``config.json`` of an HF-layout Llama folder.
+    """Read and validate ``config.json`` of an HF-layout folder of a supported family.
 
     Parameters
     ----------
@@ -85,13 +103,15 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
     Returns
     -------
     LlamaConfig
+        A :class:`DecoderConfig` for a family other than Llama.
 
     Raises
     ------
     CorruptModelError
         ``config.json`` is missing, not JSON, or lacks a required field.
     UnsupportedModelError
-        The config describes an architecture other than Llama.
+        The config describes an architecture formcast does not run (the message
+        lists those it does), or a setting of it formcast does not support.
     """
     path = Path(folder) / "config.json"
     try:
@@ -104,13 +124,17 @@ def read_hf_config(folder: str | Path) -> LlamaConfig:
         raise CorruptModelError(f"{path}: expected a JSON object, found {type(raw).__name__}")
     model_type = raw.get("model_type")
     architectures = raw.get("architectures") or []
-    if model_type != "llama" and not any(a in _SUPPORTED_ARCHITECTURES for a in architectures):
+    if model_type not in HF_MODEL_TYPES and \
+            not any(a in _SUPPORTED_ARCHITECTURES for a in architectures):
         found = model_type or ", ".join(map(str, architectures)) or "none given"
         raise UnsupportedModelError(
-            f"{path}: model type {found!r} is not supported; formcast runs Llama-architecture "
-            f"models (model_type 'llama', architectures {list(_SUPPORTED_ARCHITECTURES)})")
+            f"{path}: model type {found!r} is not supported; formcast runs model_type "
+            f"{', '.join(map(repr, HF_MODEL_TYPES))} (architectures "
+            f"{list(_SUPPORTED_ARCHITECTURES)} too)")
     try:
-        return LlamaConfig.from_hf_dict(raw)
+        if model_type in (None, "llama"):
+            return LlamaConfig.from_hf_dict(raw)
+        return DecoderConfig.from_hf_dict(raw)
     except KeyError as exc:
         raise CorruptModelError(f"{path}: required field {exc.args[0]!r} is missing") from exc
     except (TypeError, ValueError) as exc:
@@ -172,6 +196,15 @@ def load_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
             tensors = load_file(file, device="cpu")
         except (SafetensorError, OSError, ValueError) as exc:
             raise CorruptModelError(f"{file}: not a readable safetensors file ({exc})") from exc
-        weights.update((name, t) for name, t in tensors.items() if name in wanted)
+        weights.update((n, t) for n, t in ((_text_name(name), t) for name, t in tensors.items())
+                       if n in wanted)
     check_weights(weights, config, origin=folder)
     return config, weights
+
+
+def _text_name(name: str) -> str:
+    """A multimodal Gemma 3 tensor's name in the text model (others as they are)."""
+    for prefix in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    return name

@@ -2,6 +2,10 @@
 
 Projections are fused at load time (q|k|v and gate|up) so a layer runs two
 matmuls fewer; weight names on the way in are transformers' LlamaForCausalLM names.
+The other families' details (:class:`~formcast.engine.models.decoder_config.
+DecoderConfig`: q/k/v biases, q/k norms, sliding windows, GELU gates, scaled
+embeddings, soft-capped logits, a second RoPE for sliding layers) are read here
+too; a plain :class:`LlamaConfig` has none of them.
 Shapes: T tokens of the step (flattened over sequences), E hidden size.
 """
 
@@ -12,26 +16,54 @@ from torch import nn
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.kernels import triton_available
-from formcast.engine.kernels.activation import silu_and_mul
+from formcast.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from formcast.engine.kernels.paged_attention import SPLIT_BELOW, rope_decode_attention
 from formcast.engine.layers.attention import AttentionMetadata, paged_attention
 from formcast.engine.layers.linear import Linear
 from formcast.engine.layers.norm import RMSNorm
 from formcast.engine.layers.rotary import RotaryEmbedding
+from formcast.engine.models.decoder_config import DecoderConfig
+
+
+def decoder_config(config: LlamaConfig) -> DecoderConfig:
+    """``config`` as a :class:`DecoderConfig` (a plain Llama config: no family details)."""
+    if isinstance(config, DecoderConfig):
+        return config
+    return DecoderConfig(**{f: getattr(config, f) for f in config.__dataclass_fields__})
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
+        spec = decoder_config(config)
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = spec.attention_scale
+        self.window = spec.window(layer)
+        self.softcap = spec.attn_logit_softcapping
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=config.attention_bias)
+                                  bias=spec.has_qkv_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        # per-head norms of queries and keys before the rotation (Qwen3, Gemma 3)
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=spec.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, offset=spec.norm_offset)
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """The fused projection's output [T, (H + 2 Hkv) * D], its query and key
+        heads normed when the layer has q/k norms."""
+        qkv = self.qkv_proj.forward(x)
+        if self.q_norm is None:
+            return qkv
+        t, d = x.shape[0], self.head_dim
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm.forward(q.reshape(-1, d)).view(t, self.q_size)
+        k = self.k_norm.forward(k.reshape(-1, d)).view(t, self.kv_size)
+        return torch.cat([q, k, v], dim=-1)
 
     # a CUDA step of decode rows only (one a sequence: no draft positions) rotates
     # its new tokens, stores their keys and values and attends in one kernel
@@ -48,7 +80,7 @@ class LlamaAttention(nn.Module):
         """Whether this step takes :func:`rope_decode_attention` (see above)."""
         t = x.shape[0]
         return x.is_cuda and self.fused_decode and x.dtype != torch.float32 and \
-            self.head_dim <= 64 and t * self.num_kv_heads >= SPLIT_BELOW and \
+            self.head_dim <= 64 and self.softcap is None and t * self.num_kv_heads >= SPLIT_BELOW and \
             meta.one_token_rows and not meta.prefills and meta.num_decodes == t and \
             triton_available()
 
@@ -60,10 +92,11 @@ class LlamaAttention(nn.Module):
         (``scale_by``: the rows whose inverse RMS scales the projection, when the
         input norm's weight is folded into it)."""
         meta.rely_on_one_token_rows()
-        o = rope_decode_attention(self.qkv_proj.forward(x), self.num_heads, self.num_kv_heads,
+        o = rope_decode_attention(self.project(x), self.num_heads, self.num_kv_heads,
                                   positions, *rotary.tables(positions.device), kv_cache[0],
                                   kv_cache[1], meta.slot_mapping, meta.decode_block_tables,
-                                  meta.decode_lens, self.scale, scale_by=scale_by, eps=eps)
+                                  meta.decode_lens, self.scale, scale_by=scale_by, eps=eps,
+                                  window=self.window)
         return o.reshape(x.shape[0], self.q_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
@@ -72,7 +105,7 @@ class LlamaAttention(nn.Module):
         if self.decodes_fused(x, meta):
             return self.o_proj.forward(self.fused_decode_attention(x, positions, rotary,
                                                                    kv_cache, meta))
-        qkv = self.qkv_proj.forward(x)
+        qkv = self.project(x)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         # q and k rotate together (one set of ops for both): [T, H + Hkv, D]; on CUDA
@@ -81,7 +114,8 @@ class LlamaAttention(nn.Module):
             positions, qk.view(t, self.num_heads + self.num_kv_heads, self.head_dim), v,
             kv_cache[0], kv_cache[1], meta.slot_mapping)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, Hkv, D]
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, stored=stored)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, stored=stored,
+                            window=self.window, softcap=self.softcap)
         return self.o_proj.forward(o.reshape(t, self.q_size))
 
 
@@ -93,9 +127,12 @@ class LlamaMLP(nn.Module):
                                       bias=config.mlp_bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size,
                                    bias=config.mlp_bias)
+        self.gelu = decoder_config(config).hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj.forward(x)
+        return self.down_proj.forward(gelu_tanh_and_mul(gate_up) if self.gelu
+                                      else silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,12 +140,15 @@ class LlamaDecoderLayer(nn.Module):
     # LlamaForCausalLM.fold_norms): the fused decode step then runs no norm kernel
     folded = False
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int = 0) -> None:
         super().__init__()
+        spec = decoder_config(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+        # the sliding layers' own RoPE (LlamaModel.local_rotary), where the model has one
+        self.local_rope = spec.local_rope_theta is not None and spec.is_sliding(layer)
 
     def fold_norms(self) -> bool:
         """Fold each norm's weight into the projection that reads its output
@@ -116,10 +156,13 @@ class LlamaDecoderLayer(nn.Module):
         weights of ones: the same layer, up to rounding. New tensors throughout
         (the weights' first tensors, which a caller may hold, stay as they
         are). False (nothing changed) where a projection has a bias or is not a
-        plain :class:`Linear` (a bias would be scaled along with the product)."""
+        plain :class:`Linear` (a bias would be scaled along with the product), or
+        where the layer norms its query and key heads or gates with GELU (the
+        folded step has neither)."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if self.folded or any(type(m) is not Linear or m.bias is not None for m in linears):
+        if self.folded or any(type(m) is not Linear or m.bias is not None for m in linears) \
+                or attn.q_norm is not None or mlp.gelu:
             return self.folded
         with torch.no_grad():
             for norm, proj in ((self.input_layernorm, attn.qkv_proj),
@@ -181,24 +224,46 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer_class: type[nn.Module] = LlamaDecoderLayer
+                 ) -> None:
         super().__init__()
+        spec = decoder_config(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, offset=spec.norm_offset)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
+        self.local_rotary = None if spec.local_rope_theta is None else RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, spec.local_rope_theta)
+        self.embedding_scale = spec.embedding_scale
+        self._scale: torch.Tensor | None = None
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, E], times the embedding scale where the family has
+        one (rounded to the weights' dtype first, as transformers' Gemma does)."""
+        x = self.embed_tokens(token_ids)
+        if self.embedding_scale is None:
+            return x
+        if self._scale is None or self._scale.dtype != x.dtype or self._scale.device != x.device:
+            self._scale = torch.full((), self.embedding_scale, dtype=x.dtype, device=x.device)
+        return x * self._scale
+
+    def rotary_of(self, layer: nn.Module) -> RotaryEmbedding:
+        return self.local_rotary if layer.local_rope else self.rotary
 
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus its head. ``forward`` returns hidden states; ``logits`` the head."""
 
+    layer_class: type[nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, self.layer_class)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.final_softcap = decoder_config(config).final_logit_softcapping
         self.tie_weights()
 
     def fold_norms(self) -> bool:
@@ -217,10 +282,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         # token_ids, positions [T]; kv_caches[layer] [2, NBtotal, BS, Hkv, D] -> [T, E]
-        x = self.model.embed_tokens(token_ids)
+        model = self.model
+        x = model.embed(token_ids)
         pending = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, pending = layer.forward(x, pending, positions, self.model.rotary, kv_cache, meta)
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            x, pending = layer.forward(x, pending, positions, model.rotary_of(layer), kv_cache,
+                                       meta)
         return x if pending is None else x + pending
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -228,8 +295,13 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model.norm(hidden)
         head = self.lm_head
         if isinstance(head, Linear):  # (a quantized head is another module)
-            return head.forward_float32(hidden)
-        return head(hidden).float()
+            logits = head.forward_float32(hidden)
+        else:
+            logits = head(hidden).float()
+        if self.final_softcap is not None:
+            cap = self.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -378,9 +378,9 @@ def test_missing_tensor_is_corrupt(tmp_path: Path) -> None:
 
 
 def test_unsupported_tensor_type_names_tensor_and_type(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
-    _write_gguf(path, _tiny_model(tie=True), override={"blk.0.ffn_up.weight": Q.Q5_0})
-    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up\.weight.*Q5_0"):
+    path = tmp_path / "tq1.gguf"
+    _write_gguf(path, _tiny_model(tie=True, hidden=256), override={"blk.0.ffn_up.weight": Q.TQ1_0})
+    with pytest.raises(UnsupportedModelError, match=r"blk\.0\.ffn_up\.weight.*TQ1_0"):
         load_checkpoint(_gguf(path))
 
 
@@ -505,9 +505,10 @@ def test_dequant_rejects_bad_input() -> None:
         dequantize(np.zeros(33, dtype=np.uint8), Q.Q8_0, (1, 32))
     with pytest.raises(ValueError, match="block size"):
         dequantize(np.zeros(34, dtype=np.uint8), Q.Q8_0, (1, 16))
-    with pytest.raises(ValueError, match="Q5_K"):
-        dequantize(np.zeros(176, dtype=np.uint8), Q.Q5_K, (1, 256))
-    assert {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K} == SUPPORTED_TYPES
+    with pytest.raises(ValueError, match="TQ2_0"):
+        dequantize(np.zeros(66, dtype=np.uint8), Q.TQ2_0, (1, 256))
+    assert {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K,
+            Q.Q6_K, Q.Q8_K} == SUPPORTED_TYPES
 
 
 # --------------------------------------------------------------------------------------
