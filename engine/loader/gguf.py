@@ -141,7 +141,8 @@ def config_from_reader(reader: GGUFReader, path: Path) -> LlamaConfig:
         hidden = _number(reader, p + "embedding_length", path, integer=True)
         heads = _number(reader, p + "attention.head_count", path, integer=True)
         rope_dim = _number(reader, p + "rope.dimension_count", path, integer=True,
-                           default=hidden // max(heads, 1))
+                           default=_value(reader, p + "attention.key_length") or
+                           hidden // max(heads, 1))
         head_dim = _number(reader, p + "attention.key_length", path, integer=True,
                            default=rope_dim)
         if rope_dim != head_dim:

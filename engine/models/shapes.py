@@ -131,3 +131,52 @@ def random_deepseek_v4_weights(config: dict[str, Any], *, seed: int = 0, with_mt
                for name, t in shell.state_dict().items()}
     randomize_deepseek_v4_(weights, seed, parsed.n_routed_experts)
     return weights
+
+
+def family_shapes() -> dict[str, LlamaConfig]:
+    """A small shape of each family on the Llama path (random-weight GPU runs):
+    each family's details on, windows shorter than the prompts a run takes."""
+    from formcast.engine.models.decoder_config import DecoderConfig
+
+    base = dict(vocab_size=32768, hidden_size=512, intermediate_size=1536,
+                num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2,
+                head_dim=64, max_position_embeddings=4096)
+    sliding = ("sliding_attention",) * 5 + ("full_attention",)
+    return {
+        "qwen2": DecoderConfig(**base, architecture="qwen2", qkv_bias=True),
+        "qwen3": DecoderConfig(**{**base, "head_dim": 128}, architecture="qwen3", qk_norm=True,
+                               tie_word_embeddings=True),
+        "mistral": DecoderConfig(**base, architecture="mistral", sliding_window=96),
+        "gemma3": DecoderConfig(
+            **{**base, "head_dim": 256, "num_attention_heads": 4, "num_key_value_heads": 1},
+            architecture="gemma3", qk_norm=True, norm_offset=1.0, sandwich_norms=True,
+            embedding_scale=512 ** 0.5, hidden_act="gelu_pytorch_tanh", sliding_window=96,
+            layer_types=sliding, local_rope_theta=10000.0, rope_theta=1e6,
+            query_pre_attn_scalar=256.0, final_logit_softcapping=30.0, tie_word_embeddings=True),
+        "phi3": DecoderConfig(**base, architecture="phi3", sliding_window=200, rope_scaling={
+            "rope_type": "longrope", "original_max_position_embeddings": 1024,
+            "short_factor": [1.0 + 0.02 * i for i in range(32)],
+            "long_factor": [1.5 + 0.1 * i for i in range(32)]}),
+    }
+
+
+def random_family_weights(config: LlamaConfig, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Float32 weights of ``config`` (any family) under transformers' names:
+    matrices N(0, 1/fan_in), the embedding N(0, 1) (peaked next-token
+    distributions), norms near their scale of 1, biases N(0, 0.1)."""
+    from formcast.engine.loader.hf import expected_shapes
+    from formcast.engine.models.llama import decoder_config
+
+    offset = decoder_config(config).norm_offset
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        w = torch.randn(*shape, generator=gen)
+        if name.endswith("norm.weight"):
+            w = (1.0 - offset) + 0.1 * w
+        elif len(shape) == 2 and "embed" not in name and "lm_head" not in name:
+            w = w / math.sqrt(shape[1])
+        elif len(shape) == 1:
+            w = 0.1 * w
+        weights[name] = w
+    return weights
