@@ -158,10 +158,19 @@ class DecoderConfig(LlamaConfig):
         if partial != 1.0:
             raise ValueError(f"partial rotary embedding (partial_rotary_factor {partial}) "
                              "is not supported")
-        if family == "qwen2":
-            extra["qkv_bias"] = True  # (Qwen2's q, k, v have biases, its o_proj none)
-        elif family == "qwen3":
-            extra["qk_norm"] = True
+        if family in ("qwen2", "qwen3"):
+            # Qwen's windows are off unless use_sliding_window, and then only from
+            # layer max_window_layers on (config.json may name a window either way)
+            if not d.get("use_sliding_window", False):
+                extra["sliding_window"] = None
+                extra.pop("layer_types", None)
+            elif types is None:
+                first = d.get("max_window_layers", 0)
+                extra["layer_types"] = tuple(
+                    SLIDING_ATTENTION if i >= first else FULL_ATTENTION
+                    for i in range(d["num_hidden_layers"]))
+            extra["qkv_bias" if family == "qwen2" else "qk_norm"] = True
+            # (Qwen2's q, k, v have biases, its o_proj none; Qwen3 norms q and k heads)
         elif family == "gemma3":
             if d.get("use_bidirectional_attention"):
                 raise ValueError("bidirectional attention (use_bidirectional_attention) "

@@ -253,3 +253,36 @@ def test_dequant_q5_k_against_ggml_reference() -> None:
     got = dequantize(np.frombuffer(b"".join(blocks), dtype=np.uint8), Q.Q5_K, (2, 512))
     want = np.array([v for b in blocks for v in _ref_q5_k(b)], dtype=np.float32).reshape(2, 512)
     assert torch.allclose(got, torch.from_numpy(want), rtol=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------- config.json files
+
+_SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.parametrize("fields, windows", [
+    # Qwen2.5's own files name a window they do not use
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 32768,
+      "max_window_layers": 2}, [None] * 4),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 16,
+      "max_window_layers": 2}, [None, None, 16, 16]),
+    ({"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 16,
+      "layer_types": ["sliding_attention", "full_attention"] * 2}, [16, None, 16, None]),
+    ({"model_type": "mistral", "sliding_window": 16}, [16] * 4),
+    ({"model_type": "mistral", "sliding_window": None}, [None] * 4),
+    ({"model_type": "phi3", "sliding_window": 12}, [12] * 4),
+    # an older Gemma 3 file: window pattern, local RoPE base and scaling by name
+    ({"model_type": "gemma3_text", "sliding_window": 8, "sliding_window_pattern": 2,
+      "rope_local_base_freq": 500.0, "rope_theta": 1e6,
+      "rope_scaling": {"rope_type": "linear", "factor": 8.0}}, [8, None, 8, None]),
+])
+def test_config_json_windows(fields: dict, windows: list) -> None:
+    from formcast.engine.models.decoder_config import DecoderConfig
+
+    config = DecoderConfig.from_hf_dict({**_SHAPE, **fields})
+    assert [config.window(i) for i in range(4)] == windows
+    if fields["model_type"] == "gemma3_text":
+        assert (config.local_rope_theta, config.rope_theta) == (500.0, 1e6)
+        assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+        assert config.tie_word_embeddings and config.norm_offset == 1.0
