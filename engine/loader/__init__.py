@@ -1,9 +1,10 @@
 """formcast.engine.loader: checkpoints (GGUF files, HF-layout folders) to named weights.
 
 Whatever the source, weights come out under transformers' state-dict names and
-shapes (``LlamaForCausalLM``, or ``DeepseekV4ForCausalLM`` plus ``mtp.0.*`` for a
-DeepSeek-V4 folder), so the model code and the tests can compare against
-transformers directly.
+shapes (``LlamaForCausalLM`` or the ``*ForCausalLM`` of a family sharing its module:
+Qwen2, Qwen3, Mistral, Gemma 3, Phi-3; or ``DeepseekV4ForCausalLM`` plus
+``mtp.0.*`` for a DeepSeek-V4 folder), so the model code and the tests can compare
+against transformers directly.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ class Checkpoint:
     Attributes
     ----------
     config : LlamaConfig or DeepseekV4Config
-        Shape of the model (its type says which model to build).
+        Shape of the model (its type, and a :class:`~formcast.engine.models.
+        decoder_config.DecoderConfig`'s ``architecture``, say which model to build).
     weights : dict[str, torch.Tensor]
         CPU tensors under transformers' ``LlamaForCausalLM`` names (see
         :func:`expected_shapes`; ``lm_head.weight`` only when the head is untied) or

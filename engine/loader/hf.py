@@ -183,7 +183,7 @@ def load_hf(folder: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     CorruptModelError
         Config or weight files missing, unreadable, or inconsistent with each other.
     UnsupportedModelError
-        Not a Llama model, or weights not in safetensors format.
+        A model type formcast does not run, or weights not in safetensors format.
     """
     folder = Path(folder)
     if not folder.is_dir():

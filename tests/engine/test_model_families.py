@@ -197,3 +197,24 @@ def test_unsupported_gguf_architecture_lists_the_supported_ones(tmp_path: Path) 
     w.close()
     with pytest.raises(UnsupportedModelError, match="'falcon'.*'qwen2'.*'qwen3'.*'gemma3'.*'phi3'"):
         load_checkpoint(ModelSource(name="x", kind="gguf", path=path), cache=False)
+
+
+def test_multimodal_gemma3_folder_gives_its_language_model(saved, tmp_path: Path) -> None:
+    """A Gemma3ForConditionalGeneration folder: config under text_config, the
+    language model's tensors under model.language_model.*, a vision tower beside."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _, _ = saved["gemma3"]
+    text = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+         "text_config": text}))
+    tensors = load_file(str(folder / "model.safetensors"))
+    renamed = {"model.language_model." + k[len("model."):]: v for k, v in tensors.items()}
+    renamed["model.vision_tower.patch.weight"] = torch.zeros(2, 2)
+    save_file(renamed, str(tmp_path / "model.safetensors"))
+    multimodal = load_checkpoint(ModelSource(name="mm", kind="hf", path=tmp_path))
+    plain = load_checkpoint(ModelSource(name="text", kind="hf", path=folder))
+    assert multimodal.config == plain.config
+    assert set(multimodal.weights) == set(plain.weights)
+    assert all(torch.equal(multimodal.weights[k], plain.weights[k]) for k in plain.weights)
