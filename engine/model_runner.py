@@ -70,12 +70,15 @@ class ModelRunner:
                  device: torch.device, dtype: torch.dtype,
                  cuda_graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None,
                  sample_vocab: int | None = None, max_prefill_tokens: int = 0,
-                 max_prefill_chunks: int = 0, tuning: EngineTuning | None = None) -> None:
+                 max_prefill_chunks: int = 0, tuning: EngineTuning | None = None,
+                 batch_invariant: bool = False) -> None:
         """``cuda_graph_sizes``: batch sizes whose decode steps are captured as CUDA
         graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables;
         ``sample_vocab``: the columns the graphs' greedy sampling may pick;
         ``max_prefill_tokens``, ``max_prefill_chunks``: the largest prompt step that
-        graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs)."""
+        graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs);
+        ``batch_invariant``: attention by the batch-invariant kernels (CPU; see
+        :class:`formcast.engine.layers.attention.AttentionMetadata`)."""
         tuning = tuning or EngineTuning()
         self.model = model
         # On CUDA in bfloat16 a Llama model's norm weights fold into the projections
@@ -89,6 +92,7 @@ class ModelRunner:
         model._run = True
         self.device = device
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.num_blocks = num_blocks
         cfg = model.config
@@ -277,6 +281,7 @@ class ModelRunner:
             decode_block_tables=to_device(padded, torch.long, dev).view(len(padded), max_blocks),
             decode_lens=to_device(layout.decode_lens, torch.long, dev),
             prefills=spans, prefill_packed=packed, one_token_rows=not layout.drafts,
+            batch_invariant=self.batch_invariant,
         )
         return (to_device(layout.tokens, torch.long, dev),
                 to_device(layout.positions, torch.long, dev), meta,

@@ -18,6 +18,8 @@ import torch
 
 from formcast.engine.kernels.paged_attention import (decode_masked_out, paged_decode_attention,
                                                      paged_prefill_attention_)
+from formcast.engine.kernels.paged_attention_invariant import (invariant_decode_attention,
+                                                               invariant_prefill_attention_)
 from formcast.engine.kernels.rope import store_kv_
 
 
@@ -44,6 +46,9 @@ class AttentionMetadata:
     # every decode row is its sequence's one new token (no draft positions): a kernel
     # may then store a row's key and value while the other rows attend
     one_token_rows: bool = False
+    # batch-invariant mode (CPU): every row, prompt or decode, attends by the one
+    # computation of kernels.paged_attention_invariant (fixed row tiles, fixed KV split)
+    batch_invariant: bool = False
 
     def rely_on_one_token_rows(self) -> None:
         """A layer took a path that holds only with :attr:`one_token_rows` (a CUDA
@@ -92,6 +97,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not stored:
         store_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
     t, h, d = q.shape
+    if meta.batch_invariant and not q.is_cuda:
+        return _invariant_attention(q, k_cache, v_cache, meta, scale)
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
         only_decodes = meta.num_decodes == t  # rows are then 0..T-1 in order (the runner's layout)
@@ -107,3 +114,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              packed=meta.prefill_packed)
     return out
 
+
+def _invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """:func:`paged_attention` in batch-invariant mode (keys and values stored)."""
+    t, h, d = q.shape
+    out = q.new_empty(t, h, d)
+    if meta.num_decodes:
+        only_decodes = meta.num_decodes == t
+        o = invariant_decode_attention(q if only_decodes else q[meta.decode_rows], k_cache,
+                                       v_cache, meta.decode_block_tables, meta.decode_lens,
+                                       scale)
+        if only_decodes:
+            return o
+        out[meta.decode_rows] = o
+    if meta.prefills:
+        invariant_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale)
+    return out

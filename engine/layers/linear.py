@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from formcast.engine.kernels.invariant_matmul import invariant_linear, onednn_linear
+
 
 def onednn_available() -> bool:
     """Whether torch has the oneDNN (mkldnn) prepacked linear ops on this CPU."""
@@ -45,9 +47,12 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or \
                 self.weight.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias,
-                                                  "none", [], "")
+            # (CPU float32 without oneDNN: row tiles keep rows batch-invariant)
+            return invariant_linear(x, self.weight, self.bias) if \
+                self.weight.dtype == x.dtype else F.linear(x, self.weight, self.bias)
+        # (a one-row call gets a zero row beside it: oneDNN's one-row kernel rounds
+        # differently from its many-row one)
+        return onednn_linear(x, self.packed_weight(), self.bias)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).float()``, but on CUDA a bfloat16/float16 ``x`` [N, in] is
