@@ -65,6 +65,16 @@ class StepLayout:
         return not self.prefills and len(self.sample_rows) == len(self.tokens)
 
 
+def _invariant_linears(model: torch.nn.Module, on: bool) -> None:
+    """Whether every :class:`Linear` of ``model`` runs its CUDA rows on the
+    fixed-tile GEMM (a model's setting: the last runner built over it decides)."""
+    from formcast.engine.layers.linear import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.batch_invariant = on
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype,
@@ -81,6 +91,8 @@ class ModelRunner:
         :class:`formcast.engine.layers.attention.AttentionMetadata`)."""
         tuning = tuning or EngineTuning()
         self.model = model
+        if device.type == "cuda":
+            _invariant_linears(model, batch_invariant)
         # On CUDA in bfloat16 a Llama model's norm weights fold into the projections
         # after them (LlamaForCausalLM.fold_norms) before graphs are captured: fewer
         # kernels a decode layer. (bfloat16 only: the folded projections work on the raw residual stream,
@@ -110,9 +122,12 @@ class ModelRunner:
                                        max_blocks=-(-max_len // block_size),
                                        block_size=block_size,
                                        scratch_slot=num_blocks * block_size,
-                                       sample_vocab=sample_vocab, copies=tuning.graph_copies)
+                                       sample_vocab=sample_vocab, copies=tuning.graph_copies,
+                                       batch_invariant=batch_invariant)
         self.prefill_graphs: PrefillGraphs | None = None
-        if graphs and max_prefill_tokens and max_prefill_chunks:  # (quantized linears: CPU only)
+        # (not in batch-invariant mode: its prompt rows attend as decode rows, from
+        # host lists a captured graph cannot follow)
+        if graphs and max_prefill_tokens and max_prefill_chunks and not batch_invariant:
             self.prefill_graphs = PrefillGraphs(
                 model, self.kv_caches, max_tokens=max_prefill_tokens,
                 max_chunks=max_prefill_chunks, max_blocks=self.graphs.max_blocks,

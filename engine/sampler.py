@@ -395,8 +395,9 @@ def _keyed_draw(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
     knobs = torch.tensor([p.temperature, p.top_k or 0, p.top_p, p.min_p], dtype=torch.float32)
     seeds = torch.tensor([row_seed(seq.seed, len(seq))], dtype=torch.long)
-    return sample(row.unsqueeze(0), knobs[0:1], knobs[1:2], knobs[2:3], knobs[3:4], seeds,
-                  backend="torch")[0][0]
+    knobs, seeds = knobs.to(row.device), seeds.to(row.device)
+    # (the backend plain sampling takes for the row: the same draw)
+    return sample(row.unsqueeze(0), knobs[0:1], knobs[1:2], knobs[2:3], knobs[3:4], seeds)[0][0]
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator

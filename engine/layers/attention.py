@@ -97,7 +97,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not stored:
         store_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
     t, h, d = q.shape
-    if meta.batch_invariant and not q.is_cuda:
+    if meta.batch_invariant:
+        if q.is_cuda:
+            return _invariant_attention_cuda(q, k_cache, v_cache, meta, scale)
         return _invariant_attention(q, k_cache, v_cache, meta, scale)
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
@@ -131,3 +133,47 @@ def _invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if meta.prefills:
         invariant_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale)
     return out
+
+
+def _invariant_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Batch-invariant mode on CUDA: every row, prompt rows included, as a decode
+    row at its position on the one fixed-configuration Triton kernel."""
+    from formcast.engine.kernels.paged_attention_triton import invariant_decode_attention_triton
+
+    t = q.shape[0]
+    if not meta.prefills:
+        rows = meta.decode_rows
+        o = invariant_decode_attention_triton(q if meta.num_decodes == t else q[rows], k_cache,
+                                              v_cache, meta.decode_block_tables,
+                                              meta.decode_lens, scale)
+        if meta.num_decodes == t:
+            return o
+        out = q.new_zeros(q.shape)
+        out[rows] = o
+        return out
+    starts, lengths, contexts, _ = meta.prefill_args()
+    rows = [r for s, n in zip(starts, lengths) for r in range(s, s + n)]
+    lens = [p + 1 for c, n in zip(contexts, lengths) for p in range(c - n, c)]
+    packed = meta.prefill_packed
+    tables = packed[1] if packed is not None else torch.nn.utils.rnn.pad_sequence(
+        list(meta.prefill_args()[3]), batch_first=True)
+    tables = tables.repeat_interleave(torch.tensor(lengths, device=q.device), dim=0)
+    dec = meta.decode_block_tables
+    if meta.num_decodes:  # decode and prompt rows in one launch, tables padded alike
+        width = max(dec.shape[1], tables.shape[1])
+        tables = torch.cat([_pad_tables(dec, width), _pad_tables(tables, width)])
+        rows_t = torch.cat([meta.decode_rows, torch.tensor(rows, device=q.device)])
+        lens_t = torch.cat([meta.decode_lens, torch.tensor(lens, device=q.device)])
+    else:
+        rows_t = torch.tensor(rows, device=q.device)
+        lens_t = torch.tensor(lens, device=q.device)
+    out = q.new_zeros(q.shape)
+    out[rows_t] = invariant_decode_attention_triton(q[rows_t], k_cache, v_cache, tables,
+                                                    lens_t, scale)
+    return out
+
+
+def _pad_tables(tables: torch.Tensor, width: int) -> torch.Tensor:
+    """Block tables [B, NB] padded with block 0 to ``width`` columns."""
+    return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))

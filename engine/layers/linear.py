@@ -43,8 +43,16 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple[int, int] | None = None  # (data_ptr, version) it was made from
+    # CUDA half-precision rows on the fixed-tile Triton GEMM (batch-invariant mode;
+    # set by the model runner)
+    batch_invariant: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and x.is_cuda and x.dim() == 2 and \
+                x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
+            from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+
+            return invariant_linear_triton(x, self.weight, self.bias)
         if not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or \
                 self.weight.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
             # (CPU float32 without oneDNN: row tiles keep rows batch-invariant)
@@ -60,6 +68,11 @@ class Linear(nn.Linear):
         to the half type and no second pass over the output. For a model's head
         that pass is the [N, vocab] conversion of every step."""
         w = self.weight
+        if self.batch_invariant and x.is_cuda and x.dim() == 2 and \
+                x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+            from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+
+            return invariant_linear_triton(x, w, self.bias, out_dtype=torch.float32)
         if _MM_OUT_DTYPE and x.is_cuda and x.dim() == 2 and self.bias is None and \
                 x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
             return torch.mm(x, w.t(), out_dtype=torch.float32)
