@@ -59,6 +59,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      ) -> torch.Tensor:
     """``F.linear`` that is row-invariant for CPU float32 2-D inputs (:func:`tiled_linear`);
     other devices, dtypes and shapes pass straight through ``F.linear``."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != x.dtype or \
+            x.dim() != 2 or x.shape[0] == 0:
         return F.linear(x, weight, bias)
     return tiled_linear(x, weight, bias)

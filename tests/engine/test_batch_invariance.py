@@ -321,3 +321,59 @@ def test_smollm2_outputs_are_the_same_in_every_arrangement(smollm2_run, name):
     eng, requests, expected = smollm2_run
     outs, ran = SMOLLM2_ARRANGEMENTS[name](eng.model, eng.tokenizer, requests)
     _check(name, outs, expected, ran)
+
+
+# -- CUDA (bfloat16, the mode opted into) -----------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["together, prefix caching on", "every prefill chunked",
+                                  "prompt-lookup speculation"])
+def test_cuda_bf16_outputs_are_the_same_in_every_arrangement(tokenizer, name):
+    """The harness on CUDA in bfloat16 with ``batch_invariant=True`` (off by default
+    there): the fixed-tile GEMM, the one attention kernel for every row, keyed draws."""
+    from formcast.engine.loading import build_model
+    from formcast.engine.models.shapes import SHAPES, random_llama_weights
+
+    cuda = torch.device("cuda")
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=4)
+    model = build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5), device=cuda,
+                        dtype=torch.bfloat16)
+    requests = make_requests(24, seed=11, vocab=(200, 20000), shared=40, longest=120,
+                             max_tokens=(3, 12))
+
+    def on_cuda(**config) -> Engine:
+        config.setdefault("spec", "none")
+        config.setdefault("num_kv_blocks", 512)
+        return Engine(model, tokenizer, config=EngineConfig(batch_invariant=True, **config),
+                      device=cuda)
+
+    ref = on_cuda(enable_prefix_caching=False)
+    expected = _result([ref.generate([p], sp)[0] for p, sp in requests])
+    if name.startswith("together"):
+        eng = on_cuda(max_num_seqs=len(requests))
+        outs = eng.generate([p for p, _ in requests], [sp for _, sp in requests])
+    else:
+        extra = {"max_num_batched_tokens": 16} if "chunked" in name else {"spec": LOOKUP}
+        eng = on_cuda(**extra)
+        outs = []
+        for i in range(0, len(requests), 5):
+            batch = requests[i:i + 5]
+            outs += eng.generate([p for p, _ in batch], [sp for _, sp in batch])
+    _check(name, outs, expected, eng)
+
+
+@pytest.mark.parametrize("tokens", [2, 9, 40])
+def test_moe_experts_give_a_token_the_same_bits_in_any_batch(tokens):
+    """The routed experts' grouped GEMM (DeepSeek-V4's MoE, CPU path): a token's
+    output alone equals its output among ``tokens`` others routed to the same experts."""
+    from formcast.engine.kernels.moe import grouped_expert_mlp
+
+    torch.manual_seed(0)
+    e, inter, experts, k = 64, 96, 8, 2
+    gate_up, down = torch.randn(experts, 2 * inter, e), torch.randn(experts, e, inter)
+    x = torch.randn(tokens + 1, e)
+    chosen = torch.stack([torch.randperm(experts)[:k] for _ in range(tokens + 1)])
+    weights = torch.rand(tokens + 1, k)
+    alone_out = grouped_expert_mlp(x[:1], gate_up, down, chosen[:1], weights[:1], 7.0)
+    batched = grouped_expert_mlp(x, gate_up, down, chosen, weights, 7.0)
+    assert torch.equal(batched[:1], alone_out)
