@@ -36,18 +36,23 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limits: torch.Tensor,
+def masked_keys(limits: torch.Tensor, width: int) -> torch.Tensor:
+    """``[..., width]`` bool, True at the keys past each row's ``limits`` [...]."""
+    return torch.arange(width, device=limits.device) >= limits.unsqueeze(-1)
+
+
+def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """The invariant core. ``q`` [N, R, D] (R a multiple of :data:`ROW_TILE`),
-    ``k``, ``v`` [N, S, D] (S a multiple of :data:`KV_SPLIT`), ``limits`` [N, R]
-    long: row ``r`` of group ``n`` sees keys ``0 .. limits[n, r] - 1`` (at least
-    one). Returns [N, R, D] in ``q``'s dtype (float32 math)."""
+    ``k``, ``v`` [N, S, D] (S a multiple of :data:`KV_SPLIT`), ``masked_out``
+    [N, R, S] bool (or broadcasting to it): :func:`masked_keys` of the keys each
+    row sees, ``0 .. limit - 1`` (at least one). Returns [N, R, D] in ``q``'s dtype
+    (float32 math)."""
     n, r, d = q.shape
     s = k.shape[1]
     splits = s // KV_SPLIT
     scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)                          # [N, R, S]
-    cols = torch.arange(s, device=q.device)
-    scores.masked_fill_(cols >= limits.unsqueeze(-1), float("-inf"))
+    scores.masked_fill_(masked_out, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)                                       # exact
     probs = torch.exp_(scores.sub_(top))                                          # [N, R, S]
     # [N, R, splits, C]: each split's weight sum over exactly C keys, then a scan
@@ -71,22 +76,35 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, width: int) -> torch.Tenso
     return got[..., :width, :, :]
 
 
+def decode_width(block_tables: torch.Tensor, block_size: int) -> int:
+    """Keys a decode row of :func:`invariant_decode_attention` spans (padded to the split)."""
+    return _round_up(block_tables.shape[1] * block_size, KV_SPLIT)
+
+
+def decode_masked_keys(context_lens: torch.Tensor, kv_heads: int, width: int) -> torch.Tensor:
+    """``[B * Hkv, 1, width]`` bool: :func:`masked_keys` of decode rows, per (row, kv head)."""
+    return masked_keys(context_lens.repeat_interleave(kv_heads), width).unsqueeze(1)
+
+
 def invariant_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, *, masked_out: torch.Tensor | None = None
+                               ) -> torch.Tensor:
     """Decode rows: ``q`` [B, H, D], each row over its first ``context_lens[b]``
-    tokens in ``block_tables[b]`` [B, NB]. Returns [B, H, D]."""
+    tokens in ``block_tables[b]`` [B, NB]. Returns [B, H, D]. ``masked_out``:
+    :func:`decode_masked_keys`, when the caller made it once for many layers."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
     rows = _round_up(g, ROW_TILE)
-    width = _round_up(block_tables.shape[1] * k_cache.shape[1], KV_SPLIT)
+    width = decode_width(block_tables, k_cache.shape[1])
     kk = _gather(k_cache, block_tables, width).permute(0, 2, 1, 3).reshape(b * hkv, width, d)
     vv = _gather(v_cache, block_tables, width).permute(0, 2, 1, 3).reshape(b * hkv, width, d)
     qq = q.new_zeros(b, hkv, rows, d)
     qq[:, :, :g] = q.view(b, hkv, g, d)
-    limits = context_lens.view(b, 1, 1).expand(b, hkv, rows).reshape(b * hkv, rows)
-    out = attend_split(qq.view(b * hkv, rows, d), kk, vv, limits, scale)
+    if masked_out is None:
+        masked_out = decode_masked_keys(context_lens, hkv, width)
+    out = attend_split(qq.view(b * hkv, rows, d), kk, vv, masked_out, scale)
     return out.view(b, hkv, rows, d)[:, :, :g].reshape(b, h, d)
 
 
@@ -113,6 +131,6 @@ def invariant_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: to
         first = context - length + 1
         limits[:length * g] = torch.arange(first, context + 1, device=q.device) \
             .repeat_interleave(g)
-        o = attend_split(qq, kk, vv, limits.expand(hkv, rows), scale)          # [Hkv, R, D]
+        o = attend_split(qq, kk, vv, masked_keys(limits, width).unsqueeze(0), scale)  # [Hkv,R,D]
         out[start:start + length] = o[:, :length * g].view(hkv, length, g, d) \
             .permute(1, 0, 2, 3).reshape(length, h, d)

@@ -18,7 +18,9 @@ import torch
 
 from formcast.engine.kernels.paged_attention import (decode_masked_out, paged_decode_attention,
                                                      paged_prefill_attention_)
-from formcast.engine.kernels.paged_attention_invariant import (invariant_decode_attention,
+from formcast.engine.kernels.paged_attention_invariant import (decode_masked_keys,
+                                                               decode_width,
+                                                               invariant_decode_attention,
                                                                invariant_prefill_attention_)
 from formcast.engine.kernels.rope import store_kv_
 
@@ -124,9 +126,14 @@ def _invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
         only_decodes = meta.num_decodes == t
+        width = decode_width(meta.decode_block_tables, k_cache.shape[1])
+        masked = meta.__dict__.get("_invariant_masked")
+        if masked is None or masked.shape[-1] != width:  # (once a step, not once a layer)
+            masked = decode_masked_keys(meta.decode_lens, k_cache.shape[2], width)
+            object.__setattr__(meta, "_invariant_masked", masked)
         o = invariant_decode_attention(q if only_decodes else q[meta.decode_rows], k_cache,
                                        v_cache, meta.decode_block_tables, meta.decode_lens,
-                                       scale)
+                                       scale, masked_out=masked)
         if only_decodes:
             return o
         out[meta.decode_rows] = o
@@ -152,26 +159,38 @@ def _invariant_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         out = q.new_zeros(q.shape)
         out[rows] = o
         return out
-    starts, lengths, contexts, _ = meta.prefill_args()
-    rows = [r for s, n in zip(starts, lengths) for r in range(s, s + n)]
-    lens = [p + 1 for c, n in zip(contexts, lengths) for p in range(c - n, c)]
-    packed = meta.prefill_packed
-    tables = packed[1] if packed is not None else torch.nn.utils.rnn.pad_sequence(
-        list(meta.prefill_args()[3]), batch_first=True)
-    tables = tables.repeat_interleave(torch.tensor(lengths, device=q.device), dim=0)
-    dec = meta.decode_block_tables
-    if meta.num_decodes:  # decode and prompt rows in one launch, tables padded alike
-        width = max(dec.shape[1], tables.shape[1])
-        tables = torch.cat([_pad_tables(dec, width), _pad_tables(tables, width)])
-        rows_t = torch.cat([meta.decode_rows, torch.tensor(rows, device=q.device)])
-        lens_t = torch.cat([meta.decode_lens, torch.tensor(lens, device=q.device)])
-    else:
-        rows_t = torch.tensor(rows, device=q.device)
-        lens_t = torch.tensor(lens, device=q.device)
+    rows_t, tables, lens_t = _invariant_rows(meta, q.device)
     out = q.new_zeros(q.shape)
     out[rows_t] = invariant_decode_attention_triton(q[rows_t], k_cache, v_cache, tables,
                                                     lens_t, scale)
     return out
+
+
+def _invariant_rows(meta: AttentionMetadata, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row of the step as a decode row: its flat row, block table and context
+    length (position + 1), decode rows first; made once a step, not once a layer."""
+    cached = meta.__dict__.get("_invariant_rows")
+    if cached is not None:
+        return cached
+    starts, lengths, contexts, block_tables = meta.prefill_args()
+    rows = [r for s, n in zip(starts, lengths) for r in range(s, s + n)]
+    lens = [p + 1 for c, n in zip(contexts, lengths) for p in range(c - n, c)]
+    packed = meta.prefill_packed
+    tables = packed[1] if packed is not None else \
+        torch.nn.utils.rnn.pad_sequence(list(block_tables), batch_first=True)
+    tables = tables.repeat_interleave(torch.tensor(lengths, device=device), dim=0)
+    rows_t = torch.tensor(rows, device=device)
+    lens_t = torch.tensor(lens, device=device)
+    if meta.num_decodes:  # decode and prompt rows in one launch, tables padded alike
+        dec = meta.decode_block_tables
+        width = max(dec.shape[1], tables.shape[1])
+        tables = torch.cat([_pad_tables(dec, width), _pad_tables(tables, width)])
+        rows_t = torch.cat([meta.decode_rows, rows_t])
+        lens_t = torch.cat([meta.decode_lens, lens_t])
+    cached = (rows_t, tables, lens_t)
+    object.__setattr__(meta, "_invariant_rows", cached)
+    return cached
 
 
 def _pad_tables(tables: torch.Tensor, width: int) -> torch.Tensor:
