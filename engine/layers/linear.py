@@ -8,7 +8,9 @@ Two reasons, both measured on the CPUs this runs on (benchmarks/decode_floor.py)
   there). Verifying a speculative draft adds rows to a step, so
   what a row costs decides what speculation gains.
 - **Row invariance.** oneDNN's kernel computes each output row the same way
-  whatever the number of rows (checked up to 300 rows in tests/engine/test_linear.py),
+  whatever the number of rows from two rows on (a one-row call gets a zero row
+  beside it: :func:`formcast.engine.kernels.invariant_matmul.onednn_linear`;
+  checked up to 300 rows in tests/engine/test_linear.py),
   where MKL switches kernels at 4 rows and rounds differently. A row's result then
   does not depend on what else runs in the step: greedy outputs do not change with
   the batch or with speculation.
