@@ -10,6 +10,11 @@
 3. The batch-1 decode step of a larger shape against its bytes-moved bound:
    (weight bytes + KV bytes read) / the copy bandwidth measured on this device.
 
+4. With ``--batch-invariant``: what batch-invariant mode costs, tokens/s with
+   ``EngineConfig(batch_invariant=True)`` and without (an engine of each over the
+   same random weights, the sides alternating) at each of ``--invariant-batch-sizes``,
+   and the ratio on/off.
+
 ``--shape`` takes a Llama shape (``smollm2-135m``, ``llama-1b``) or a DeepSeek-V4
 one (``deepseek-v4-small``; parts 1 and 2): random weights either way, the same
 tensors on both sides (transformers' DeepSeek-V4 where the installed transformers
@@ -306,6 +311,31 @@ def part_bound(tok: Tokenizer, shape: str, n: int, config: dict) -> None:
           f"{bound / step:.1%} of the bound", flush=True)
 
 
+def part_invariant(shape: str, tok: Tokenizer, sizes: list[int], n: int, config: dict,
+                   runs: int = 3) -> None:
+    """Tokens/s with batch-invariant mode on and off, free text, greedy."""
+    print(f"\n[4] batch-invariant mode's cost: shape={shape}, {n} tokens a row, "
+          f"best of {runs} alternating runs", flush=True)
+    config = {k: v for k, v in config.items() if k != "batch_invariant"}
+    for b in sizes:
+        engines = {on: make_engine(shape, tok, b, batch_invariant=on, **config)
+                   for on in (False, True)}
+        ps = prompts(tok, b)
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for r in range(runs):
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                # (each model's linears follow its own engine's mode)
+                secs, tokens = timed_generate(engines[on], ps, sp)
+                rates[on].append(tokens / secs)
+        off, on = max(rates[False]), max(rates[True])
+        print(f"batch {b:4d}: off {off:9.1f} tok/s, on {on:9.1f} tok/s, ratio on/off "
+              f"{on / off:.3f}", flush=True)
+        del engines
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer-dir", required=True)
@@ -325,6 +355,9 @@ def main() -> None:
     ap.add_argument("--config", dest="configs", action="append", default=[],
                     metavar="FIELD=LITERAL",
                     help="an EngineConfig field of every engine built (repeatable)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="also measure batch-invariant mode's cost (part 4)")
+    ap.add_argument("--invariant-batch-sizes", default="64,256")
     ap.add_argument("--host-cores", type=int, default=None,
                     help="run on this many host cores (a slower host: the constrained "
                     "steps of a large batch are host-bound on some H200 machines)")
@@ -357,6 +390,9 @@ def main() -> None:
         del eng
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
+    if args.batch_invariant:
+        part_invariant(args.shape, tok, [int(b) for b in args.invariant_batch_sizes.split(",")],
+                       args.tokens, config)
     if "bound" not in skip and DEVICE.type != "cuda":
         print("[3] skipped: the bytes-moved bound is measured on CUDA only")
     elif "bound" not in skip:

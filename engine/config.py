@@ -185,6 +185,13 @@ class EngineConfig:
         back a step wait. Cycles that
         constraints or callbacks make are collected after the call. None: on
         CUDA.
+    batch_invariant : bool | None
+        Batch-invariant mode: a request's tokens and logprobs are bitwise the same
+        whatever it shares a step with (batch composition and order, chunked-prefill
+        boundaries, prefix-cache hits, preemption, speculative verification). Every
+        row then attends by one fixed-split computation, GEMMs see fixed row tiles,
+        and draws use noise keyed by (seed, position) only (see "Batch invariance"
+        in docs/architecture.md). None: on for the CPU, off on CUDA.
     tuning : EngineTuning
         Performance knobs (:class:`formcast.engine.tuning.EngineTuning`, or a dict
         of its fields) that move work between threads and waits without changing
@@ -210,6 +217,7 @@ class EngineConfig:
     freeze_gc: bool | None = None
     pause_gc: bool | None = None
     spec: Any = None  # SpecConfig after __post_init__
+    batch_invariant: bool | None = None
     tuning: EngineTuning = EngineTuning()  # (a dict of its fields is taken too)
 
     def __post_init__(self) -> None:
@@ -242,6 +250,16 @@ class EngineConfig:
         if self.max_constraint_rollbacks < 0:
             raise ValueError(f"max_constraint_rollbacks must be >= 0, got "
                              f"{self.max_constraint_rollbacks}")
+        if self.batch_invariant not in (None, True, False):
+            raise ValueError(f"batch_invariant must be True, False or None, got "
+                             f"{self.batch_invariant!r}")
+
+    def batch_invariant_on(self, device_type: str) -> bool:
+        """Whether batch-invariant mode is on for a device of ``device_type``
+        ("cpu", "cuda"): the field, or by default on the CPU only."""
+        if self.batch_invariant is None:
+            return device_type == "cpu"
+        return self.batch_invariant
 
 
 DEEPSEEK_V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention",

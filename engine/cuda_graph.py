@@ -222,12 +222,14 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches: list[torch.Tensor], *, sizes: tuple[int, ...],
                  max_blocks: int, block_size: int, scratch_slot: int,
-                 sample_vocab: int | None = None, copies: int = 2) -> None:
+                 sample_vocab: int | None = None, copies: int = 2,
+                 batch_invariant: bool = False) -> None:
         """``sample_vocab``: the logits columns greedy sampling may pick (the
         tokenizer's vocabulary; default all); ``copies``: captures of each size,
         replayed in turn (see the module doc)."""
         self.model = model
         self.copies = copies
+        self.batch_invariant = batch_invariant  # (captured over the invariant attention)
         self.sample_vocab = sample_vocab
         self.kv_caches = kv_caches
         self.sizes = tuple(sorted(sizes))
@@ -265,7 +267,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=dev[2 * m:2 * m + b], decode_rows=self._rows[:b],
             decode_block_tables=dev[at:-1].view(m, self.max_blocks)[:b],
-            decode_lens=dev[3 * m:3 * m + b], prefills=(), one_token_rows=True)
+            decode_lens=dev[3 * m:3 * m + b], prefills=(), one_token_rows=True,
+            batch_invariant=self.batch_invariant)
         return dev[:b], dev[m:m + b], meta
 
     def _patch(self) -> None:

@@ -66,7 +66,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
         self.sampler = Sampler(model.config.vocab_size, tokenizer.vocab_size, batch_fill=cuda,
-                               tuning=tuning)
+                               tuning=tuning, invariant=config.batch_invariant_on(device.type))
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids)
         # (on CUDA ended requests' constraints are dropped while the host waits)
         self.output = OutputProcessor(tokenizer, self.scheduler, self.runner, self.block_manager,

@@ -214,7 +214,8 @@ def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tok
                              max_model_len=max_len(config, mcfg, full_blocks(groups)),
                              sample_vocab=min(tokenizer.vocab_size, mcfg.vocab_size),
                              max_prefill_tokens=config.max_num_batched_tokens,
-                             max_prefill_chunks=config.max_num_seqs, tuning=config.tuning)
+                             max_prefill_chunks=config.max_num_seqs, tuning=config.tuning,
+                             batch_invariant=config.batch_invariant_on(device.type))
     if spec.enabled and spec.method == "mtp" and mtp is None:
         raise ValueError("spec method 'mtp' needs a model with an MTP layer (a DeepSeek-V4 "
                          "checkpoint with mtp.0.* weights); use 'prompt_lookup' or 'auto'")

@@ -73,22 +73,37 @@ class StepLayout:
         return not self.prefills and len(self.sample_rows) == len(self.tokens)
 
 
+def _invariant_linears(model: torch.nn.Module, on: bool) -> None:
+    """Whether every :class:`Linear` of ``model`` runs its CUDA rows on the
+    fixed-tile GEMM (a model's setting: the last runner built over it decides)."""
+    from formcast.engine.layers.linear import Linear
+
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.batch_invariant = on
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype,
                  cuda_graph_sizes: tuple[int, ...] = (), max_model_len: int | None = None,
                  sample_vocab: int | None = None, max_prefill_tokens: int = 0,
                  max_prefill_chunks: int = 0, tuning: EngineTuning | None = None,
-                 kv_groups: tuple[KVGroup, ...] | None = None) -> None:
+                 kv_groups: tuple[KVGroup, ...] | None = None,
+                 batch_invariant: bool = False) -> None:
         """``kv_groups``: the layers' KV groups, sized (None: one group of every
         layer, full attention, ``num_blocks`` blocks); graphs serve that case only.
         ``cuda_graph_sizes``: batch sizes whose decode steps are captured as CUDA
         graphs (CUDA only; empty: none); ``max_model_len`` bounds their block tables;
         ``sample_vocab``: the columns the graphs' greedy sampling may pick;
         ``max_prefill_tokens``, ``max_prefill_chunks``: the largest prompt step that
-        graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs)."""
+        graphs serve as well (:class:`PrefillGraphs`; 0: none; with decode graphs);
+        ``batch_invariant``: attention by the batch-invariant kernels (CPU; see
+        :class:`formcast.engine.layers.attention.AttentionMetadata`)."""
         tuning = tuning or EngineTuning()
         self.model = model
+        if device.type == "cuda":
+            _invariant_linears(model, batch_invariant)
         # On CUDA in bfloat16 a Llama model's norm weights fold into the projections
         # after them (LlamaForCausalLM.fold_norms) before graphs are captured: fewer
         # kernels a decode layer. (bfloat16 only: the folded projections work on the raw residual stream,
@@ -100,6 +115,7 @@ class ModelRunner:
         model._run = True
         self.device = device
         self.dtype = dtype
+        self.batch_invariant = batch_invariant
         self.block_size = block_size
         self.num_blocks = num_blocks
         cfg = model.config
@@ -129,9 +145,12 @@ class ModelRunner:
                                        max_blocks=-(-max_len // block_size),
                                        block_size=block_size,
                                        scratch_slot=num_blocks * block_size,
-                                       sample_vocab=sample_vocab, copies=tuning.graph_copies)
+                                       sample_vocab=sample_vocab, copies=tuning.graph_copies,
+                                       batch_invariant=batch_invariant)
         self.prefill_graphs: PrefillGraphs | None = None
-        if graphs and max_prefill_tokens and max_prefill_chunks:  # (quantized linears: CPU only)
+        # (not in batch-invariant mode: its prompt rows attend as decode rows, from
+        # host lists a captured graph cannot follow)
+        if graphs and max_prefill_tokens and max_prefill_chunks and not batch_invariant:
             self.prefill_graphs = PrefillGraphs(
                 model, self.kv_caches, max_tokens=max_prefill_tokens,
                 max_chunks=max_prefill_chunks, max_blocks=self.graphs.max_blocks,
@@ -326,4 +345,5 @@ class ModelRunner:
             decode_block_tables=to_device(padded, torch.long, dev).view(len(padded), max_blocks),
             decode_lens=to_device(layout.decode_lens, torch.long, dev),
             prefills=spans, prefill_packed=packed, one_token_rows=not layout.drafts,
+            batch_invariant=self.batch_invariant,
         )

@@ -5,7 +5,10 @@ in the batch, so the same seed gives the same tokens whatever the batch holds.
 Random draws use the exponential race (argmax of p / Exp(1)), which samples
 exactly from p with a single draw per vocabulary entry. On CUDA the drawn rows of
 a batch go through one Triton kernel (:mod:`formcast.engine.kernels.sampling`),
-its noise keyed by the request's seed and the position sampled.
+its noise keyed by the request's seed and the position sampled; so do CPU rows
+in batch-invariant mode (``invariant``), whose speculative verification then
+keeps a draft token exactly when it is the token plain sampling would draw at
+its position: the same tokens with and without drafts.
 """
 
 from __future__ import annotations
@@ -65,12 +68,14 @@ class Sampler:
     """Samples one token per row of a logits batch for the given sequences."""
 
     def __init__(self, vocab_size: int, valid_vocab_size: int, *, batch_fill: bool = False,
-                 tuning: EngineTuning | None = None) -> None:
+                 tuning: EngineTuning | None = None, invariant: bool = False) -> None:
         # vocab_size: the model's (logits width); valid_vocab_size: the tokenizer's.
         # batch_fill (set on CUDA): fill masks through a constraint class's
         # ``fill_bitmasks`` (many rows in one call, on the grammar library's threads)
         # where it has one, into pinned memory (the copy to the device is asynchronous)
         tuning = tuning or EngineTuning()
+        # batch-invariant mode: draws keyed by (seed, position), not a generator's state
+        self.invariant = invariant
         self._spare_rows = tuning.mask_ring_spare_rows  # (past a pinned buffer's masks)
         self._few = {"few_masks": tuning.few_masks, "few_allowed": tuning.few_allowed}
         self.vocab_size = vocab_size
@@ -133,7 +138,7 @@ class Sampler:
                 idx = to_device(greedy_rows, torch.long, dev)
                 tokens[idx] = logits[idx].argmax(dim=-1)
             drawn = [i for i, s in enumerate(seqs) if not s.params.greedy]
-            if logits.is_cuda and triton_available():
+            if (logits.is_cuda and triton_available()) or self.invariant:
                 # every drawn row in one kernel, its noise keyed by the request's seed
                 # and the position it samples; parameters moved in one async copy
                 ps = [seqs[i].params for i in drawn]
@@ -220,6 +225,9 @@ class Sampler:
             return Verdict(token_id=-1, accepted=False, logprob=None, error=errors[0])
         if params.greedy:
             token = int(row.argmax())
+            accepted = proposal is not None and token == proposal
+        elif self.invariant:  # the draw plain sampling makes here; the draft kept if equal
+            token = int(_keyed_draw(row, seq))
             accepted = proposal is not None and token == proposal
         else:
             probs = _probs(row, params)
@@ -379,6 +387,17 @@ class Sampler:
             return None
         view[start:end] = values
         return ints[start:end]
+
+
+def _keyed_draw(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """One token from ``row`` [V] (restricted already) with noise keyed by the
+    request's seed and the position sampled (:func:`row_seed`)."""
+    p = seq.params
+    knobs = torch.tensor([p.temperature, p.top_k or 0, p.top_p, p.min_p], dtype=torch.float32)
+    seeds = torch.tensor([row_seed(seq.seed, len(seq))], dtype=torch.long)
+    knobs, seeds = knobs.to(row.device), seeds.to(row.device)
+    # (the backend plain sampling takes for the row: the same draw)
+    return sample(row.unsqueeze(0), knobs[0:1], knobs[1:2], knobs[2:3], knobs[3:4], seeds)[0][0]
 
 
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator

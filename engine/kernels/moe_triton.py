@@ -117,15 +117,17 @@ def tile_layout(experts: torch.Tensor, num_experts: int, block_m: int
 
 
 def grouped_expert_mlp_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                              experts: torch.Tensor, weights: torch.Tensor, limit: float
-                              ) -> torch.Tensor:
+                              experts: torch.Tensor, weights: torch.Tensor, limit: float, *,
+                              invariant: bool = False) -> torch.Tensor:
+    """``invariant``: tiles of 16 slots whatever the batch (batch-invariant mode);
+    otherwise 64 once the pairs fill them."""
     t, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     top_k = experts.shape[1]
     if x.stride(1) != 1 or gate_up.stride(2) != 1 or down.stride(2) != 1:
         raise ValueError("grouped experts: x rows and expert weight rows must be contiguous")
-    block_m = 16 if t * top_k <= 64 * num_experts else 64
+    block_m = 16 if invariant or t * top_k <= 64 * num_experts else 64
     slot_pair, tile_expert = tile_layout(experts, num_experts, block_m)
     tiles = tile_expert.numel()
     pairs = t * top_k

@@ -216,6 +216,27 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     return out
 
 
+INVARIANT_CONFIG = (64, 4, 3)  # keys a tile, warps, stages: the same for every batch
+
+
+def invariant_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor,
+                                      v_cache: torch.Tensor, block_tables: torch.Tensor,
+                                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Batch-invariant decode attention: one program per (row, kv head) over its
+    whole context, tiles of 64 keys from position 0 in order (no split chosen by
+    the batch, one configuration for every batch). Prompt rows go through it too,
+    each as a decode row at its position, so a token gets the same bits in a
+    prompt chunk or a decode step. Arguments as :func:`paged_decode_attention_triton`."""
+    b, h, d = q.shape
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged attention: the head dimension must be contiguous")
+    out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
+    if b:
+        launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, out, scale, 1,
+                      INVARIANT_CONFIG)
+    return out
+
+
 @triton.jit
 def _rope_decode_kernel(qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, tables_ptr,
                         lens_ptr, out_ptr, lse_ptr, s_ptr, scale, group, num_q, head_dim,

@@ -18,6 +18,10 @@ import torch
 
 from formcast.engine.kernels.paged_attention import (decode_masked_out, paged_decode_attention,
                                                      paged_prefill_attention_)
+from formcast.engine.kernels.paged_attention_invariant import (decode_masked_keys,
+                                                               decode_width,
+                                                               invariant_decode_attention,
+                                                               invariant_prefill_attention_)
 from formcast.engine.kernels.rope import store_kv_
 
 
@@ -44,6 +48,9 @@ class AttentionMetadata:
     # every decode row is its sequence's one new token (no draft positions): a kernel
     # may then store a row's key and value while the other rows attend
     one_token_rows: bool = False
+    # batch-invariant mode (CPU): every row, prompt or decode, attends by the one
+    # computation of kernels.paged_attention_invariant (fixed row tiles, fixed KV split)
+    batch_invariant: bool = False
 
     def rely_on_one_token_rows(self) -> None:
         """A layer took a path that holds only with :attr:`one_token_rows` (a CUDA
@@ -96,6 +103,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not stored:
         store_kv_(k_cache, v_cache, k, v, meta.slot_mapping)
     t, h, d = q.shape
+    if meta.batch_invariant:
+        if q.is_cuda:
+            return _invariant_attention_cuda(q, k_cache, v_cache, meta, scale)
+        return _invariant_attention(q, k_cache, v_cache, meta, scale)
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
         only_decodes = meta.num_decodes == t  # rows are then 0..T-1 in order (the runner's layout)
@@ -112,3 +123,81 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              packed=meta.prefill_packed, window=window, softcap=softcap)
     return out
 
+
+def _invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """:func:`paged_attention` in batch-invariant mode (keys and values stored)."""
+    t, h, d = q.shape
+    out = q.new_empty(t, h, d)
+    if meta.num_decodes:
+        only_decodes = meta.num_decodes == t
+        width = decode_width(meta.decode_block_tables, k_cache.shape[1])
+        masked = meta.__dict__.get("_invariant_masked")
+        if masked is None or masked.shape[-1] != width:  # (once a step, not once a layer)
+            masked = decode_masked_keys(meta.decode_lens, k_cache.shape[2], width)
+            object.__setattr__(meta, "_invariant_masked", masked)
+        o = invariant_decode_attention(q if only_decodes else q[meta.decode_rows], k_cache,
+                                       v_cache, meta.decode_block_tables, meta.decode_lens,
+                                       scale, masked_out=masked)
+        if only_decodes:
+            return o
+        out[meta.decode_rows] = o
+    if meta.prefills:
+        invariant_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale)
+    return out
+
+
+def _invariant_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Batch-invariant mode on CUDA: every row, prompt rows included, as a decode
+    row at its position on the one fixed-configuration Triton kernel."""
+    from formcast.engine.kernels.paged_attention_triton import invariant_decode_attention_triton
+
+    t = q.shape[0]
+    if not meta.prefills:
+        rows = meta.decode_rows
+        o = invariant_decode_attention_triton(q if meta.num_decodes == t else q[rows], k_cache,
+                                              v_cache, meta.decode_block_tables,
+                                              meta.decode_lens, scale)
+        if meta.num_decodes == t:
+            return o
+        out = q.new_zeros(q.shape)
+        out[rows] = o
+        return out
+    rows_t, tables, lens_t = _invariant_rows(meta, q.device)
+    out = q.new_zeros(q.shape)
+    out[rows_t] = invariant_decode_attention_triton(q[rows_t], k_cache, v_cache, tables,
+                                                    lens_t, scale)
+    return out
+
+
+def _invariant_rows(meta: AttentionMetadata, device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every row of the step as a decode row: its flat row, block table and context
+    length (position + 1), decode rows first; made once a step, not once a layer."""
+    cached = meta.__dict__.get("_invariant_rows")
+    if cached is not None:
+        return cached
+    starts, lengths, contexts, block_tables = meta.prefill_args()
+    rows = [r for s, n in zip(starts, lengths) for r in range(s, s + n)]
+    lens = [p + 1 for c, n in zip(contexts, lengths) for p in range(c - n, c)]
+    packed = meta.prefill_packed
+    tables = packed[1] if packed is not None else \
+        torch.nn.utils.rnn.pad_sequence(list(block_tables), batch_first=True)
+    tables = tables.repeat_interleave(torch.tensor(lengths, device=device), dim=0)
+    rows_t = torch.tensor(rows, device=device)
+    lens_t = torch.tensor(lens, device=device)
+    if meta.num_decodes:  # decode and prompt rows in one launch, tables padded alike
+        dec = meta.decode_block_tables
+        width = max(dec.shape[1], tables.shape[1])
+        tables = torch.cat([_pad_tables(dec, width), _pad_tables(tables, width)])
+        rows_t = torch.cat([meta.decode_rows, rows_t])
+        lens_t = torch.cat([meta.decode_lens, lens_t])
+    cached = (rows_t, tables, lens_t)
+    object.__setattr__(meta, "_invariant_rows", cached)
+    return cached
+
+
+def _pad_tables(tables: torch.Tensor, width: int) -> torch.Tensor:
+    """Block tables [B, NB] padded with block 0 to ``width`` columns."""
+    return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))

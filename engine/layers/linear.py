@@ -8,7 +8,9 @@ Two reasons, both measured on the CPUs this runs on (benchmarks/decode_floor.py)
   there). Verifying a speculative draft adds rows to a step, so
   what a row costs decides what speculation gains.
 - **Row invariance.** oneDNN's kernel computes each output row the same way
-  whatever the number of rows (checked up to 300 rows in tests/engine/test_linear.py),
+  whatever the number of rows from two rows on (a one-row call gets a zero row
+  beside it: :func:`formcast.engine.kernels.invariant_matmul.onednn_linear`;
+  checked up to 300 rows in tests/engine/test_linear.py),
   where MKL switches kernels at 4 rows and rounds differently. A row's result then
   does not depend on what else runs in the step: greedy outputs do not change with
   the batch or with speculation.
@@ -22,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from formcast.engine.kernels.invariant_matmul import invariant_linear, onednn_linear
 
 
 def onednn_available() -> bool:
@@ -41,13 +45,24 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _packed_of: tuple[int, int] | None = None  # (data_ptr, version) it was made from
+    # CUDA half-precision rows on the fixed-tile Triton GEMM (batch-invariant mode;
+    # set by the model runner)
+    batch_invariant: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant and x.is_cuda and x.dim() == 2 and \
+                x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == x.dtype:
+            from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+
+            return invariant_linear_triton(x, self.weight, self.bias)
         if not _ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32 or \
                 self.weight.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0:
-            return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias,
-                                                  "none", [], "")
+            # (CPU float32 without oneDNN: row tiles keep rows batch-invariant)
+            return invariant_linear(x, self.weight, self.bias) if \
+                self.weight.dtype == x.dtype else F.linear(x, self.weight, self.bias)
+        # (a one-row call gets a zero row beside it: oneDNN's one-row kernel rounds
+        # differently from its many-row one)
+        return onednn_linear(x, self.packed_weight(), self.bias)
 
     def forward_float32(self, x: torch.Tensor) -> torch.Tensor:
         """``forward(x).float()``, but on CUDA a bfloat16/float16 ``x`` [N, in] is
@@ -55,6 +70,11 @@ class Linear(nn.Linear):
         to the half type and no second pass over the output. For a model's head
         that pass is the [N, vocab] conversion of every step."""
         w = self.weight
+        if self.batch_invariant and x.is_cuda and x.dim() == 2 and \
+                x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
+            from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+
+            return invariant_linear_triton(x, w, self.bias, out_dtype=torch.float32)
         if _MM_OUT_DTYPE and x.is_cuda and x.dim() == 2 and self.bias is None and \
                 x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype:
             return torch.mm(x, w.t(), out_dtype=torch.float32)

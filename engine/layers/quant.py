@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from formcast.engine.kernels.invariant_matmul import onednn_linear
 from formcast.engine.layers.linear import onednn_available
 
 GROUP_SIZE = 32
@@ -90,7 +91,7 @@ class _PromptFloat(nn.Module):
         return out
 
     def _float(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.dense_bias, "none", [], "")
+        return onednn_linear(x, self.dense, self.dense_bias)  # (row-invariant at any M)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE

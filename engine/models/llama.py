@@ -80,7 +80,8 @@ class LlamaAttention(nn.Module):
         """Whether this step takes :func:`rope_decode_attention` (see above)."""
         t = x.shape[0]
         return x.is_cuda and self.fused_decode and x.dtype != torch.float32 and \
-            self.head_dim <= 64 and self.softcap is None and t * self.num_kv_heads >= SPLIT_BELOW and \
+            not meta.batch_invariant and self.head_dim <= 64 and self.softcap is None and \
+            t * self.num_kv_heads >= SPLIT_BELOW and \
             meta.one_token_rows and not meta.prefills and meta.num_decodes == t and \
             triton_available()
 

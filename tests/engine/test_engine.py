@@ -122,15 +122,16 @@ def test_seeded_sampling_repeats_and_does_not_depend_on_the_batch(smollm2_engine
 
 def test_a_request_makes_its_generator_only_when_it_draws(smollm2_engine):
     """A request's torch.Generator, seeded with its seed, is made the first time a
-    draw needs it: a greedy request never makes one."""
-    ids = chat(smollm2_engine, "Name a colour.")
-    greedy = smollm2_engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0))
-    drawn = smollm2_engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.8,
-                                                           seed=4321))
-    seqs = {rid: smollm2_engine.output.requests[rid] for rid in (greedy, drawn)}
+    draw needs it: a greedy request never makes one. (Outside batch-invariant mode:
+    in it, draws are keyed by seed and position and need no generator.)"""
+    engine = variant(smollm2_engine, batch_invariant=False)
+    ids = chat(engine, "Name a colour.")
+    greedy = engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0))
+    drawn = engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.8, seed=4321))
+    seqs = {rid: engine.output.requests[rid] for rid in (greedy, drawn)}
     assert not any(s.generator_made for s in seqs.values())
-    while smollm2_engine.has_unfinished_requests():
-        smollm2_engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
     assert not seqs[greedy].generator_made
     assert seqs[drawn].generator_made
     assert seqs[drawn].generator.initial_seed() == 4321

@@ -1,0 +1,164 @@
+"""Batch-invariant mode on CUDA (bfloat16): is it invariant, and what does it cost.
+
+1. The harness: ``--requests`` requests (mixed prompt lengths, two shared
+   prefixes, greedy and seeded, ``logprobs=0``) on random weights of ``--shape``,
+   run alone, then in each arrangement (all together; random batches; staggered
+   arrivals; every prefill chunked; a KV budget that forces preemption; prompt
+   lookup speculation), with ``EngineConfig(batch_invariant=True)``. Prints per
+   arrangement how many requests' token ids or logprobs differ bit for bit from
+   alone (0 is the goal), and the same for the mode off as a control (differences
+   expected there).
+2. The cost: tokens/s with the mode on and off at each of ``--batch-sizes``
+   (``gpu_throughput.py``'s part 4: free text, greedy, same weights, sides
+   alternating) and the ratio (target: at least 0.85).
+
+    python benchmarks/batch_invariance_cuda.py --tokenizer-dir DIR [--shape smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+import gpu_throughput as bench
+from formcast.engine import Engine, EngineConfig, SamplingParams, Tokenizer
+from formcast.engine.models.shapes import SHAPES
+from formcast.engine.speculative import SpecConfig
+
+LOOKUP = SpecConfig(method="prompt_lookup", scheduled=False, min_confidence=0.0)
+
+
+def requests_for(n: int, vocab: int, seed: int = 7) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(100, vocab) for _ in range(48)] for _ in range(2)]
+    out = []
+    for i in range(n):
+        body = [rng.randrange(100, vocab) for _ in range(rng.randrange(2, 200))]
+        if i % 4 == 1:
+            body += body[:rng.randrange(1, len(body) + 1)]  # an n-gram for prompt lookup
+        prompt = prefixes[i % 2] + body if i % 3 else body
+        greedy = i % 2 == 0
+        out.append((prompt, SamplingParams(
+            max_tokens=rng.randrange(4, 24), ignore_eos=True, logprobs=0,
+            temperature=0.0 if greedy else 0.8, top_p=0.9 if i % 8 == 1 else 1.0,
+            seed=None if greedy else 1000 + i)))
+    return out
+
+
+def result(outs) -> list[tuple]:
+    return [(tuple(o.token_ids), tuple(lp.logprob for lp in o.logprobs)) for o in outs]
+
+
+def engine(model, tok, invariant: bool, **config) -> Engine:
+    config.setdefault("spec", "none")
+    config.setdefault("num_kv_blocks", 4096)
+    return Engine(model, tok, config=EngineConfig(batch_invariant=invariant, **config),
+                  device=torch.device("cuda"))
+
+
+def run_alone(model, tok, reqs, inv):
+    eng = engine(model, tok, inv, enable_prefix_caching=False)
+    return [eng.generate([p], sp)[0] for p, sp in reqs]
+
+
+def run_together(model, tok, reqs, inv):
+    order = list(range(len(reqs)))
+    random.Random(1).shuffle(order)
+    eng = engine(model, tok, inv, max_num_seqs=len(reqs))
+    outs = eng.generate([reqs[i][0] for i in order], [reqs[i][1] for i in order])
+    res = [None] * len(reqs)
+    for i, o in zip(order, outs):
+        res[i] = o
+    return res
+
+
+def run_batches(model, tok, reqs, inv, **config):
+    rng = random.Random(2)
+    eng = engine(model, tok, inv, **config)
+    res, i = [], 0
+    while i < len(reqs):
+        size = rng.randrange(1, 40)
+        res += eng.generate([p for p, _ in reqs[i:i + size]], [sp for _, sp in reqs[i:i + size]])
+        i += size
+    return res
+
+
+def run_staggered(model, tok, reqs, inv, **config):
+    rng = random.Random(3)
+    eng = engine(model, tok, inv, **config)
+    pending, ids, done = list(enumerate(reqs)), {}, {}
+    while pending or eng.has_unfinished_requests():
+        for _ in range(min(len(pending), rng.randrange(0, 6))):
+            i, (p, sp) = pending.pop(0)
+            ids[eng.add_request(p, sp)] = i
+        for out in eng.step():
+            if out.finished:
+                done[ids[out.request_id]] = out
+    return [done[i] for i in range(len(reqs))]
+
+
+ARRANGEMENTS = {
+    "together": run_together,
+    "random batches": run_batches,
+    "staggered arrivals": lambda m, t, r, inv: run_staggered(m, t, r, inv, max_num_seqs=32),
+    "every prefill chunked": lambda m, t, r, inv: run_staggered(
+        m, t, r, inv, max_num_batched_tokens=64, enable_prefix_caching=False),
+    "tiny KV budget (preemption)": lambda m, t, r, inv: run_staggered(
+        m, t, r, inv, num_kv_blocks=64, max_num_seqs=64, enable_prefix_caching=False),
+    "prompt-lookup speculation": lambda m, t, r, inv: run_batches(m, t, r, inv, spec=LOOKUP),
+}
+
+
+def harness(shape: str, tok: Tokenizer, n: int) -> dict:
+    cfg = SHAPES[shape]
+    reqs = requests_for(n, min(cfg.vocab_size, tok.vocab_size))
+    report = {}
+    for inv in (True, False):
+        model = bench.build_model(cfg, bench.random_llama_weights(cfg, seed=0, head_std=0.5),
+                                  device=torch.device("cuda"), dtype=torch.bfloat16)
+        alone = result(run_alone(model, tok, reqs, inv))
+        label = "on" if inv else "off (control)"
+        print(f"\n[1] harness, batch_invariant {label}: {n} requests, shape={shape}", flush=True)
+        for name, arrange in ARRANGEMENTS.items():
+            try:
+                got = result(arrange(model, tok, reqs, inv))
+            except Exception as exc:  # (a failed arrangement is a finding, not the end)
+                print(f"  {name:30s} FAILED: {type(exc).__name__}: {exc}", flush=True)
+                report[f"{label}/{name}"] = "failed"
+                continue
+            tokens = sum(g[0] != a[0] for g, a in zip(got, alone))
+            logprobs = sum(g[1] != a[1] for g, a in zip(got, alone))
+            print(f"  {name:30s} requests differing: tokens {tokens:3d}, logprobs {logprobs:3d}",
+                  flush=True)
+            report[f"{label}/{name}"] = [tokens, logprobs]
+        del model
+        torch.cuda.empty_cache()
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer-dir", required=True)
+    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--batch-sizes", default="64,256")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--skip", default="", help="comma list of: harness, cost")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    tok = Tokenizer.from_hf_dir(args.tokenizer_dir)
+    print(f"device={torch.cuda.get_device_name()} torch={torch.__version__}")
+    report = {}
+    if "harness" not in skip:
+        report["harness"] = harness(args.shape, tok, args.requests)
+    if "cost" not in skip:
+        bench.part_invariant(args.shape, tok, [int(b) for b in args.batch_sizes.split(",")],
+                             args.tokens, {})
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

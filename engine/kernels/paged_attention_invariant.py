@@ -1,0 +1,136 @@
+"""Batch-invariant attention over the paged KV cache (CPU, torch).
+
+One computation for every query row, prefill or decode: a row attends to the
+first ``limit`` keys of its sequence (``limit`` = its position + 1), and its
+result depends only on its query, those keys and values, and two fixed sizes:
+
+- **Row tiles.** The GEMMs see a row count that is a multiple of
+  :data:`ROW_TILE` (a decode row's query heads are padded up to it), so the BLAS
+  never takes its few-row kernels, whose reduction order differs from the
+  many-row ones; one row then gets the same bits alone, among a batch's decode
+  rows, or inside a prompt chunk of any length.
+- **A fixed KV split.** Keys are taken in splits of :data:`KV_SPLIT` from
+  position 0. Scores are one product over the head dim (never split); the
+  softmax's maximum is exact in any order; each split's weighted values and
+  weight sum are reduced over exactly :data:`KV_SPLIT` keys, and the splits are
+  added left to right (a scan), so splits past a row's context add exact zeros
+  and a longer batch neighbour changes nothing.
+
+So a token attended in a prompt chunk, in a decode step, or in a verification
+step gets the same bits, whatever else runs in the step.
+
+Shapes: T tokens, H query heads, Hkv kv heads, G = H / Hkv, D head dim, N
+groups (a prompt chunk, or one decode row), R rows of a group padded to the
+row tile, S keys padded to the split, C = :data:`KV_SPLIT`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROW_TILE = 16
+KV_SPLIT = 64
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def masked_keys(limits: torch.Tensor, width: int) -> torch.Tensor:
+    """``[..., width]`` bool, True at the keys past each row's ``limits`` [...]."""
+    return torch.arange(width, device=limits.device) >= limits.unsqueeze(-1)
+
+
+def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """The invariant core. ``q`` [N, R, D] (R a multiple of :data:`ROW_TILE`),
+    ``k``, ``v`` [N, S, D] (S a multiple of :data:`KV_SPLIT`), ``masked_out``
+    [N, R, S] bool (or broadcasting to it): :func:`masked_keys` of the keys each
+    row sees, ``0 .. limit - 1`` (at least one). Returns [N, R, D] in ``q``'s dtype
+    (float32 math)."""
+    n, r, d = q.shape
+    s = k.shape[1]
+    splits = s // KV_SPLIT
+    scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)                          # [N, R, S]
+    scores.masked_fill_(masked_out, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)                                       # exact
+    probs = torch.exp_(scores.sub_(top))                                          # [N, R, S]
+    # [N, R, splits, C]: each split's weight sum over exactly C keys, then a scan
+    sums = probs.view(n, r, splits, KV_SPLIT).sum(dim=-1).cumsum(dim=-1)[..., -1:]  # [N, R, 1]
+    pv = probs.view(n, r, splits, KV_SPLIT).transpose(1, 2).reshape(n * splits, r, KV_SPLIT)
+    vs = v.reshape(n * splits, KV_SPLIT, d)
+    parts = torch.bmm(pv, vs).view(n, splits, r, d)                               # per split
+    out = parts.cumsum(dim=1)[:, -1] if splits > 1 else parts[:, 0]               # [N, R, D]
+    return out.div_(sums).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, width: int) -> torch.Tensor:
+    """Keys or values of the blocks ``table`` [NB] (or [B, NB]) as [..., width, Hkv, D],
+    zero past the blocks."""
+    bs, hkv, d = cache.shape[1:]
+    got = cache.index_select(0, table.reshape(-1)).view(*table.shape[:-1], -1, hkv, d)
+    have = got.shape[-3]
+    if have < width:
+        pad = got.new_zeros(*got.shape[:-3], width - have, hkv, d)
+        got = torch.cat([got, pad], dim=-3)
+    return got[..., :width, :, :]
+
+
+def decode_width(block_tables: torch.Tensor, block_size: int) -> int:
+    """Keys a decode row of :func:`invariant_decode_attention` spans (padded to the split)."""
+    return _round_up(block_tables.shape[1] * block_size, KV_SPLIT)
+
+
+def decode_masked_keys(context_lens: torch.Tensor, kv_heads: int, width: int) -> torch.Tensor:
+    """``[B * Hkv, 1, width]`` bool: :func:`masked_keys` of decode rows, per (row, kv head)."""
+    return masked_keys(context_lens.repeat_interleave(kv_heads), width).unsqueeze(1)
+
+
+def invariant_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float, *, masked_out: torch.Tensor | None = None
+                               ) -> torch.Tensor:
+    """Decode rows: ``q`` [B, H, D], each row over its first ``context_lens[b]``
+    tokens in ``block_tables[b]`` [B, NB]. Returns [B, H, D]. ``masked_out``:
+    :func:`decode_masked_keys`, when the caller made it once for many layers."""
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    g = h // hkv
+    rows = _round_up(g, ROW_TILE)
+    width = decode_width(block_tables, k_cache.shape[1])
+    kk = _gather(k_cache, block_tables, width).permute(0, 2, 1, 3).reshape(b * hkv, width, d)
+    vv = _gather(v_cache, block_tables, width).permute(0, 2, 1, 3).reshape(b * hkv, width, d)
+    qq = q.new_zeros(b, hkv, rows, d)
+    qq[:, :, :g] = q.view(b, hkv, g, d)
+    if masked_out is None:
+        masked_out = decode_masked_keys(context_lens, hkv, width)
+    out = attend_split(qq.view(b * hkv, rows, d), kk, vv, masked_out, scale)
+    return out.view(b, hkv, rows, d)[:, :, :g].reshape(b, h, d)
+
+
+def invariant_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                                 v_cache: torch.Tensor, starts: list[int], lengths: list[int],
+                                 context_lens: list[int], block_tables: list[torch.Tensor],
+                                 scale: float) -> None:
+    """Prompt chunks (arguments as
+    :func:`formcast.engine.kernels.paged_attention.paged_prefill_attention_`), causal,
+    every row as a decode row at its position would be; written into ``out``."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    h = q.shape[1]
+    g = h // hkv
+    for start, length, context, table in zip(starts, lengths, context_lens, block_tables):
+        width = _round_up(context, KV_SPLIT)
+        kk = _gather(k_cache, table, width).permute(1, 0, 2).contiguous()      # [Hkv, S, D]
+        vv = _gather(v_cache, table, width).permute(1, 0, 2).contiguous()
+        rows = _round_up(length * g, ROW_TILE)
+        # [Hkv, L * G, D]: a kv head's query rows, token-major
+        qq = q.new_zeros(hkv, rows, d)
+        qq[:, :length * g] = q[start:start + length].view(length, hkv, g, d) \
+            .permute(1, 0, 2, 3).reshape(hkv, length * g, d)
+        limits = torch.ones(rows, dtype=torch.long, device=q.device)
+        first = context - length + 1
+        limits[:length * g] = torch.arange(first, context + 1, device=q.device) \
+            .repeat_interleave(g)
+        o = attend_split(qq, kk, vv, masked_keys(limits, width).unsqueeze(0), scale)  # [Hkv,R,D]
+        out[start:start + length] = o[:, :length * g].view(hkv, length, g, d) \
+            .permute(1, 0, 2, 3).reshape(length, h, d)
