@@ -36,22 +36,29 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def masked_keys(limits: torch.Tensor, width: int) -> torch.Tensor:
-    """``[..., width]`` bool, True at the keys past each row's ``limits`` [...]."""
-    return torch.arange(width, device=limits.device) >= limits.unsqueeze(-1)
+def masked_keys(limits: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
+    """``[..., width]`` bool, True at the keys past each row's ``limits`` [...], and
+    with a sliding ``window``, at the keys before its last ``window``."""
+    keys = torch.arange(width, device=limits.device)
+    out = keys >= limits.unsqueeze(-1)
+    if window is not None:
+        out |= keys < (limits - window).unsqueeze(-1)
+    return out
 
 
 def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, softcap: float | None = None) -> torch.Tensor:
     """The invariant core. ``q`` [N, R, D] (R a multiple of :data:`ROW_TILE`),
     ``k``, ``v`` [N, S, D] (S a multiple of :data:`KV_SPLIT`), ``masked_out``
     [N, R, S] bool (or broadcasting to it): :func:`masked_keys` of the keys each
-    row sees, ``0 .. limit - 1`` (at least one). Returns [N, R, D] in ``q``'s dtype
-    (float32 math)."""
+    row sees, ``0 .. limit - 1`` (at least one). ``softcap``: scores become
+    ``softcap * tanh(score / softcap)``. Returns [N, R, D] in ``q``'s dtype (float32 math)."""
     n, r, d = q.shape
     s = k.shape[1]
     splits = s // KV_SPLIT
     scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)                          # [N, R, S]
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
     scores.masked_fill_(masked_out, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)                                       # exact
     probs = torch.exp_(scores.sub_(top))                                          # [N, R, S]
@@ -81,18 +88,21 @@ def decode_width(block_tables: torch.Tensor, block_size: int) -> int:
     return _round_up(block_tables.shape[1] * block_size, KV_SPLIT)
 
 
-def decode_masked_keys(context_lens: torch.Tensor, kv_heads: int, width: int) -> torch.Tensor:
+def decode_masked_keys(context_lens: torch.Tensor, kv_heads: int, width: int,
+                       window: int | None = None) -> torch.Tensor:
     """``[B * Hkv, 1, width]`` bool: :func:`masked_keys` of decode rows, per (row, kv head)."""
-    return masked_keys(context_lens.repeat_interleave(kv_heads), width).unsqueeze(1)
+    return masked_keys(context_lens.repeat_interleave(kv_heads), width, window).unsqueeze(1)
 
 
 def invariant_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, *, masked_out: torch.Tensor | None = None
+                               scale: float, *, masked_out: torch.Tensor | None = None,
+                               window: int | None = None, softcap: float | None = None
                                ) -> torch.Tensor:
     """Decode rows: ``q`` [B, H, D], each row over its first ``context_lens[b]``
     tokens in ``block_tables[b]`` [B, NB]. Returns [B, H, D]. ``masked_out``:
-    :func:`decode_masked_keys`, when the caller made it once for many layers."""
+    :func:`decode_masked_keys`, when the caller made it once for many layers;
+    ``window``, ``softcap``: as :func:`formcast.engine.kernels.paged_attention.paged_attention`'s."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
@@ -103,15 +113,16 @@ def invariant_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     qq = q.new_zeros(b, hkv, rows, d)
     qq[:, :, :g] = q.view(b, hkv, g, d)
     if masked_out is None:
-        masked_out = decode_masked_keys(context_lens, hkv, width)
-    out = attend_split(qq.view(b * hkv, rows, d), kk, vv, masked_out, scale)
+        masked_out = decode_masked_keys(context_lens, hkv, width, window)
+    out = attend_split(qq.view(b * hkv, rows, d), kk, vv, masked_out, scale, softcap)
     return out.view(b, hkv, rows, d)[:, :, :g].reshape(b, h, d)
 
 
 def invariant_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                                  v_cache: torch.Tensor, starts: list[int], lengths: list[int],
                                  context_lens: list[int], block_tables: list[torch.Tensor],
-                                 scale: float) -> None:
+                                 scale: float, *, window: int | None = None,
+                                 softcap: float | None = None) -> None:
     """Prompt chunks (arguments as
     :func:`formcast.engine.kernels.paged_attention.paged_prefill_attention_`), causal,
     every row as a decode row at its position would be; written into ``out``."""
@@ -131,6 +142,7 @@ def invariant_prefill_attention_(out: torch.Tensor, q: torch.Tensor, k_cache: to
         first = context - length + 1
         limits[:length * g] = torch.arange(first, context + 1, device=q.device) \
             .repeat_interleave(g)
-        o = attend_split(qq, kk, vv, masked_keys(limits, width).unsqueeze(0), scale)  # [Hkv,R,D]
+        masked = masked_keys(limits, width, window).unsqueeze(0)
+        o = attend_split(qq, kk, vv, masked, scale, softcap)                  # [Hkv, R, D]
         out[start:start + length] = o[:, :length * g].view(hkv, length, g, d) \
             .permute(1, 0, 2, 3).reshape(length, h, d)

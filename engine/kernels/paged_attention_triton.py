@@ -221,7 +221,9 @@ INVARIANT_CONFIG = (64, 4, 3)  # keys a tile, warps, stages: the same for every 
 
 def invariant_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor,
                                       v_cache: torch.Tensor, block_tables: torch.Tensor,
-                                      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                      context_lens: torch.Tensor, scale: float, *,
+                                      window: int | None = None,
+                                      softcap: float | None = None) -> torch.Tensor:
     """Batch-invariant decode attention: one program per (row, kv head) over its
     whole context, tiles of 64 keys from position 0 in order (no split chosen by
     the batch, one configuration for every batch). Prompt rows go through it too,
@@ -233,7 +235,7 @@ def invariant_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor,
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     if b:
         launch_decode(q, k_cache, v_cache, block_tables, context_lens, out, out, scale, 1,
-                      INVARIANT_CONFIG)
+                      INVARIANT_CONFIG, window=window, softcap=softcap)
     return out
 
 

@@ -105,8 +105,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     t, h, d = q.shape
     if meta.batch_invariant:
         if q.is_cuda:
-            return _invariant_attention_cuda(q, k_cache, v_cache, meta, scale)
-        return _invariant_attention(q, k_cache, v_cache, meta, scale)
+            return _invariant_attention_cuda(q, k_cache, v_cache, meta, scale, window, softcap)
+        return _invariant_attention(q, k_cache, v_cache, meta, scale, window, softcap)
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
         only_decodes = meta.num_decodes == t  # rows are then 0..T-1 in order (the runner's layout)
@@ -125,30 +125,34 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                         meta: AttentionMetadata, scale: float, window: int | None,
+                         softcap: float | None) -> torch.Tensor:
     """:func:`paged_attention` in batch-invariant mode (keys and values stored)."""
     t, h, d = q.shape
     out = q.new_empty(t, h, d)
     if meta.num_decodes:
         only_decodes = meta.num_decodes == t
         width = decode_width(meta.decode_block_tables, k_cache.shape[1])
-        masked = meta.__dict__.get("_invariant_masked")
-        if masked is None or masked.shape[-1] != width:  # (once a step, not once a layer)
-            masked = decode_masked_keys(meta.decode_lens, k_cache.shape[2], width)
-            object.__setattr__(meta, "_invariant_masked", masked)
+        masks = meta.__dict__.setdefault("_invariant_masked", {})  # once a step, not a layer
+        masked = masks.get((width, window))
+        if masked is None:
+            masked = masks[width, window] = decode_masked_keys(meta.decode_lens,
+                                                               k_cache.shape[2], width, window)
         o = invariant_decode_attention(q if only_decodes else q[meta.decode_rows], k_cache,
                                        v_cache, meta.decode_block_tables, meta.decode_lens,
-                                       scale, masked_out=masked)
+                                       scale, masked_out=masked, softcap=softcap)
         if only_decodes:
             return o
         out[meta.decode_rows] = o
     if meta.prefills:
-        invariant_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale)
+        invariant_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale,
+                                     window=window, softcap=softcap)
     return out
 
 
 def _invariant_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                              meta: AttentionMetadata, scale: float, window: int | None,
+                              softcap: float | None) -> torch.Tensor:
     """Batch-invariant mode on CUDA: every row, prompt rows included, as a decode
     row at its position on the one fixed-configuration Triton kernel."""
     from formcast.engine.kernels.paged_attention_triton import invariant_decode_attention_triton
@@ -158,7 +162,8 @@ def _invariant_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         rows = meta.decode_rows
         o = invariant_decode_attention_triton(q if meta.num_decodes == t else q[rows], k_cache,
                                               v_cache, meta.decode_block_tables,
-                                              meta.decode_lens, scale)
+                                              meta.decode_lens, scale, window=window,
+                                              softcap=softcap)
         if meta.num_decodes == t:
             return o
         out = q.new_zeros(q.shape)
@@ -167,7 +172,8 @@ def _invariant_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     rows_t, tables, lens_t = _invariant_rows(meta, q.device)
     out = q.new_zeros(q.shape)
     out[rows_t] = invariant_decode_attention_triton(q[rows_t], k_cache, v_cache, tables,
-                                                    lens_t, scale)
+                                                    lens_t, scale, window=window,
+                                                    softcap=softcap)
     return out
 
 
