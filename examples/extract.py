@@ -3,8 +3,9 @@
 ``llm.extract(text, Model)`` shows the model the fields, constrains generation with
 the model's JSON Schema (so the output always parses), and validates the result
 with pydantic. Literals, bounded integers and booleans come back as Python values.
-String fields are grounded: their values are spans of the text; a number marked
-``formcast.Grounded`` must be one the text writes.
+String fields are grounded: their values are spans of whole words of the text;
+numbers are numbers the text writes where it writes any, and a number marked
+``formcast.Grounded`` must always be one.
 
 Run: python examples/extract.py   (the first run fetches the 94 MiB model)
 """

@@ -94,10 +94,18 @@ class GroundingPlan:
         Paths whose string values are grounded.
     numbers : frozenset of tuple of str
         Paths whose number values are grounded.
+    words : bool
+        A grounded string starts and ends at word edges only (never between two
+        letters or digits of the text): "Plu" is no value of "plumber".
+    capitalise : bool
+        A grounded string may also be a span of the text with each word's first
+        letter upper-cased ("Nurse" from "a nurse").
     """
 
     strings: frozenset[tuple[str, ...]] = frozenset()
     numbers: frozenset[tuple[str, ...]] = frozenset()
+    words: bool = False
+    capitalise: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.strings or self.numbers)
@@ -115,7 +123,8 @@ class GroundingPlan:
         return root
 
 
-def grounding_plan(schema: dict, mode: str = "auto") -> GroundingPlan:
+def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
+                   capitalise: bool = False) -> GroundingPlan:
     """Find the grounded values of documents of ``schema``. Does not change ``schema``.
 
     The schema is walked through ``properties``, ``items``/``prefixItems`` (any
@@ -135,6 +144,8 @@ def grounding_plan(schema: dict, mode: str = "auto") -> GroundingPlan:
         and every value marked ``"x-grounded": true`` (numbers too; a mark on an
         object or array holds for everything inside it). "strict": "auto" plus
         every number and integer.
+    words, capitalise : bool
+        How grounded strings match the text (see :class:`GroundingPlan`).
 
     Returns
     -------
@@ -148,7 +159,7 @@ def grounding_plan(schema: dict, mode: str = "auto") -> GroundingPlan:
     if mode not in MODES:
         raise ConstraintError(f"grounding mode must be one of {MODES}, got {mode!r}")
     if mode == "off" or not isinstance(schema, (dict, bool)):
-        return GroundingPlan()
+        return GroundingPlan(words=words, capitalise=capitalise)
     strings: set[tuple[str, ...]] = set()
     numbers: set[tuple[str, ...]] = set()
 
@@ -197,7 +208,8 @@ def grounding_plan(schema: dict, mode: str = "auto") -> GroundingPlan:
             walk(sub, path + (ANY_INDEX,), mark, refs)
 
     walk(schema, (), None, ())
-    return GroundingPlan(strings=frozenset(strings), numbers=frozenset(numbers))
+    return GroundingPlan(strings=frozenset(strings), numbers=frozenset(numbers), words=words,
+                         capitalise=capitalise)
 
 
 def ground(matcher: Matcher, text: str, plan: GroundingPlan, vocabulary: Vocabulary, *,

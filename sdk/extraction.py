@@ -10,7 +10,6 @@ what comes back against the caller's schema.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Sequence
 from typing import Any, is_typeddict
 
@@ -24,12 +23,10 @@ from formcast.completion import Completion
 from formcast.spec import OutputSpec, parse_json, type_spec
 
 GROUNDING_MODES = ("auto", "strict", "off")
-_WORD_START = re.compile(r"(?<!\S)\w")
 
 __all__ = ["ABSENT_NOTE", "GROUNDING_MODES", "MAX_FREE_STRING", "MAX_LIST_ITEMS", "Extraction",
            "cap_free_strings", "check_grounding", "check_text", "extraction_messages",
-           "extraction_spec", "form_lines", "generation_schema", "grounding_source",
-           "lists_distinct", "tidy",
+           "extraction_spec", "form_lines", "generation_schema", "lists_distinct", "tidy",
            "type_name"]
 
 
@@ -68,7 +65,7 @@ def extraction_spec(schema: Any, *, grounding: str = "auto") -> OutputSpec:
             raise UnsupportedTypeError(f"extract() takes a pydantic model, dataclass, TypedDict "
                                        f"or JSON Schema dict, got {schema!r}")
         spec = type_spec(schema)
-    gen = generation_schema(spec.json_schema)
+    gen = generation_schema(spec.json_schema, grounded=grounding != "off")
     return dataclasses.replace(spec, constraint=grammars.JsonSchema(gen),
                                parser=tidy_then(spec.parse, gen))
 
@@ -90,17 +87,6 @@ def check_text(text: Any, index: int | None = None) -> str:
         raise RequestError(f"{where} is empty: there is nothing to extract from (extract() "
                            f"refuses it rather than invent values)")
     return text
-
-
-def grounding_source(text: str) -> str:
-    """What grounded values may be spans of: ``text``, then (on a line of its own, if
-    it differs) ``text`` with each word's first letter upper-cased.
-
-    A small model writes "Nurse" for "... a nurse in Valencia"; held to the text's
-    case it must pick another span ("Mari"), so the capitalised words count too.
-    """
-    titled = _WORD_START.sub(lambda m: m.group(0).upper(), text)
-    return text if titled == text else f"{text}\n{titled}"
 
 
 class Extraction:
@@ -126,7 +112,13 @@ class Extraction:
 
         self.spec = extraction_spec(schema, grounding=grounding)
         gen = self.spec.constraint.schema
-        self.plan = grounding_plan(gen, grounding)
+        # (spans of whole words, capitalised words too: a small model writes "Nurse"
+        # for "a nurse", and left free to stop mid-word it writes "Plu" for "plumber")
+        self.plan = grounding_plan(gen, "strict" if grounding == "auto" else grounding,
+                                   words=True, capitalise=True)
+        # under "auto" a number keeps to the text's numbers when it has one, and is
+        # the model's own otherwise (no GroundingError): "Five stars" gives 5
+        self.soft_numbers = self.plan.numbers - grounding_plan(gen, grounding).numbers
         self.distinct_items = lists_distinct(gen)
         self.instructions = instructions
         self.texts = list(texts)
@@ -151,9 +143,9 @@ class Extraction:
 
     def matcher(self, index: int, compiled: Any) -> Any:
         """Text ``index``'s own matcher of the compiled generation schema: its grounded
-        values come from the text (:func:`grounding_source`), its lists end at their
-        first repeated item."""
-        matcher = compiled.grounded_matcher(grounding_source(self.texts[index]), self.plan,
+        values are whole words of the text (or of its words capitalised), its lists
+        end at their first repeated item."""
+        matcher = compiled.grounded_matcher(self.texts[index], self.plan,
                                             distinct_items=self.distinct_items)
         self._matchers[index] = matcher
         return matcher
@@ -164,7 +156,8 @@ class Extraction:
         matcher = self._matchers.get(index)
         if matcher is None or not isinstance(result, (OutputValidationError, Completion)):
             return result
-        missing = [v for v in matcher.violations if v.kind == "ungrounded"]
+        missing = [v for v in matcher.violations if v.kind == "ungrounded"
+                   and not _pointer_in(v.pointer, self.soft_numbers)]
         if not missing:
             return result
         first = missing[0]
@@ -173,3 +166,11 @@ class Extraction:
             f"(the model wrote {first.value!r}); make the field optional (X | None) so it "
             f"can be null, mark it NotGrounded, or pass grounding='off'",
             text=result.text, path=first.pointer)
+
+
+def _pointer_in(pointer: str, paths: frozenset[tuple[str, ...]]) -> bool:
+    """Whether JSON pointer ``pointer`` is one of ``paths`` (``"*"``: any array index)."""
+    steps = tuple(p.replace("~1", "/").replace("~0", "~") for p in pointer.split("/")[1:])
+    return any(len(path) == len(steps) and all(a == b or (a == "*" and b.isdigit())
+                                               for a, b in zip(path, steps))
+               for path in paths)

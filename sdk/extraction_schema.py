@@ -5,7 +5,9 @@ that keeps a small model from running on until ``max_tokens`` and lets it say
 that the text does not give a value:
 
 - free strings (no ``maxLength``, ``enum``, ``const``, ``pattern`` or ``format``)
-  are capped at :data:`MAX_FREE_STRING` characters;
+  are capped at :data:`MAX_FREE_STRING` characters, unless grounded: a span of the
+  text ends where the text does, and a cap could cut it inside a word, where a
+  grounded string may not end;
 - lists without ``maxItems`` are capped at :data:`MAX_LIST_ITEMS` items, and their
   items are distinct unless the schema says ``uniqueItems: false`` (or asks for at
   least two items without saying): the matcher ends a list at its first repeated
@@ -34,12 +36,15 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "depe
 
 
 def generation_schema(schema: dict, *, max_string: int = MAX_FREE_STRING,
-                      max_items: int = MAX_LIST_ITEMS) -> dict:
+                      max_items: int = MAX_LIST_ITEMS, grounded: bool = False) -> dict:
     """The copy of ``schema`` that extraction generates under (see the module docstring).
 
-    Does not change ``schema``.
+    Does not change ``schema``. With ``grounded``, the free strings that grounding
+    will hold to the text (those not marked ``"x-grounded": false`` themselves) are
+    not capped.
     """
-    gen = cap_free_strings(schema, max_string)
+    gen = copy.deepcopy(schema)
+    _walk(gen, lambda node: _cap_string(node, max_string, grounded))
     _walk(gen, lambda node: _bound_list(node, max_items))
     _walk(gen, _nullable_optionals)
     return gen
@@ -49,7 +54,7 @@ def cap_free_strings(schema: dict, limit: int = MAX_FREE_STRING) -> dict:
     """A copy of ``schema`` where every string without its own length, value or
     shape bound gets ``maxLength: limit``."""
     capped = copy.deepcopy(schema)
-    _walk(capped, lambda node: _cap_string(node, limit))
+    _walk(capped, lambda node: _cap_string(node, limit, False))
     return capped
 
 
@@ -75,9 +80,10 @@ def _types(node: dict) -> list:
     return types if isinstance(types, list) else [types]
 
 
-def _cap_string(node: dict, limit: int) -> None:
+def _cap_string(node: dict, limit: int, grounded: bool) -> None:
     if "string" in _types(node) and not any(
-            k in node for k in ("maxLength", "enum", "const", "pattern", "format")):
+            k in node for k in ("maxLength", "enum", "const", "pattern", "format")) \
+            and not (grounded and node.get("x-grounded") is not False):
         node["maxLength"] = max(limit, node.get("minLength", 0))
 
 

@@ -374,8 +374,10 @@ class LLM:
             Extra guidance added to the prompt.
         grounding : {"auto", "strict", "off"}
             "auto": plain string fields (no enum, const, pattern or format) and fields
-            marked ``Grounded`` take their values from ``text``, ``NotGrounded`` ones
-            do not; "strict": numbers too; "off": none.
+            marked ``Grounded`` take their values from ``text`` (spans of whole words,
+            whose first letters may be capitalised), numbers are numbers ``text``
+            writes where it writes any; ``NotGrounded`` fields are free; "strict":
+            numbers always come from ``text``; "off": nothing is grounded.
         max_tokens : int | None
             Default 512.
         return_completions : bool

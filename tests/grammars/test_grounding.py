@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from formcast.grammars import (ConstraintError, Grounded, GroundingPlan, JsonSchema, NotGrounded,
                                ground, grounding_plan)
 from formcast.grammars import compile as compile_constraint
-from formcast.grammars.grounding_text import escape_text, text_numbers
+from formcast.grammars.grounding_text import (capitalised, escape_text, source_tables,
+                                              text_numbers)
 
 from .conftest import EOS, allowed_ids
 
@@ -133,6 +134,27 @@ def test_escaped_text_and_boundaries(text, body, boundaries):
     assert [k for k, m in enumerate(marks) if m] == boundaries
 
 
+@pytest.mark.parametrize("text, boundaries", [
+    ("a plumber, Dublin", [0, 1, 2, 9, 10, 11, 17]),     # never inside a word
+    ("O'Connor 52", [0, 1, 2, 8, 9, 11]),
+    ("東京 tower", [0, 3, 6, 7, 12]),                      # ideographs: a word each
+])
+def test_word_boundaries(text, boundaries):
+    _, marks = escape_text(text, words=True)
+    assert [k for k, m in enumerate(marks) if m] == boundaries
+
+
+@pytest.mark.parametrize("text, capital, joined", [
+    ("a nurse in Valencia", "A Nurse In Valencia", b"a nurse in Valencia\x00A Nurse In Valencia"),
+    ("Oslo, 2026", "Oslo, 2026", b"Oslo, 2026"),               # nothing to capitalise
+    ("x\ny-z", "X\nY-z", b"x\\ny-z\x00X\\nY-z"),
+])
+def test_capitalised_copy_joins_the_text(text, capital, joined):
+    assert capitalised(text) == capital
+    body, marks = source_tables(text, capitalise=True)
+    assert body == joined and len(marks) == len(body) + 1
+
+
 # -- masks against a brute-force oracle ------------------------------------------------
 
 _STRING = re.compile(rb'"((?:[^"\\]|\\.)*\\?)("?)', re.S)
@@ -171,11 +193,12 @@ def _ground_ok(doc: bytes, escaped: bytes, marks: bytes, distinct: bool) -> bool
 
 
 def _check_states(compiled, vocab, text: str, distinct: bool, rng: random.Random,
-                  walks: int = 4, steps: int = 18) -> int:
+                  walks: int = 4, steps: int = 18, words: bool = False) -> int:
     """Random walks under the grounded mask; at each state, compare every token's bit
-    with the oracle. Returns the number of states compared."""
-    escaped, marks = escape_text(text)
-    plan = grounding_plan(compiled.constraint.schema)
+    with the oracle (with ``words``: spans of whole words of the text or of its
+    capitalised copy). Returns the number of states compared."""
+    escaped, marks = source_tables(text, words=words, capitalise=words)
+    plan = grounding_plan(compiled.constraint.schema, words=words, capitalise=words)
     compared = 0
     for _ in range(walks):
         m = ground(compiled.matcher(), text, plan, vocab, distinct_items=distinct)
@@ -213,13 +236,14 @@ def _random_text(rng: random.Random) -> str:
 
 
 @pytest.mark.parametrize("schema", [STRINGS, RECORD], ids=["strings", "record"])
-@pytest.mark.parametrize("distinct", [False, True])
-def test_mask_admits_exactly_the_text_spans(compiler, tiny_vocab, schema, distinct):
+@pytest.mark.parametrize("distinct, words", [(False, False), (True, False), (False, True)])
+def test_mask_admits_exactly_the_text_spans(compiler, tiny_vocab, schema, distinct, words):
     compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
-    rng = random.Random(f"{len(json.dumps(schema))}-{distinct}")
+    rng = random.Random(f"{len(json.dumps(schema))}-{distinct}-{words}")
     texts = ["ab", 'say "ab" \\ab', "é\nab\tab", "abab ab"] + [_random_text(rng)
                                                                  for _ in range(6)]
-    compared = sum(_check_states(compiled, tiny_vocab, t, distinct, rng) for t in texts)
+    compared = sum(_check_states(compiled, tiny_vocab, t, distinct, rng, words=words)
+                   for t in texts)
     assert compared > 100
 
 

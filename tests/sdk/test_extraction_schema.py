@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from formcast.extraction import (MAX_LIST_ITEMS, extraction_spec, generation_schema,
-                                 lists_distinct, tidy)
+from formcast.extraction import (MAX_FREE_STRING, MAX_LIST_ITEMS, extraction_spec,
+                                 generation_schema, lists_distinct, tidy)
 
 
 def _array(**keywords) -> dict:
@@ -86,3 +86,15 @@ def test_optional_fields_are_always_written_and_may_be_null():
 ])
 def test_extraction_spec_parses_the_tidied_value(generated, expected):
     assert extraction_spec(Person).parse(json.dumps(generated)) == expected
+
+
+@pytest.mark.parametrize(("prop", "grounded", "cap"), [
+    ({"type": "string"}, False, MAX_FREE_STRING),
+    ({"type": "string"}, True, None),                          # a span ends where the text does
+    ({"type": "string", "x-grounded": False}, True, MAX_FREE_STRING),
+    ({"type": "string", "maxLength": 8}, True, 8),             # the schema's own bound stays
+])
+def test_grounded_strings_are_not_capped(prop, grounded, cap):
+    schema = {"type": "object", "properties": {"s": prop}, "required": ["s"]}
+    gen = generation_schema(schema, grounded=grounded)
+    assert gen["properties"]["s"].get("maxLength") == cap
