@@ -218,33 +218,44 @@ def test_linears_give_a_row_the_same_bits_at_any_row_count(out_f, in_f):
     assert torch.allclose(tiled_linear(x, w), x @ w.t(), atol=1e-4)
 
 
-@pytest.mark.parametrize(("context", "chunk"), [(150, 150), (150, 37), (64, 1), (65, 2),
-                                                (200, 64)])
-def test_attention_gives_a_token_the_same_bits_in_prefill_and_decode(context, chunk):
+@pytest.mark.parametrize(("context", "chunk", "window", "softcap"),
+                         [(150, 150, None, None), (150, 37, None, None), (64, 1, None, None),
+                          (65, 2, None, None), (200, 64, None, None), (150, 37, 24, None),
+                          (200, 64, 100, 5.0), (65, 2, None, 3.0)])
+def test_attention_gives_a_token_the_same_bits_in_prefill_and_decode(context, chunk, window,
+                                                                      softcap):
     """The last ``chunk`` tokens of a ``context``-token sequence, attended as one
     prompt chunk, equal each token attended as a decode row alone and beside a
-    longer row; and they match plain causal attention to float32 rounding."""
+    longer row; and they match plain causal attention (with its sliding window and
+    soft-capping) to float32 rounding."""
     torch.manual_seed(0)
     h, hkv, d, bs, nb = 6, 2, 32, 16, 40
     kc, vc = torch.randn(nb, bs, hkv, d), torch.randn(nb, bs, hkv, d)
     table = torch.randperm(nb)[:-(-context // bs)]
     q = torch.randn(chunk, h, d)
     out = torch.empty(chunk, h, d)
-    invariant_prefill_attention_(out, q, kc, vc, [0], [chunk], [context], [table], 0.2)
+    invariant_prefill_attention_(out, q, kc, vc, [0], [chunk], [context], [table], 0.2,
+                                 window=window, softcap=softcap)
     other = torch.randperm(nb)[:nb // 2]
     padded = torch.cat([table, table.new_zeros(len(other) - len(table))])
     for j in range(chunk):
         lens = torch.tensor([context - chunk + j + 1])
-        one = invariant_decode_attention(q[j:j + 1], kc, vc, table[None], lens, 0.2)
+        one = invariant_decode_attention(q[j:j + 1], kc, vc, table[None], lens, 0.2,
+                                         window=window, softcap=softcap)
         two = invariant_decode_attention(torch.stack([torch.randn(h, d), q[j]]), kc, vc,
                                          torch.stack([other, padded]),
-                                         torch.cat([torch.tensor([len(other) * bs]), lens]), 0.2)
+                                         torch.cat([torch.tensor([len(other) * bs]), lens]), 0.2,
+                                         window=window, softcap=softcap)
         assert torch.equal(one[0], out[j]) and torch.equal(two[1], out[j]), j
     keys = kc[table].reshape(-1, hkv, d)[:context].repeat_interleave(h // hkv, dim=1)
     vals = vc[table].reshape(-1, hkv, d)[:context].repeat_interleave(h // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.2
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     pos = torch.arange(context - chunk, context).unsqueeze(1)
-    scores = scores.masked_fill(torch.arange(context).unsqueeze(0) > pos, float("-inf"))
+    key = torch.arange(context).unsqueeze(0)
+    hidden = (key > pos) | (key <= pos - window) if window is not None else key > pos
+    scores = scores.masked_fill(hidden, float("-inf"))
     ref = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vals)
     assert torch.allclose(out, ref, atol=1e-5)
 
