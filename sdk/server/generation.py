@@ -4,6 +4,12 @@ Each choice of a request is one engine request in the shared batch. A whole
 answer waits for every choice while watching the connection (a client that
 goes away aborts its requests); a streamed one sends each choice's new text as
 it comes, as server-sent events.
+
+JSON output (a schema, ``json_object`` or a tool call) is kept from running on to
+``max_tokens`` unless the request sends ``stop_loops: false``: a list ends at its
+first item equal to an earlier one, and a string that repeats one unit again and
+again closes (the grammar layer's ``distinct_items`` and ``stop_loops``). Either
+output still validates under the request's schema.
 """
 
 from __future__ import annotations
@@ -42,6 +48,18 @@ class Job:
     spec: OutputSpec
     compiled: Any
     plan: ToolPlan | None
+    stop_loops: bool = False
+
+    def matcher(self) -> Any:
+        """A fresh matcher for one choice (None for free text)."""
+        if self.compiled is None:
+            return None
+        if not (self.stop_loops and self.spec.kind == "json"):
+            return self.compiled.matcher()
+        from formcast.grammars import grounding_plan
+
+        return self.compiled.grounded_matcher("", grounding_plan(self.spec.json_schema, "off"),
+                                              distinct_items=True, stop_loops=True)
 
 
 async def chat_job(llm: AsyncLLM, req: ChatCompletionRequest) -> Job:
@@ -56,7 +74,8 @@ async def chat_job(llm: AsyncLLM, req: ChatCompletionRequest) -> Job:
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling(req, len(ids), llm, max_tokens, logprobs)
-    return Job(prompts=[ids] * req.n, params=params, spec=spec, compiled=compiled, plan=plan)
+    return Job(prompts=[ids] * req.n, params=params, spec=spec, compiled=compiled, plan=plan,
+               stop_loops=req.stop_loops)
 
 
 async def completion_job(llm: AsyncLLM, req: CompletionRequest) -> Job:
@@ -79,7 +98,8 @@ async def completion_job(llm: AsyncLLM, req: CompletionRequest) -> Job:
         logprobs = req.logprobs
         ids_all += [ids] * req.n
         params_all += _sampling(req, len(ids), llm, req.max_tokens or 16, logprobs)
-    return Job(prompts=ids_all, params=params_all, spec=spec, compiled=compiled, plan=None)
+    return Job(prompts=ids_all, params=params_all, spec=spec, compiled=compiled, plan=None,
+               stop_loops=req.stop_loops)
 
 
 def _message(m: ChatMessage) -> dict[str, str]:
@@ -115,7 +135,8 @@ def _sampling(req: Any, prompt_len: int, llm: AsyncLLM, max_tokens: int | None,
 async def finals(llm: AsyncLLM, job: Job, request: Request) -> list[RequestOutput]:
     """Every choice's final output, checked (raises ApiError; ClientGone on disconnect)."""
     outs = await until_disconnect(request, _all_or_none(
-        [llm.final(ids, p, compiled=job.compiled) for ids, p in zip(job.prompts, job.params)]))
+        [llm.final(ids, p, compiled=job.compiled, matcher=job.matcher())
+         for ids, p in zip(job.prompts, job.params)]))
     for out in outs:
         check(llm, out, job.spec)
     return outs
@@ -181,7 +202,8 @@ async def merged(llm: AsyncLLM, job: Job) -> AsyncIterator[tuple[int, RequestOut
 
     async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
         try:
-            async for out in llm.outputs(ids, params, compiled=job.compiled, stream=True):
+            async for out in llm.outputs(ids, params, compiled=job.compiled, stream=True,
+                                         matcher=job.matcher()):
                 queue.put_nowait((i, out))
         except Exception as exc:
             queue.put_nowait((i, exc))
