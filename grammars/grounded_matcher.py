@@ -6,8 +6,8 @@ Its mask is the grammar's AND grounding's: inside a grounded string or number th
 allowed tokens come from the text's tables
 (:class:`~formcast.grammars.grounding_text.GroundingText`); elsewhere only the few
 tokens the grammar allows that could open a grounded value (or end a repeated array
-item) are checked, one by one. With ``stop_loops``, a plain string whose end repeats
-one unit again and again (:func:`looping`) may only close next. Where the two leave
+item) are checked, one by one. With ``stop_loops``, a plain string or number whose end
+repeats one unit again and again (:func:`looping`) may only end next. Where the two leave
 nothing, the grammar's mask stands alone and the step is recorded in
 :attr:`GroundedMatcher.violations`.
 """
@@ -24,7 +24,7 @@ from formcast.engine.constraint import ops_for
 from formcast.grammars.grounding import GroundingPlan
 from formcast.grammars.grounding_text import GroundingText, Sensitivity, token_index
 from formcast.grammars.json_tracker import (GROUNDED_NUMBER, GROUNDED_STRING, KEY, NUMBER,
-                                            STRING, JsonTracker, Refusal, Repeat)
+                                            PLAIN, STRING, JsonTracker, Refusal, Repeat)
 from formcast.grammars.matcher import Matcher
 from formcast.grammars.vocab import Vocabulary
 
@@ -59,6 +59,9 @@ class GroundingViolation:
         if self.kind == "loop":
             return f"{where} repeats itself and the schema does not let it close: {self.value!r}"
         return f"{where} is not in the text (written so far: {self.value!r})"
+
+
+_NUMBER_BYTES = frozenset(b"0123456789.eE+-")
 
 
 def _ids(words: np.ndarray) -> np.ndarray:
@@ -180,14 +183,17 @@ class GroundedMatcher(Matcher):
         tracker, text = self._tracker, self._text
         if tracker.done:
             return True
-        if self._in_loop():
-            new = row & text.index.quote_opening_words
+        # (a "," can end a repeated item only inside an array)
+        sens = text.sensitivities[self._distinct and tracker.in_array()]
+        if self._in_loop():  # (only what ends the value, and what grounding takes after it)
+            closing = row & (text.index.quote_opening_words if tracker.mode == STRING
+                             else sens.ending_words | sens.ending_check_words)
+            new = self._outside(closing, sens)
+            new = closing if new is None else new
             if not new.any():
                 return False
             row[:] = new
             return True
-        # (a "," can end a repeated item only inside an array)
-        sens = text.sensitivities[self._distinct and tracker.in_array()]
         mode = tracker.mode
         if mode == STRING and tracker.vkind == GROUNDED_STRING:
             new = self._inside(row, *text.string_mask(tracker.buf, sens))
@@ -275,10 +281,16 @@ class GroundedMatcher(Matcher):
                 ready(inners)
 
     def _in_loop(self) -> bool:
-        """Whether the next token must close a plain string that repeats itself."""
+        """Whether the next token must end a plain string or number that repeats itself."""
         tracker = self._tracker
-        return (self._stop_loops and tracker.mode == STRING and tracker.esc == 0
-                and tracker.vkind != GROUNDED_STRING and looping(tracker.buf))
+        return (self._stop_loops and (tracker.mode == STRING or tracker.mode == NUMBER)
+                and tracker.esc == 0 and tracker.vkind == PLAIN and looping(tracker.buf))
+
+    def _ends_value(self, data: bytes) -> bool:
+        """Whether ``data`` starts by ending the string or number being written."""
+        if self._tracker.mode == STRING:
+            return data[0] == 34   # '"'
+        return data[0] not in _NUMBER_BYTES
 
     def _grounding_empty(self) -> bool:
         """Whether grounding leaves no token the grammar allows here."""
@@ -294,7 +306,7 @@ class GroundedMatcher(Matcher):
         tracker = self._tracker
         snap = (tracker.snapshot(), self._violations)
         refusal: Refusal | None = None
-        if self._active and data[0] != 34 and self._in_loop():   # ('"' closes it)
+        if self._active and self._in_loop() and not self._ends_value(data):
             refusal = Refusal("loop", tracker.pointer(), tracker.buf[-64:].decode("utf-8",
                                                                                 "replace"))
             if not self._grounding_empty():

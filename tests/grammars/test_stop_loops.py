@@ -94,3 +94,34 @@ def test_fork_keeps_stop_loops(compiler, tiny_vocab):
     other = m.fork()
     assert not other.accept(_ids(tiny_vocab, "a")[0])
     assert other.accept(_ids(tiny_vocab, '"')[0])
+
+
+@pytest.mark.parametrize("stop_loops,written,ends_only", [
+    (True, "[1." + "1" * 32, True),
+    (True, "[1." + "1" * 20, False),
+    (False, "[1." + "1" * 32, False),
+])
+def test_a_looping_number_may_only_end(compiler, tiny_vocab, stop_loops, written, ends_only):
+    m = _matcher(compiler, tiny_vocab, {"type": "array", "items": {"type": "number"}},
+                 stop_loops)
+    for t in _ids(tiny_vocab, written):
+        assert m.accept(t)
+    allowed = _allowed_bytes(m, tiny_vocab)
+    assert all(b[0] not in b"0123456789.eE+-" for b in allowed if b) is ends_only
+    assert b"]" in allowed
+    assert m.accept(_ids(tiny_vocab, "1")[0]) is not ends_only
+
+
+def test_a_loop_in_a_repeated_item_agrees_with_distinct_items(compiler, tiny_vocab):
+    schema = {"type": "array", "items": {"type": "string"}}
+    compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
+    m = compiled.grounded_matcher("", grounding_plan(schema, "off"), distinct_items=True,
+                                  stop_loops=True)
+    for t in _ids(tiny_vocab, '["' + "ab" * 16 + '","' + "ab" * 16):
+        assert m.accept(t)
+    mask = torch.zeros(1, tiny_vocab.bitmask_words, dtype=torch.int32)
+    m.fill_bitmask(mask, 0)
+    allowed = allowed_ids(mask, 0, len(tiny_vocab.token_bytes))
+    assert {tiny_vocab.token_bytes[t] for t in allowed} >= {b'"', b'"]'}
+    assert b'",' not in {tiny_vocab.token_bytes[t] for t in allowed}  # (the item repeats)
+    assert all(m.fork().accept(int(t)) for t in allowed)  # (every token the mask allows)
