@@ -49,6 +49,7 @@ class Job:
     compiled: Any
     plan: ToolPlan | None
     stop_loops: bool = False
+    echoes: list[str] | None = None  # per choice, the prompt text put before it (``echo``)
 
     def matcher(self) -> Any:
         """A fresh matcher for one choice (None for free text)."""
@@ -92,14 +93,21 @@ async def completion_job(llm: AsyncLLM, req: CompletionRequest) -> Job:
                    for p in prompt]
     if not prompts:
         raise ApiError(400, "prompt is empty", param="prompt")
-    ids_all, params_all = [], []
-    for ids in prompts:
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo with logprobs would need the prompt's log-probs, which this "
+                       "server does not compute; drop one of them", param="echo")
+    ids_all, params_all, echoes = [], [], []
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    for ids, given in zip(prompts, texts if len(texts) == len(prompts) else [None] * len(prompts)):
         _check_length(llm, ids)
         logprobs = req.logprobs
         ids_all += [ids] * req.n
         params_all += _sampling(req, len(ids), llm, req.max_tokens or 16, logprobs)
+        if req.echo:  # (the prompt as given; token ids as their text)
+            echo = given if isinstance(given, str) else llm.llm.tokenizer.decode(ids)
+            echoes += [echo] * req.n
     return Job(prompts=ids_all, params=params_all, spec=spec, compiled=compiled, plan=None,
-               stop_loops=req.stop_loops)
+               stop_loops=req.stop_loops, echoes=echoes if req.echo else None)
 
 
 def _message(m: ChatMessage) -> dict[str, str]:
@@ -248,8 +256,12 @@ async def chat_stream(llm: AsyncLLM, job: Job, *, rid: str, model: str, logprobs
                     delta["content"] = text
             elif plan.wrapped:  # (the function's name comes last: the call is sent whole)
                 if out.finished:
-                    delta["tool_calls"] = [{"index": 0, **c}
-                                           for c in r.tool_calls(plan, out.text)]
+                    name, answer = plan.read(out.text)
+                    if name is None:  # ("auto": an answer in words)
+                        delta["content"] = answer
+                    else:
+                        delta["tool_calls"] = [{"index": 0, **c}
+                                               for c in r.tool_calls(plan, out.text)]
             elif text:  # (the arguments stream as they are written)
                 call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
                 if shown[i] == 0:
@@ -280,6 +292,9 @@ async def completion_stream(llm: AsyncLLM, job: Job, *, rid: str, model: str, lo
     """The SSE events of a streamed text completion."""
     n, tok = len(job.prompts), llm.llm.tokenizer
     shown, counted, finals_ = [0] * n, [0] * n, [None] * n
+    for i, echo in enumerate(job.echoes or ()):
+        yield r.completion_chunk(rid, model, [{"index": i, "text": echo, "logprobs": None,
+                                               "finish_reason": None}])
     try:
         async for i, out in merged(llm, job):
             if out.finished:
