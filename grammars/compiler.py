@@ -191,7 +191,8 @@ class CompiledGrammar:
         return matcher
 
     def grounded_matcher(self, text: str, plan: GroundingPlan, *,
-                         distinct_items: bool = False) -> GroundedMatcher:
+                         distinct_items: bool = False,
+                         stop_loops: bool = False) -> GroundedMatcher:
         """A fresh matcher whose grounded values come from ``text`` (see
         :func:`~formcast.grammars.grounding.ground`). Does not change self.
 
@@ -204,10 +205,13 @@ class CompiledGrammar:
             the schema compiled here).
         distinct_items : bool
             An array item equal to an earlier sibling must end its array.
+        stop_loops : bool
+            A plain string that repeats itself must close next.
         """
         from formcast.grammars.grounding import ground
 
-        return ground(self.matcher(), text, plan, self.vocab, distinct_items=distinct_items)
+        return ground(self.matcher(), text, plan, self.vocab, distinct_items=distinct_items,
+                      stop_loops=stop_loops)
 
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 ``[rows, ceil(vocab_size/32)]`` CPU bitmask, every token allowed."""

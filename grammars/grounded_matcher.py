@@ -6,8 +6,10 @@ Its mask is the grammar's AND grounding's: inside a grounded string or number th
 allowed tokens come from the text's tables
 (:class:`~formcast.grammars.grounding_text.GroundingText`); elsewhere only the few
 tokens the grammar allows that could open a grounded value (or end a repeated array
-item) are checked, one by one. Where the two leave nothing, the grammar's mask stands
-alone and the step is recorded in :attr:`GroundedMatcher.violations`.
+item) are checked, one by one. With ``stop_loops``, a plain string or number whose end
+repeats one unit again and again (:func:`looping`) may only end next. Where the two leave
+nothing, the grammar's mask stands alone and the step is recorded in
+:attr:`GroundedMatcher.violations`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from formcast.engine.constraint import ops_for
 from formcast.grammars.grounding import GroundingPlan
 from formcast.grammars.grounding_text import GroundingText, Sensitivity, token_index
 from formcast.grammars.json_tracker import (GROUNDED_NUMBER, GROUNDED_STRING, KEY, NUMBER,
-                                            STRING, JsonTracker, Refusal, Repeat)
+                                            PLAIN, STRING, JsonTracker, Refusal, Repeat)
 from formcast.grammars.matcher import Matcher
 from formcast.grammars.vocab import Vocabulary
 
@@ -37,6 +39,7 @@ class GroundingViolation:
         ``"ungrounded"``: no token the schema allowed kept the value in the text (e.g.
         a required integer and a text without numbers). ``"repeat"``: an array item
         equal to an earlier one could not end the array (the schema wants more items).
+        ``"loop"``: a string that repeats itself could not close (its schema wants more).
     pointer : str
         JSON pointer of the value.
     value : str
@@ -53,7 +56,12 @@ class GroundingViolation:
         where = self.pointer or "the document"
         if self.kind == "repeat":
             return f"{where} repeats an earlier item ({self.value}) and the schema wants more"
+        if self.kind == "loop":
+            return f"{where} repeats itself and the schema does not let it close: {self.value!r}"
         return f"{where} is not in the text (written so far: {self.value!r})"
+
+
+_NUMBER_BYTES = frozenset(b"0123456789.eE+-")
 
 
 def _ids(words: np.ndarray) -> np.ndarray:
@@ -73,6 +81,23 @@ def _clear(words: np.ndarray, ids: Sequence[int]) -> None:
         view[tid >> 5] &= np.uint32(~(1 << (tid & 31)) & 0xFFFFFFFF)
 
 
+def looping(content: bytes, *, min_repeats: int = 3, min_bytes: int = 32,
+            window: int = 192) -> bool:
+    """Whether ``content`` ends with one unit written ``min_repeats`` times or more in a
+    row, the repeats covering ``min_bytes`` at least (units up to ``window //
+    min_repeats`` bytes long). A string that does has stopped saying anything new:
+    a small model under a grammar would go on until its token budget ran out."""
+    tail = content[-window:]
+    n = len(tail)
+    for period in range(1, n // min_repeats + 1):
+        need = max(min_repeats * period, min_bytes)
+        if need > n:
+            break
+        if tail[n - need:n - period] == tail[n - need + period:]:  # (periodic over need)
+            return True
+    return False
+
+
 def _set(words: np.ndarray, ids: Sequence[int]) -> None:
     view = words.view(np.uint32)
     for tid in ids:
@@ -89,10 +114,11 @@ class GroundedMatcher(Matcher):
 
     __slots__ = ("_inner", "_inner_fill", "_text", "_plan", "_vocab", "_distinct", "_active",
                  "_tracker", "_history", "_violations", "_token_bytes", "_eos", "_version",
-                 "_free_version")
+                 "_free_version", "_stop_loops")
 
     def __init__(self, inner: Matcher, text: str | GroundingText, plan: GroundingPlan,
-                 vocab: Vocabulary, *, distinct_items: bool = False) -> None:
+                 vocab: Vocabulary, *, distinct_items: bool = False,
+                 stop_loops: bool = False) -> None:
         self._inner = inner
         self._inner_fill = inner.fill_bitmask           # bound once: the hot path
         if not isinstance(text, GroundingText):
@@ -103,7 +129,8 @@ class GroundedMatcher(Matcher):
         self._plan = plan
         self._vocab = vocab
         self._distinct = distinct_items
-        self._active = bool(plan) or distinct_items
+        self._stop_loops = stop_loops
+        self._active = bool(plan) or distinct_items or stop_loops
         self._tracker = JsonTracker(plan.tree, distinct_items)
         self._history: list[tuple[tuple, tuple]] = []   # (tracker snapshot, violations) a step
         self._violations: tuple[GroundingViolation, ...] = ()
@@ -158,6 +185,15 @@ class GroundedMatcher(Matcher):
             return True
         # (a "," can end a repeated item only inside an array)
         sens = text.sensitivities[self._distinct and tracker.in_array()]
+        if self._in_loop():  # (only what ends the value, and what grounding takes after it)
+            closing = row & (text.index.quote_opening_words if tracker.mode == STRING
+                             else sens.ending_words | sens.ending_check_words)
+            new = self._outside(closing, sens)
+            new = closing if new is None else new
+            if not new.any():
+                return False
+            row[:] = new
+            return True
         mode = tracker.mode
         if mode == STRING and tracker.vkind == GROUNDED_STRING:
             new = self._inside(row, *text.string_mask(tracker.buf, sens))
@@ -244,6 +280,18 @@ class GroundedMatcher(Matcher):
             if ready is not None:
                 ready(inners)
 
+    def _in_loop(self) -> bool:
+        """Whether the next token must end a plain string or number that repeats itself."""
+        tracker = self._tracker
+        return (self._stop_loops and (tracker.mode == STRING or tracker.mode == NUMBER)
+                and tracker.esc == 0 and tracker.vkind == PLAIN and looping(tracker.buf))
+
+    def _ends_value(self, data: bytes) -> bool:
+        """Whether ``data`` starts by ending the string or number being written."""
+        if self._tracker.mode == STRING:
+            return data[0] == 34   # '"'
+        return data[0] not in _NUMBER_BYTES
+
     def _grounding_empty(self) -> bool:
         """Whether grounding leaves no token the grammar allows here."""
         if self._free_version != self._version:
@@ -258,7 +306,12 @@ class GroundedMatcher(Matcher):
         tracker = self._tracker
         snap = (tracker.snapshot(), self._violations)
         refusal: Refusal | None = None
-        if self._active:
+        if self._active and self._in_loop() and not self._ends_value(data):
+            refusal = Refusal("loop", tracker.pointer(), tracker.buf[-64:].decode("utf-8",
+                                                                                "replace"))
+            if not self._grounding_empty():
+                return False
+        elif self._active:
             refusal = tracker.feed(data, self._text)
             if refusal is not None:
                 tracker.restore(snap[0])
@@ -354,7 +407,7 @@ class GroundedMatcher(Matcher):
 
     def fork(self) -> GroundedMatcher:
         other = GroundedMatcher(self._inner.fork(), self._text, self._plan, self._vocab,
-                                distinct_items=self._distinct)
+                                distinct_items=self._distinct, stop_loops=self._stop_loops)
         other._tracker = self._tracker.copy()
         other._history = list(self._history)
         other._violations = self._violations
@@ -385,9 +438,10 @@ class GroundedMatcher(Matcher):
             raise TypeError("only a fresh matcher (no token accepted yet) can be sent to "
                             "another process")
         return (_rebuild, (self._inner, self._text.text, self._plan, self._vocab,
-                           self._distinct))
+                           self._distinct, self._stop_loops))
 
 
 def _rebuild(inner: Matcher, text: str, plan: GroundingPlan, vocab: Vocabulary,
-             distinct: bool) -> GroundedMatcher:
-    return GroundedMatcher(inner, text, plan, vocab, distinct_items=distinct)
+             distinct: bool, stop_loops: bool = False) -> GroundedMatcher:
+    return GroundedMatcher(inner, text, plan, vocab, distinct_items=distinct,
+                           stop_loops=stop_loops)

@@ -213,7 +213,7 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
 
 
 def ground(matcher: Matcher, text: str, plan: GroundingPlan, vocabulary: Vocabulary, *,
-           distinct_items: bool = False) -> Matcher:
+           distinct_items: bool = False, stop_loops: bool = False) -> Matcher:
     """Wrap a JSON-Schema matcher so that its grounded values come from ``text``.
 
     Does not change ``matcher`` beyond what the wrapper's own calls do; the wrapper
@@ -235,6 +235,10 @@ def ground(matcher: Matcher, text: str, plan: GroundingPlan, vocabulary: Vocabul
     distinct_items : bool
         When an array item ends equal to an earlier sibling, the array must close
         next (whitespace and ``]`` only); ``repeats`` then names the item.
+    stop_loops : bool
+        When a plain string ends with one unit repeated again and again
+        (:func:`~formcast.grammars.grounded_matcher.looping`), the string must close
+        next.
 
     Returns
     -------
@@ -245,4 +249,5 @@ def ground(matcher: Matcher, text: str, plan: GroundingPlan, vocabulary: Vocabul
     if not isinstance(plan, GroundingPlan):
         raise ConstraintError(f"plan must be a GroundingPlan (see grounding_plan), got "
                               f"{type(plan).__name__}")
-    return GroundedMatcher(matcher, text, plan, vocabulary, distinct_items=distinct_items)
+    return GroundedMatcher(matcher, text, plan, vocabulary, distinct_items=distinct_items,
+                           stop_loops=stop_loops)

@@ -124,6 +124,8 @@ class TokenIndex:
         self.non_number_start = (first >= 0) & ~self.number_start
         # tokens that start a JSON number (a digit or "-")
         self.number_opening_words = self.pack(np.isin(first, list(b"0123456789-")))
+        # tokens that start by closing a string (what a string that loops may take)
+        self.quote_opening_words = self.pack(self.first_quote == 0)
         self._sensitivities: dict[tuple[bool, bool, bool], Sensitivity] = {}
         self._texts: dict[tuple[str, tuple[bool, bool, bool]], GroundingText] = {}
         self._lock = threading.Lock()     # (requests are made on many threads)

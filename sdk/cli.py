@@ -32,6 +32,7 @@ from formcast.cli_reports import (DatasetRateColumn, cache_files, model_card,
 from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
                              ModelNotFoundError, OutputValidationError, RequestError)
 from formcast.cli_models import models_command
+from formcast.extraction import extraction_spec
 from formcast.server.command import serve_command
 from formcast.spec import output_spec
 
@@ -301,6 +302,8 @@ def extract(
                                  param_hint="--output")
     with _errors_to_exit_codes():
         try:
+            # (a bad schema or type fails before the model loads, as generate's constraint)
+            extraction_spec(target).check()
             llm = _load_llm(ctx, model, device, dtype, quantization)
             failed, tokens = _extract_all(llm, texts, target, sink, batch_size=batch_size,
                                           instructions=instructions, max_tokens=max_tokens,

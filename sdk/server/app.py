@@ -130,7 +130,8 @@ def create_app(llm: AsyncLLM, *, model_name: str, api_key: str | None = None) ->
                                             logprobs=logprobs, include_usage=usage))
         outs = await g.finals(state.llm, job, request)
         return JSONResponse(responses.completion(rid, req.model, outs,
-                                                 state.llm.llm.tokenizer, logprobs))
+                                                 state.llm.llm.tokenizer, logprobs,
+                                                 echoes=job.echoes))
 
     routes.update(route.path for route in app.routes)
     return app

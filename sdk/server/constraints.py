@@ -5,7 +5,10 @@ One request names at most one constraint, through any of: ``response_format``
 ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``) or its older
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or
 ``tools`` with ``tool_choice`` "required" or a named function (the arguments are
-generated under the function's parameter schema).
+generated under the function's parameter schema), or "auto" (also the default when
+tools are given and nothing else constrains the answer): the model writes either
+``{"content": its answer in words}`` or a call, ``{"name": ..., "arguments": ...}``,
+and the server hands back the text or the ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from formcast.errors import ConstraintError
 from formcast.server.protocol import ChatCompletionRequest, CompletionRequest, Tool
 from formcast.spec import OutputSpec, output_spec, parse_json
 
-# the JSON a "required" choice among several tools writes: which one, with what
-_TOOL_NAME, _TOOL_ARGS = "name", "arguments"
+# the JSON a choice among several tools writes: which one, with what; or ("auto") words
+_TOOL_NAME, _TOOL_ARGS, _TOOL_TEXT = "name", "arguments", "content"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,22 +36,31 @@ class ToolPlan:
     wrapped : bool
         The output is ``{"name": ..., "arguments": {...}}`` (a choice among
         several tools); otherwise it is the one function's arguments.
+    optional : bool
+        ``tool_choice`` "auto": the output may instead be ``{"content": text}``.
     """
 
     tools: list[Tool]
     wrapped: bool
+    optional: bool = False
 
-    def read(self, text: str) -> tuple[str, str]:
-        """(function name, arguments as JSON text) of a finished output."""
+    def read(self, text: str) -> tuple[str | None, str]:
+        """(function name, arguments as JSON text) of a finished output; (None, the
+        answer's text) when the model answered in words."""
         if not self.wrapped:
             return self.tools[0].function.name, text
         value = json.loads(text)
+        if _TOOL_NAME not in value:
+            return None, value[_TOOL_TEXT]
         return value[_TOOL_NAME], json.dumps(value[_TOOL_ARGS], ensure_ascii=False)
 
     def instructions(self) -> str:
         """A system message that tells the model which function to call."""
         lines = ["You call a function. Answer with its arguments as a JSON object."
                  if not self.wrapped else
+                 'You may call one of these functions. To call one, answer with JSON: '
+                 '{"name": the function, "arguments": its arguments}. To answer in words '
+                 'instead, answer with JSON: {"content": your answer}.' if self.optional else
                  'You call one of these functions. Answer with JSON: {"name": the '
                  'function, "arguments": its arguments}.']
         for tool in self.tools:
@@ -86,6 +98,9 @@ def request_spec(req: ChatCompletionRequest | CompletionRequest
     """
     given: dict[str, OutputSpec] = {}
     plan = _tool_plan(req) if isinstance(req, ChatCompletionRequest) else None
+    if plan is not None and plan.optional and isinstance(req, ChatCompletionRequest) \
+            and req.tool_choice is None and _other_constraint(req):
+        plan = None  # (tools without a tool_choice beside a constraint: the constraint rules)
     if plan is not None:
         given["tools"] = _tool_spec(plan)
     rf = req.response_format
@@ -124,10 +139,19 @@ def _field_spec(kind: str, value: Any) -> OutputSpec:
     return output_spec(grammar=value) if "::=" in value else output_spec(lark=value)
 
 
+def _other_constraint(req: ChatCompletionRequest) -> bool:
+    so = req.structured_outputs
+    return (req.response_format is not None and req.response_format.type != "text") or any(
+        v is not None for v in (so, req.guided_json, req.guided_regex, req.guided_choice,
+                                req.guided_grammar))
+
+
 def _tool_plan(req: ChatCompletionRequest) -> ToolPlan | None:
     choice, tools = req.tool_choice, req.tools or []
-    if choice is None or choice in ("none", "auto"):
-        return None  # (free text: the model may answer in words)
+    if choice == "none" or (choice in (None, "auto") and not tools):
+        return None  # (free text)
+    if choice in (None, "auto"):  # (OpenAI's default when tools are given)
+        return ToolPlan(tools=tools, wrapped=True, optional=True)
     if not tools:
         raise ConstraintError("tool_choice needs tools")
     if choice == "required":
@@ -147,8 +171,9 @@ def _tool_spec(plan: ToolPlan) -> OutputSpec:
     if not plan.wrapped:
         tool = plan.tools[0]
         return json_spec(_parameters(tool), strict=tool.function.strict is not False)
-    schema = {"anyOf": [{"type": "object",
-                         "properties": {_TOOL_NAME: {"const": t.function.name},
-                                        _TOOL_ARGS: _parameters(t)},
-                         "required": [_TOOL_NAME, _TOOL_ARGS]} for t in plan.tools]}
-    return json_spec(schema)
+    calls = [{"type": "object", "properties": {_TOOL_NAME: {"const": t.function.name},
+                                               _TOOL_ARGS: _parameters(t)},
+              "required": [_TOOL_NAME, _TOOL_ARGS]} for t in plan.tools]
+    words = [{"type": "object", "properties": {_TOOL_TEXT: {"type": "string"}},
+              "required": [_TOOL_TEXT]}] if plan.optional else []
+    return json_spec({"anyOf": words + calls})

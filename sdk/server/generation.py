@@ -4,6 +4,12 @@ Each choice of a request is one engine request in the shared batch. A whole
 answer waits for every choice while watching the connection (a client that
 goes away aborts its requests); a streamed one sends each choice's new text as
 it comes, as server-sent events.
+
+JSON output (a schema, ``json_object`` or a tool call) is kept from running on to
+``max_tokens`` unless the request sends ``stop_loops: false``: a list ends at its
+first item equal to an earlier one, and a string that repeats one unit again and
+again closes (the grammar layer's ``distinct_items`` and ``stop_loops``). Either
+output still validates under the request's schema.
 """
 
 from __future__ import annotations
@@ -42,6 +48,19 @@ class Job:
     spec: OutputSpec
     compiled: Any
     plan: ToolPlan | None
+    stop_loops: bool = False
+    echoes: list[str] | None = None  # per choice, the prompt text put before it (``echo``)
+
+    def matcher(self) -> Any:
+        """A fresh matcher for one choice (None for free text)."""
+        if self.compiled is None:
+            return None
+        if not (self.stop_loops and self.spec.kind == "json"):
+            return self.compiled.matcher()
+        from formcast.grammars import grounding_plan
+
+        return self.compiled.grounded_matcher("", grounding_plan(self.spec.json_schema, "off"),
+                                              distinct_items=True, stop_loops=True)
 
 
 async def chat_job(llm: AsyncLLM, req: ChatCompletionRequest) -> Job:
@@ -56,7 +75,8 @@ async def chat_job(llm: AsyncLLM, req: ChatCompletionRequest) -> Job:
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling(req, len(ids), llm, max_tokens, logprobs)
-    return Job(prompts=[ids] * req.n, params=params, spec=spec, compiled=compiled, plan=plan)
+    return Job(prompts=[ids] * req.n, params=params, spec=spec, compiled=compiled, plan=plan,
+               stop_loops=req.stop_loops)
 
 
 async def completion_job(llm: AsyncLLM, req: CompletionRequest) -> Job:
@@ -73,13 +93,21 @@ async def completion_job(llm: AsyncLLM, req: CompletionRequest) -> Job:
                    for p in prompt]
     if not prompts:
         raise ApiError(400, "prompt is empty", param="prompt")
-    ids_all, params_all = [], []
-    for ids in prompts:
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo with logprobs would need the prompt's log-probs, which this "
+                       "server does not compute; drop one of them", param="echo")
+    ids_all, params_all, echoes = [], [], []
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    for ids, given in zip(prompts, texts if len(texts) == len(prompts) else [None] * len(prompts)):
         _check_length(llm, ids)
         logprobs = req.logprobs
         ids_all += [ids] * req.n
         params_all += _sampling(req, len(ids), llm, req.max_tokens or 16, logprobs)
-    return Job(prompts=ids_all, params=params_all, spec=spec, compiled=compiled, plan=None)
+        if req.echo:  # (the prompt as given; token ids as their text)
+            echo = given if isinstance(given, str) else llm.llm.tokenizer.decode(ids)
+            echoes += [echo] * req.n
+    return Job(prompts=ids_all, params=params_all, spec=spec, compiled=compiled, plan=None,
+               stop_loops=req.stop_loops, echoes=echoes if req.echo else None)
 
 
 def _message(m: ChatMessage) -> dict[str, str]:
@@ -115,7 +143,8 @@ def _sampling(req: Any, prompt_len: int, llm: AsyncLLM, max_tokens: int | None,
 async def finals(llm: AsyncLLM, job: Job, request: Request) -> list[RequestOutput]:
     """Every choice's final output, checked (raises ApiError; ClientGone on disconnect)."""
     outs = await until_disconnect(request, _all_or_none(
-        [llm.final(ids, p, compiled=job.compiled) for ids, p in zip(job.prompts, job.params)]))
+        [llm.final(ids, p, compiled=job.compiled, matcher=job.matcher())
+         for ids, p in zip(job.prompts, job.params)]))
     for out in outs:
         check(llm, out, job.spec)
     return outs
@@ -181,7 +210,8 @@ async def merged(llm: AsyncLLM, job: Job) -> AsyncIterator[tuple[int, RequestOut
 
     async def pump(i: int, ids: list[int], params: SamplingParams) -> None:
         try:
-            async for out in llm.outputs(ids, params, compiled=job.compiled, stream=True):
+            async for out in llm.outputs(ids, params, compiled=job.compiled, stream=True,
+                                         matcher=job.matcher()):
                 queue.put_nowait((i, out))
         except Exception as exc:
             queue.put_nowait((i, exc))
@@ -226,8 +256,12 @@ async def chat_stream(llm: AsyncLLM, job: Job, *, rid: str, model: str, logprobs
                     delta["content"] = text
             elif plan.wrapped:  # (the function's name comes last: the call is sent whole)
                 if out.finished:
-                    delta["tool_calls"] = [{"index": 0, **c}
-                                           for c in r.tool_calls(plan, out.text)]
+                    name, answer = plan.read(out.text)
+                    if name is None:  # ("auto": an answer in words)
+                        delta["content"] = answer
+                    else:
+                        delta["tool_calls"] = [{"index": 0, **c}
+                                               for c in r.tool_calls(plan, out.text)]
             elif text:  # (the arguments stream as they are written)
                 call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
                 if shown[i] == 0:
@@ -258,6 +292,9 @@ async def completion_stream(llm: AsyncLLM, job: Job, *, rid: str, model: str, lo
     """The SSE events of a streamed text completion."""
     n, tok = len(job.prompts), llm.llm.tokenizer
     shown, counted, finals_ = [0] * n, [0] * n, [None] * n
+    for i, echo in enumerate(job.echoes or ()):
+        yield r.completion_chunk(rid, model, [{"index": i, "text": echo, "logprobs": None,
+                                               "finish_reason": None}])
     try:
         async for i, out in merged(llm, job):
             if out.finished:

@@ -99,6 +99,8 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     user: str | None = None
+    # formcast's own: JSON lists end at a repeated item, a string that loops closes
+    stop_loops: bool = True
 
 
 class ChatCompletionRequest(_Sampling):

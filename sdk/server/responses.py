@@ -31,12 +31,16 @@ def usage(outputs: Sequence[RequestOutput]) -> dict[str, int]:
 def finish_reason(out: RequestOutput, plan: ToolPlan | None) -> str:
     if out.finish_reason == "length":
         return "length"
-    return "tool_calls" if plan is not None else "stop"
+    if plan is None or (plan.optional and plan.read(out.text)[0] is None):
+        return "stop"
+    return "tool_calls"
 
 
 def tool_calls(plan: ToolPlan, text: str) -> list[dict[str, Any]]:
-    """The ``tool_calls`` of a finished forced call."""
+    """The ``tool_calls`` of a finished call (none when the model answered in words)."""
     name, arguments = plan.read(text)
+    if name is None:
+        return []
     return [{"id": new_id("call"), "type": "function",
              "function": {"name": name, "arguments": arguments}}]
 
@@ -79,6 +83,9 @@ def completion_logprobs(tokenizer: Any, items: Sequence[TokenLogprob],
 # -- chat ---------------------------------------------------------------------------------
 def chat_message(out: RequestOutput, plan: ToolPlan | None) -> dict[str, Any]:
     if plan is not None and out.finish_reason != "length":
+        name, answer = plan.read(out.text)
+        if name is None:  # ("auto": the model answered in words)
+            return {"role": "assistant", "content": answer}
         return {"role": "assistant", "content": None, "tool_calls": tool_calls(plan, out.text)}
     return {"role": "assistant", "content": out.text}
 
@@ -103,8 +110,10 @@ def chat_chunk(rid: str, model: str, choices: list[dict[str, Any]],
 
 # -- text completions ---------------------------------------------------------------------
 def completion(rid: str, model: str, outputs: Sequence[RequestOutput], tokenizer: Any,
-               logprobs: bool) -> dict[str, Any]:
-    choices = [{"index": i, "text": out.text,
+               logprobs: bool, *, echoes: Sequence[str] | None = None) -> dict[str, Any]:
+    """A text completion's body (``echoes``: per choice, the prompt put before its text)."""
+    echoes = echoes or [""] * len(outputs)
+    choices = [{"index": i, "text": echoes[i] + out.text,
                 "logprobs": completion_logprobs(tokenizer, out.logprobs or ())
                 if logprobs else None,
                 "finish_reason": finish_reason(out, None)} for i, out in enumerate(outputs)]

@@ -186,6 +186,61 @@ def test_tool_calls_follow_the_function_schema(client, tools, choice, name):
     jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
 
 
+def _auto(client, question: str, **kwargs):
+    return _chat(client, question, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=64,
+                 **kwargs)
+
+
+@pytest.mark.parametrize("question", ["What is the weather in Paris in celsius?",
+                                      "Write a haiku about the sea."])
+def test_tool_choice_auto_answers_in_words_or_calls_a_tool(client, question):
+    choice = _auto(client, question).choices[0]
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    if choice.message.tool_calls:
+        call, = choice.message.tool_calls
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+    else:
+        assert choice.finish_reason == "stop" and isinstance(choice.message.content, str)
+        assert not choice.message.content.lstrip().startswith('{"content"')
+    # (streamed, the same answer: the text or the call comes whole at the end)
+    chunks = [c for c in _auto(client, question, stream=True) if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert text == (choice.message.content or "")
+    assert [(d.function.name, d.function.arguments) for d in calls] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+@pytest.mark.parametrize("output,expected", [
+    ('{"content": "Hello there."}', (None, "Hello there.")),
+    ('{"name": "get_time", "arguments": {"city": "Oslo"}}', ("get_time", '{"city": "Oslo"}')),
+])
+def test_an_auto_answer_reads_as_words_or_a_call(output, expected):
+    from formcast.server.constraints import request_spec
+    from formcast.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest(model=MODEL, messages=MSG, tools=[WEATHER, TIME],
+                                tool_choice="auto")
+    spec, plan = request_spec(req)
+    jsonschema.validate(json.loads(output), spec.json_schema)  # (the grammar allows both)
+    assert plan.read(output) == expected
+
+
+def test_tools_without_tool_choice_default_to_auto_unless_another_constraint_rules(client):
+    auto = _auto(client, "What is the weather in Rome in celsius?").choices[0]
+    implicit = _chat(client, "What is the weather in Rome in celsius?", tools=[WEATHER, TIME],
+                     max_tokens=64).choices[0]
+    assert implicit.message == auto.message or (
+        implicit.message.tool_calls and auto.message.tool_calls and
+        [c.function.arguments for c in implicit.message.tool_calls] ==
+        [c.function.arguments for c in auto.message.tool_calls])
+    ruled = _chat(client, "What is the weather in Rome?", tools=[WEATHER], max_tokens=8,
+                  extra_body={"guided_choice": ["sunny", "rainy"]}).choices[0]
+    assert ruled.message.content in ("sunny", "rainy") and not ruled.message.tool_calls
+
+
 def test_streamed_tool_call_arguments_add_up(client):
     kwargs = dict(tools=[WEATHER], tool_choice="required", max_tokens=64)
     whole = _chat(client, "Weather in Rome?", **kwargs).choices[0].message.tool_calls[0]
@@ -194,6 +249,45 @@ def test_streamed_tool_call_arguments_add_up(client):
               if c.choices and c.choices[0].delta.tool_calls]
     assert deltas[0][0].function.name == "get_weather" and deltas[0][0].id
     assert "".join(d[0].function.arguments or "" for d in deltas) == whole.function.arguments
+
+
+# -- echo and loops ----------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", ["The capital of France is", [504, 3575, 282]],
+                         ids=["text", "token-ids"])
+def test_echo_puts_the_prompt_before_the_completion(client, llm, prompt):
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    echoed = client.completions.create(echo=True, **kwargs).choices[0].text
+    given = prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt)
+    assert echoed == given + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        echo=True, stream=True, **kwargs) if c.choices)
+    assert streamed == echoed
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.completions.create(echo=True, logprobs=1, **kwargs)
+
+
+REVIEW = {"type": "object", "properties": {
+    "product": {"type": "string"}, "rating": {"type": "integer"},
+    "pros": {"type": "array", "items": {"type": "string"}},
+    "cons": {"type": "array", "items": {"type": "string"}}},
+    "required": ["product", "rating", "pros", "cons"]}
+
+
+def test_json_that_loops_ends_valid_unless_stop_loops_is_off(client):
+    from formcast.extraction import extraction_messages
+
+    # (greedy, this model repeats one pro until max_tokens without the guard)
+    text = ("Fjällräven Kånken backpack, 4 stars. Pros: durable, classic look, lots of "
+            "colours. Cons: thin shoulder straps, no laptop sleeve.")
+    kwargs = dict(model=MODEL, messages=extraction_messages(text, REVIEW), max_tokens=120,
+                  temperature=0, response_format={"type": "json_schema", "json_schema": {
+                      "name": "review", "schema": REVIEW}})
+    off = client.chat.completions.create(extra_body={"stop_loops": False}, **kwargs).choices[0]
+    assert off.finish_reason == "length"
+    on = client.chat.completions.create(**kwargs).choices[0]
+    assert on.finish_reason == "stop"
+    jsonschema.validate(json.loads(on.message.content), REVIEW)
 
 
 # -- errors ------------------------------------------------------------------------------

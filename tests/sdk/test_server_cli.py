@@ -43,6 +43,26 @@ def test_bad_options_and_constraints_fail_before_the_model_loads(args, message):
     assert message in result.output and "Traceback" not in result.output
 
 
+@pytest.mark.parametrize("schema,message", [
+    ('{"type": "nonsense"}', "#/type"),
+    ('{"type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 1}},'
+     ' "required": ["n"]}', "#/properties/n/minimum"),
+    ('{"type": "object", "properties": {"a": {"$ref": "other.json#/x"}}}', "other.json"),
+    ("json:JSONDecoder", "JSONDecoder"),
+])
+def test_extract_checks_its_schema_before_the_model_loads(tmp_path, schema, message):
+    texts = tmp_path / "in.jsonl"
+    texts.write_text('"Ada is 36."\n')
+    if schema.startswith("{"):
+        (tmp_path / "s.json").write_text(schema)
+        schema = str(tmp_path / "s.json")
+    result = RUNNER.invoke(app, ["extract", "--schema", schema, "-i", str(texts),
+                                 "-o", str(tmp_path / "out.jsonl")],
+                           obj=CliContext(load=_no_load))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+
+
 def test_a_bad_regex_fails_in_a_fresh_process_without_the_model():
     proc = subprocess.run([sys.executable, "-m", "formcast", "generate", "hi", "--regex", "a[b"],
                           capture_output=True, text=True, timeout=60)
