@@ -10,9 +10,14 @@ import functools
 import gc
 
 import torch
+from torch import nn
 
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
-from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
+from formcast.engine.errors import UnsupportedModelError
+from formcast.engine.kernels.native import BLOCK_TYPES
+from formcast.engine.layers.quant import (QUANTIZATIONS, GGUFEmbedding, GGUFLinear,
+                                          quantize_linears)
+from formcast.engine.loader.gguf_blocks import blocks_cover, read_gguf_blocks
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
@@ -35,10 +40,17 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
     source = resolve_model(name_or_path)
     tokenizer = (cached_gguf_tokenizer(source.path) if source.kind == "gguf"
                  else Tokenizer.from_hf_dir(source.path))
-    ckpt = load_checkpoint(source)
-    if quantization not in (None, "auto") + QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; choose 'auto', "
+    if quantization not in (None, "auto", "gguf") + QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose 'auto', 'gguf', "
                          f"{', '.join(map(repr, QUANTIZATIONS))} or None")
+    if source.kind == "gguf" and dev.type == "cpu" and dtype == torch.float32 and \
+            quantization in ("auto", "gguf") and blocks_cover(source.path):
+        # the file's own blocks on the native kernels: no float32 weights at all
+        return build_gguf_model(source.path), tokenizer, dev, source.name, "gguf"
+    if quantization == "gguf":
+        raise ValueError("quantization='gguf' runs a GGUF whose weights are all in "
+                         f"{', '.join(BLOCK_TYPES)} blocks, in float32 on the CPU")
+    ckpt = load_checkpoint(source)
     blocks = {}
     if source.kind == "gguf" and dev.type == "cpu" and quantization in ("auto", "int4"):
         blocks = fuse_int4_blocks(read_int4_blocks(source.path))
@@ -47,6 +59,44 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
     model = build_model(ckpt.config, ckpt.weights, device=dev, dtype=dtype,
                         quantization=quantization, int4_blocks=blocks)
     return model, tokenizer, dev, source.name, quantization
+
+
+def build_gguf_model(path) -> LlamaForCausalLM:
+    """A Llama model whose linears and embedding keep the GGUF's blocks as stored
+    (:class:`GGUFLinear`, :class:`GGUFEmbedding`; fused q|k|v and gate|up), only
+    the norms in float32: one copy of the weights in memory."""
+    config, weights = read_gguf_blocks(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+
+    def linear(*names: str) -> GGUFLinear:
+        parts = [weights.pop(n) for n in names]
+        bias = None
+        if config.attention_bias or config.mlp_bias:
+            biases = [weights.pop(n.replace(".weight", ".bias"), None) for n in names]
+            bias = None if any(b is None for b in biases) else torch.cat(biases)
+        return GGUFLinear([(p.data, p.qtype) for p in parts], parts[0].in_features, bias)
+
+    for i, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = linear(*(f"{pre}.self_attn.{p}_proj.weight" for p in "qkv"))
+        attn.o_proj = linear(f"{pre}.self_attn.o_proj.weight")
+        mlp.gate_up_proj = linear(f"{pre}.mlp.gate_proj.weight", f"{pre}.mlp.up_proj.weight")
+        mlp.down_proj = linear(f"{pre}.mlp.down_proj.weight")
+    embed = weights.pop("model.embed_tokens.weight")
+    model.model.embed_tokens = GGUFEmbedding(embed.data, embed.qtype, config.hidden_size)
+    head = weights.pop("lm_head.weight", embed)  # (tied: the embedding's blocks)
+    model.lm_head = GGUFLinear([(head.data, head.qtype)], config.hidden_size)
+    # what is left on the meta device (norms) is allocated and loaded
+    for name, param in list(model.named_parameters()):
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, leaf, nn.Parameter(weights.pop(name).float(), requires_grad=False))
+    if weights:
+        raise UnsupportedModelError(f"{path}: tensors formcast does not use: "
+                                    f"{', '.join(sorted(weights)[:5])}")
+    return model.eval()
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -165,8 +215,13 @@ def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tok
         if uses_mtp:
             mtp = MTPProposer(runner, valid_vocab_size=tokenizer.vocab_size)
     else:
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_memory // kv_bytes_per_block(mcfg, bs, dtype))
+        # no more than the admitted requests can fill at the model's context (the
+        # CPU commits a block's memory when it is first written: runner.zeroed_cache)
+        context = min(config.max_model_len or mcfg.max_position_embeddings,
+                      mcfg.max_position_embeddings)
+        num_blocks = config.num_kv_blocks or max(1, min(
+            config.kv_cache_memory // kv_bytes_per_block(mcfg, bs, dtype),
+            config.max_num_seqs * -(-context // bs)))
         prefix_caching = config.enable_prefix_caching
         graph_sizes = graph_ladder(config.max_num_seqs) \
             if config.cuda_graphs and device.type == "cuda" else ()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from formcast.engine.config import LlamaConfig
@@ -27,6 +28,16 @@ def kv_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype)
     elem = torch.empty(0, dtype=dtype).element_size()
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads \
         * config.head_dim * elem
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor. On the CPU its pages come from the kernel already
+    zeroed and are committed as they are first written (numpy's calloc), so a cache
+    sized for the longest requests costs resident memory only for the blocks used."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.float16):
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32
+                                         else np.float16))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(kw_only=True)
@@ -94,11 +105,8 @@ class ModelRunner:
         cfg = model.config
         graphs = bool(cuda_graph_sizes) and device.type == "cuda"
         # with graphs, one block more: padding rows write their keys there
-        self.kv_caches = [
-            torch.zeros(2, num_blocks + graphs, block_size, cfg.num_key_value_heads,
-                        cfg.head_dim, dtype=dtype, device=device)
-            for _ in range(cfg.num_hidden_layers)
-        ]
+        shape = (2, num_blocks + graphs, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_caches = [zeroed_cache(shape, dtype, device) for _ in range(cfg.num_hidden_layers)]
         self.graphs: DecodeGraphs | None = None
         if graphs:
             max_len = max_model_len or cfg.max_position_embeddings
