@@ -13,7 +13,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from formcast.engine.config import LlamaConfig
@@ -46,8 +45,8 @@ def blocks_cover(path: str | os.PathLike[str]) -> bool:
 def read_gguf_blocks(path: str | os.PathLike[str]
                      ) -> tuple[LlamaConfig, dict[str, Blocks | torch.Tensor]]:
     """The config and weights of a Llama GGUF, by transformers name: 2-D weights in a
-    block type of :data:`BLOCK_TYPES` as :class:`Blocks` (copied out of the mapped
-    file, which is closed before returning), the others as float32 tensors.
+    block type of :data:`BLOCK_TYPES` as :class:`Blocks` (read from the file), the
+    others as float32 tensors.
 
     Raises
     ------
@@ -74,8 +73,14 @@ def read_gguf_blocks(path: str | os.PathLike[str]
                                     "file; the file is truncated. Delete it and download it again.")
         qtype = t.tensor_type.name
         if len(shape) == 2 and qtype in BLOCK_TYPES:
-            raw = np.ascontiguousarray(t.data).reshape(-1).view(np.uint8)
-            data = torch.from_numpy(raw.reshape(shape[0], -1).copy())
+            # read, not copied from the mapping: the mapped pages would count as
+            # resident memory beside the copy until the file is unmapped
+            data = torch.empty(shape[0], nbytes_of(t.tensor_type, shape) // shape[0],
+                               dtype=torch.uint8)
+            with open(path, "rb") as f:
+                f.seek(t.data_offset)
+                if f.readinto(data.numpy()) != data.numel():
+                    raise CorruptModelError(f"{path}: tensor {t.name} could not be read whole")
             weight: Blocks | torch.Tensor = Blocks(data, qtype, shape[1])
         else:
             try:
@@ -89,7 +94,6 @@ def read_gguf_blocks(path: str | os.PathLike[str]
             weight = Blocks(weight.data[order], weight.qtype, weight.in_features) \
                 if isinstance(weight, Blocks) else weight[order].contiguous()
         out[name] = weight
-    del reader  # (unmaps the file: the copies above are the one copy kept)
     missing = [n for n in shapes if n not in out and not
                (n == "lm_head.weight" and config.tie_word_embeddings)]
     if missing:

@@ -146,10 +146,12 @@ def _load() -> str | None:
 def _build() -> Path:
     from torch.utils import cpp_extension
 
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    asked = os.environ.get("CXX")
+    cxx = shutil.which(asked) if asked else shutil.which("c++") or shutil.which("g++")
     if cxx is None:
-        raise OSError("no C++ compiler found (install g++, e.g. `apt-get install g++`, "
-                      "or set CXX)")
+        where = f"CXX={asked!r} is not an executable" if asked else "no c++ or g++ on PATH"
+        raise OSError(f"no C++ compiler found ({where}); install one (Debian/Ubuntu: "
+                      "`apt-get install g++`) or set CXX")
     digest = hashlib.sha256()
     for src in _SOURCES:
         digest.update(src.read_bytes())
