@@ -17,7 +17,7 @@ from formcast.engine.errors import UnsupportedModelError
 from formcast.engine.kernels.native import BLOCK_TYPES
 from formcast.engine.layers.quant import (QUANTIZATIONS, GGUFEmbedding, GGUFLinear,
                                           quantize_linears)
-from formcast.engine.loader.gguf_blocks import blocks_cover, read_gguf_blocks
+from formcast.engine.loader.gguf_blocks import Blocks, read_gguf_blocks
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
@@ -44,9 +44,13 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
         raise ValueError(f"unknown quantization {quantization!r}; choose 'auto', 'gguf', "
                          f"{', '.join(map(repr, QUANTIZATIONS))} or None")
     if source.kind == "gguf" and dev.type == "cpu" and dtype == torch.float32 and \
-            quantization in ("auto", "gguf") and blocks_cover(source.path):
-        # the file's own blocks on the native kernels: no float32 weights at all
-        return build_gguf_model(source.path), tokenizer, dev, source.name, "gguf"
+            quantization in ("auto", "gguf"):
+        config, weights = read_gguf_blocks(source.path, fuse=gguf_fusions)
+        if all(isinstance(w, Blocks) or w.dim() < 2 for w in weights.values()):
+            # the file's own blocks on the native kernels: no float32 weights at all
+            return (build_gguf_model(config, weights, source.path), tokenizer, dev,
+                    source.name, "gguf")
+        del weights
     if quantization == "gguf":
         raise ValueError("quantization='gguf' runs a GGUF whose weights are all in "
                          f"{', '.join(BLOCK_TYPES)} blocks, in float32 on the CPU")
@@ -61,16 +65,20 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
     return model, tokenizer, dev, source.name, quantization
 
 
-def build_gguf_model(path) -> LlamaForCausalLM:
-    """A Llama model whose linears and embedding keep the GGUF's blocks as stored
-    (:class:`GGUFLinear`, :class:`GGUFEmbedding`; fused q|k|v and gate|up), only
-    the norms in float32: one copy of the weights in memory."""
-    config, weights = read_gguf_blocks(path)
+def build_gguf_model(config: LlamaConfig, weights: dict[str, Blocks | torch.Tensor],
+                     path: object = "the GGUF") -> LlamaForCausalLM:
+    """A Llama model whose linears and embedding keep a GGUF's blocks as stored
+    (``weights`` from :func:`read_gguf_blocks`, consumed; :class:`GGUFLinear`,
+    :class:`GGUFEmbedding`; fused q|k|v and gate|up), only the norms in float32:
+    one copy of the weights in memory."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
 
+    fusions = {names: fused for fused, names in gguf_fusions(config).items()}
+
     def linear(*names: str) -> GGUFLinear:
-        parts = [weights.pop(n) for n in names]
+        fused = fusions.get(names)
+        parts = [weights.pop(fused)] if fused in weights else [weights.pop(n) for n in names]
         bias = None
         if config.attention_bias or config.mlp_bias:
             biases = [weights.pop(n.replace(".weight", ".bias"), None) for n in names]
@@ -97,6 +105,18 @@ def build_gguf_model(path) -> LlamaForCausalLM:
         raise UnsupportedModelError(f"{path}: tensors formcast does not use: "
                                     f"{', '.join(sorted(weights)[:5])}")
     return model.eval()
+
+
+def gguf_fusions(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    """The weights a Llama runs as one projection (q|k|v, gate|up), by fused name."""
+    out = {}
+    for i in range(config.num_hidden_layers):
+        pre = f"model.layers.{i}"
+        out[f"{pre}.self_attn.qkv_proj.weight"] = tuple(
+            f"{pre}.self_attn.{p}_proj.weight" for p in "qkv")
+        out[f"{pre}.mlp.gate_up_proj.weight"] = (f"{pre}.mlp.gate_proj.weight",
+                                                 f"{pre}.mlp.up_proj.weight")
+    return out
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

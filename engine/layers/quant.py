@@ -318,7 +318,7 @@ class GGUFLinear(nn.Module):
 
     ``parts``: the weight as row blocks ``(blocks uint8 [O_i, bytes a row], qtype)``,
     stacked along the output (a fused q|k|v whose parts a file stores in different
-    types stays one layer). Tensors are plain attributes, not buffers: the model
+    types stays one layer; neighbouring parts of one type become one). Tensors are plain attributes, not buffers: the model
     around them may be materialized with ``to_empty`` without touching them.
     """
 
@@ -330,7 +330,13 @@ class GGUFLinear(nn.Module):
                     blocks.dim() != 2 or blocks.shape[1] != native.block_bytes(qtype, in_features):
                 raise ValueError(f"GGUF blocks of type {qtype} [{list(blocks.shape)}, "
                                  f"{blocks.dtype}] do not hold rows of {in_features} inputs")
-        self.parts = [(blocks.contiguous(), qtype) for blocks, qtype in parts]
+        merged: list[tuple[torch.Tensor, str]] = []
+        for blocks, qtype in parts:  # neighbours of one type: one kernel call
+            if merged and merged[-1][1] == qtype:
+                merged[-1] = (torch.cat([merged[-1][0], blocks]), qtype)
+            else:
+                merged.append((blocks.contiguous(), qtype))
+        self.parts = merged
         self.in_features = in_features
         self.out_features = sum(b.shape[0] for b, _ in parts)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(),
@@ -343,12 +349,16 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [T, I] -> [T, O] float32
-        x2 = x.reshape(-1, self.in_features).float().contiguous()
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
         dense: list[torch.Tensor | None] = [None] * len(self.parts)
         if not native.available():
             dense = self.dequantized()
         if len(self.parts) == 1:
             y = native.quant_matmul(x2, self.parts[0][0], self.parts[0][1], dense=dense[0])
+            if self.bias is None:  # (the decode step's common case: no more ops)
+                return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
         else:
             y = x2.new_empty(x2.shape[0], self.out_features)
             start = 0

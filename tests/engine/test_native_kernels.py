@@ -151,6 +151,13 @@ def test_fused_layer_equals_its_parts_and_the_dense_product():
     assert torch.allclose(y, xq @ dense.t(), rtol=1e-4, atol=1e-4)
 
 
+def test_neighbouring_parts_of_one_type_become_one():
+    a, b = random_blocks("Q4_0", 4, 96, seed=1), random_blocks("Q4_0", 3, 96, seed=2)
+    c = random_blocks("Q8_0", 2, 96, seed=3)
+    layer = GGUFLinear([(a, "Q4_0"), (b, "Q4_0"), (c, "Q8_0")], 96)
+    assert layer.qtypes == ("Q4_0", "Q8_0") and layer.out_features == 9
+
+
 def test_layer_refuses_blocks_of_the_wrong_width():
     with pytest.raises(ValueError, match="do not hold rows of 64 inputs"):
         GGUFLinear([(random_blocks("Q4_0", 4, 96), "Q4_0")], 64)
