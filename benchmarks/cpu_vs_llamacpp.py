@@ -125,9 +125,10 @@ def llamacpp_prefill(llm, ids: list[int]) -> float:
 
 
 _RSS_PROBE = """
-import resource, sys, torch
-torch.set_num_threads({threads})
+import resource
 if {side!r} == "formcast":
+    import torch
+    torch.set_num_threads({threads})
     import formcast
     from formcast.engine import SamplingParams
     llm = formcast.load()
@@ -135,8 +136,7 @@ if {side!r} == "formcast":
     llm.engine.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
 else:
     from llama_cpp import Llama
-    from formcast.engine.hub import resolve_model
-    llm = Llama(model_path=str(resolve_model("smollm2").path), n_ctx=4096, n_batch=512,
+    llm = Llama(model_path={path!r}, n_ctx=4096, n_batch=512,
                 n_threads={threads}, n_threads_batch={threads}, verbose=False, seed=0)
     llm.create_completion({story!r}, max_tokens=32, temperature=0.0)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
@@ -147,7 +147,10 @@ def peak_rss(side: str, threads: int) -> float:
     """Peak resident MB of a fresh process that loads ``side`` and generates 32 tokens."""
     import subprocess
 
-    code = _RSS_PROBE.format(side=side, threads=threads, story=STORY)
+    from formcast.engine.hub import resolve_model
+
+    code = _RSS_PROBE.format(side=side, threads=threads, story=STORY,
+                             path=str(resolve_model("smollm2").path))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     return float(done.stdout.strip().splitlines()[-1])

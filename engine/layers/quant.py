@@ -1,4 +1,13 @@
-"""Weight-only quantized linear layers for the CPU (int4 groups of 32, int8 per channel).
+"""Weight-only quantized linear layers for the CPU.
+
+**A GGUF's own blocks** (:class:`GGUFLinear`, :class:`GGUFEmbedding`; the default
+for a GGUF on the CPU): the weights stay as the file stores them (Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K) and the native kernels (:mod:`formcast.engine.kernels.native`)
+multiply int8-quantized activations by them, prompt rows and generated rows
+alike, each row independently of the others. One copy of the weights, no float32.
+
+The formats below (int4 groups of 32, int8 per channel) run on torch's own kernels
+and keep float32 weights for prompts.
 
 They run on torch's packed CPU kernels with bfloat16 activations, reading 4 or 8
 bits per weight instead of 32: decode on a CPU is bound by reading weights, so
