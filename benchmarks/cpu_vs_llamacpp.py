@@ -2,11 +2,13 @@
 
 llama.cpp runs through ``llama-cpp-python`` (``pip install -e '.[bench]'``; it builds
 from source, about 10 minutes on 2 cores). Both sides get the same prompt token ids
-and the same thread count. Four measurements, each printed with its ratio:
+and the same thread count. Each measurement is printed with its ratio:
 
 1. **decode**: batch 1, free text, 128 tokens after a short chat prompt (end of
    sequence ignored on both sides). Decode tokens/s counts from the first generated
    token to the last (prefill excluded); the whole request is printed too.
+1b. **prefill**: batch 1, a 512-token prompt and one generated token (a different
+   first token each time, so neither side finds it in a prefix cache).
 2. **extraction**: JSON Schema extraction over texts of ``data/extraction_tune.jsonl``
    (eleven schemas), one request at a time, whole request time. formcast uses
    ``llm.extract`` (its default speculation included); llama.cpp its GBNF grammar
@@ -21,6 +23,12 @@ and the same thread count. Four measurements, each printed with its ratio:
    constrained (so every step has the same batch), speculation and prefix caching
    off, the two sides alternating (median of 3); tokens/s ratio at batch 1 (four
    texts one at a time) and 16 (sixteen at once).
+5. **peak RSS**: a fresh process per side loads the model and generates 32 tokens;
+   its peak resident memory.
+
+Schemas that llama.cpp's JSON-Schema-to-GBNF converter cannot convert are left out
+on both sides (named in the output). The machine's other load shows in every
+figure: compare ratios of one run, never figures of different runs.
 
 Usage::
 
@@ -42,7 +50,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import extraction_quality as eq  # noqa: E402  (same folder: the texts and schemas)
 
-TARGETS = {"decode": 1.0, "extraction": 1.5, "concurrent": 3.0, "mask": 0.95}
+TARGETS = {"decode": 1.1, "prefill": 1.0, "extraction": 2.0, "concurrent": 4.0, "mask": 0.95}
+RSS_TARGET_MB = 600
 STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -100,6 +109,53 @@ def formcast_decode(engine, ids: list[int], n: int) -> tuple[float, float, int]:
     return (count - first_count) / (end - first), end - start, count
 
 
+def formcast_prefill(engine, ids: list[int]) -> float:
+    """Seconds for a request of prompt ``ids`` and one generated token."""
+    from formcast.engine import SamplingParams
+
+    start = time.perf_counter()
+    engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    return time.perf_counter() - start
+
+
+def llamacpp_prefill(llm, ids: list[int]) -> float:
+    start = time.perf_counter()
+    llm.create_completion(ids, max_tokens=1, temperature=0.0)
+    return time.perf_counter() - start
+
+
+_RSS_PROBE = """
+import resource
+if {side!r} == "formcast":
+    import torch
+    torch.set_num_threads({threads})
+    import formcast
+    from formcast.engine import SamplingParams
+    llm = formcast.load()
+    ids = llm.tokenizer.encode({story!r})
+    llm.engine.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+else:
+    from llama_cpp import Llama
+    llm = Llama(model_path={path!r}, n_ctx=4096, n_batch=512,
+                n_threads={threads}, n_threads_batch={threads}, verbose=False, seed=0)
+    llm.create_completion({story!r}, max_tokens=32, temperature=0.0)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def peak_rss(side: str, threads: int) -> float:
+    """Peak resident MB of a fresh process that loads ``side`` and generates 32 tokens."""
+    import subprocess
+
+    from formcast.engine.hub import resolve_model
+
+    code = _RSS_PROBE.format(side=side, threads=threads, story=STORY,
+                             path=str(resolve_model("smollm2").path))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
 def run_engine(engine, requests: list[tuple[list[int], object, object]]) -> tuple[float, list]:
     """Submit ``(ids, params, constraint)`` requests at once; (seconds, outputs in order)."""
     start = time.perf_counter()
@@ -117,11 +173,13 @@ def main() -> None:
     ap.add_argument("--texts", type=int, default=10, help="extraction texts (sequential)")
     ap.add_argument("--concurrent", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--quantization", default="auto",
-                    help="formcast's quantization: auto (int4 for this file), int4, int8, none")
+                    help="formcast's quantization: auto (the file's own blocks: gguf), gguf, "
+                    "int4, int8, none")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: "
-                    "decode,extraction,concurrent,mask")
+                    "decode,prefill,extraction,concurrent,mask,rss")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
 
@@ -148,8 +206,15 @@ def main() -> None:
     mixed = [g[i] for i in range(max(map(len, by_schema.values())))
              for g in by_schema.values() if i < len(g)]  # round robin over schemas
     specs = {name: extraction_spec(model) for name, model in eq.SCHEMAS.items()}
-    grammars = {name: LlamaGrammar.from_json_schema(json.dumps(s.json_schema), verbose=False)
-                for name, s in specs.items()}
+    grammars = {}
+    for name, s in specs.items():
+        try:
+            grammars[name] = LlamaGrammar.from_json_schema(json.dumps(s.json_schema),
+                                                           verbose=False)
+        except Exception as exc:  # noqa: BLE001  (llama.cpp's converter has gaps)
+            print(f"   (llama.cpp cannot convert schema {name}: {type(exc).__name__} {exc}; "
+                  "its texts are left out on both sides)")
+    mixed = [it for it in mixed if it.schema in grammars]
     compiled = {name: s.compile(tok, vocab_size=engine.model.config.vocab_size)
                 for name, s in specs.items()}
 
@@ -179,6 +244,24 @@ def main() -> None:
         print(f"   llama.cpp {lc_tps:7.1f} tok/s decode   {lc_req:6.2f} s request")
         print(f"   ratio {results['decode']:.2f}x decode, {lc_req / fc_req:.2f}x request "
               f"{verdict('decode', results['decode'])}", flush=True)
+
+    # 1b. prefill of a long prompt, batch 1 (a different first token each time: no
+    # prefix cache on either side)
+    if "prefill" not in skip:
+        body = tok.encode(" ".join([STORY] * 40))[:args.prefill_tokens - 1]
+        fc, lc = [], []
+        for r in range(4):
+            ids = [tok.encode(f" {r}")[0]] + body
+            fc.append(formcast_prefill(engine, ids))
+            lcpp.reset()
+            lc.append(llamacpp_prefill(lcpp, ids))
+        fc_tps = statistics.median(len(body) / t for t in fc[1:])
+        lc_tps = statistics.median(len(body) / t for t in lc[1:])
+        results["prefill"] = fc_tps / lc_tps
+        print(f"\n1b. prefill, batch 1, a {len(body) + 1}-token prompt and one token (median of 3)")
+        print(f"   formcast  {fc_tps:7.1f} tok/s   llama.cpp {lc_tps:7.1f} tok/s")
+        print(f"   ratio {results['prefill']:.2f}x {verdict('prefill', results['prefill'])}",
+              flush=True)
 
     # 2. extraction, one request at a time
     if "extraction" not in skip:
@@ -283,6 +366,13 @@ def main() -> None:
             results[f"mask{batch}"] = c / u
             print(f"   batch {batch:2d}: constrained {c:7.1f} tok/s, unconstrained {u:7.1f} tok/s, "
                   f"ratio {c / u:.3f} {verdict('mask', c / u)}", flush=True)
+
+    if "rss" not in skip:
+        fc_mb, lc_mb = peak_rss("formcast", args.threads), peak_rss("llama.cpp", args.threads)
+        print(f"\n5. peak resident memory, load + a 32-token generation, a process each")
+        print(f"   formcast  {fc_mb:6.0f} MB   llama.cpp {lc_mb:6.0f} MB   "
+              f"(target formcast <= {RSS_TARGET_MB} MB: "
+              f"{'PASS' if fc_mb <= RSS_TARGET_MB else 'FAIL'})", flush=True)
 
     print("\nsummary: " + ", ".join(f"{k} {v:.2f}x" for k, v in results.items()))
 

@@ -54,7 +54,7 @@ class Engine:
         self._config = config = config or EngineConfig()
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.quantization: str | None = None  # "int4"/"int8" when the linears are packed
-        param = model.model.embed_tokens.weight
+        param = model.model.norm.weight  # (a GGUF model's embedding is blocks, not floats)
         self.device = device = device or param.device
         self.dtype = param.dtype
         cuda, tuning = device.type == "cuda", config.tuning

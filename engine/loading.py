@@ -10,11 +10,16 @@ import functools
 import gc
 
 import torch
+from torch import nn
 
 from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.kv_groups import GroupedBlockManager, KVGroup, group_layers, size_groups
-from formcast.engine.layers.quant import QUANTIZATIONS, quantize_linears
+from formcast.engine.errors import UnsupportedModelError
+from formcast.engine.kernels.native import BLOCK_TYPES
+from formcast.engine.layers.quant import (QUANTIZATIONS, GGUFEmbedding, GGUFLinear,
+                                          quantize_linears)
+from formcast.engine.loader.gguf_blocks import Blocks, read_gguf_blocks
 from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
@@ -38,10 +43,23 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
     source = resolve_model(name_or_path)
     tokenizer = (cached_gguf_tokenizer(source.path) if source.kind == "gguf"
                  else Tokenizer.from_hf_dir(source.path))
-    ckpt = load_checkpoint(source)
-    if quantization not in (None, "auto") + QUANTIZATIONS:
-        raise ValueError(f"unknown quantization {quantization!r}; choose 'auto', "
+    if quantization not in (None, "auto", "gguf") + QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose 'auto', 'gguf', "
                          f"{', '.join(map(repr, QUANTIZATIONS))} or None")
+    # (opt-in while the native step is slower than int4's: "auto" stays int4)
+    if source.kind == "gguf" and dev.type == "cpu" and dtype == torch.float32 and \
+            quantization == "gguf":
+        config, weights = read_gguf_blocks(source.path, fuse=gguf_fusions)
+        if type(config) is LlamaConfig and \
+                all(isinstance(w, Blocks) or w.dim() < 2 for w in weights.values()):
+            # the file's own blocks on the native kernels: no float32 weights at all
+            return (build_gguf_model(config, weights, source.path), tokenizer, dev,
+                    source.name, "gguf")
+        del weights
+    if quantization == "gguf":
+        raise ValueError("quantization='gguf' runs a Llama-architecture GGUF whose weights "
+                         f"are all in {', '.join(BLOCK_TYPES)} blocks, in float32 on the CPU")
+    ckpt = load_checkpoint(source)
     blocks = {}
     if source.kind == "gguf" and dev.type == "cpu" and quantization in ("auto", "int4"):
         blocks = fuse_int4_blocks(read_int4_blocks(source.path))
@@ -50,6 +68,60 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
     model = build_model(ckpt.config, ckpt.weights, device=dev, dtype=dtype,
                         quantization=quantization, int4_blocks=blocks)
     return model, tokenizer, dev, source.name, quantization
+
+
+def build_gguf_model(config: LlamaConfig, weights: dict[str, Blocks | torch.Tensor],
+                     path: object = "the GGUF") -> LlamaForCausalLM:
+    """A Llama model whose linears and embedding keep a GGUF's blocks as stored
+    (``weights`` from :func:`read_gguf_blocks`, consumed; :class:`GGUFLinear`,
+    :class:`GGUFEmbedding`; fused q|k|v and gate|up), only the norms in float32:
+    one copy of the weights in memory."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+
+    fusions = {names: fused for fused, names in gguf_fusions(config).items()}
+
+    def linear(*names: str) -> GGUFLinear:
+        fused = fusions.get(names)
+        parts = [weights.pop(fused)] if fused in weights else [weights.pop(n) for n in names]
+        bias = None
+        if config.attention_bias or config.mlp_bias:
+            biases = [weights.pop(n.replace(".weight", ".bias"), None) for n in names]
+            bias = None if any(b is None for b in biases) else torch.cat(biases)
+        return GGUFLinear([(p.data, p.qtype) for p in parts], parts[0].in_features, bias)
+
+    for i, layer in enumerate(model.model.layers):
+        pre = f"model.layers.{i}"
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = linear(*(f"{pre}.self_attn.{p}_proj.weight" for p in "qkv"))
+        attn.o_proj = linear(f"{pre}.self_attn.o_proj.weight")
+        mlp.gate_up_proj = linear(f"{pre}.mlp.gate_proj.weight", f"{pre}.mlp.up_proj.weight")
+        mlp.down_proj = linear(f"{pre}.mlp.down_proj.weight")
+    embed = weights.pop("model.embed_tokens.weight")
+    model.model.embed_tokens = GGUFEmbedding(embed.data, embed.qtype, config.hidden_size)
+    head = weights.pop("lm_head.weight", embed)  # (tied: the embedding's blocks)
+    model.lm_head = GGUFLinear([(head.data, head.qtype)], config.hidden_size)
+    # what is left on the meta device (norms) is allocated and loaded
+    for name, param in list(model.named_parameters()):
+        module_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        setattr(module, leaf, nn.Parameter(weights.pop(name).float(), requires_grad=False))
+    if weights:
+        raise UnsupportedModelError(f"{path}: tensors formcast does not use: "
+                                    f"{', '.join(sorted(weights)[:5])}")
+    return model.eval()
+
+
+def gguf_fusions(config: LlamaConfig) -> dict[str, tuple[str, ...]]:
+    """The weights a Llama runs as one projection (q|k|v, gate|up), by fused name."""
+    out = {}
+    for i in range(config.num_hidden_layers):
+        pre = f"model.layers.{i}"
+        out[f"{pre}.self_attn.qkv_proj.weight"] = tuple(
+            f"{pre}.self_attn.{p}_proj.weight" for p in "qkv")
+        out[f"{pre}.mlp.gate_up_proj.weight"] = (f"{pre}.mlp.gate_proj.weight",
+                                                 f"{pre}.mlp.up_proj.weight")
+    return out
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -177,7 +249,7 @@ def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tok
         Speculative method "mtp" for a model without an MTP layer.
     """
     from formcast.engine.cuda_graph import graph_ladder
-    from formcast.engine.model_runner import ModelRunner, layer_block_bytes
+    from formcast.engine.model_runner import ModelRunner, kv_bytes_per_block, layer_block_bytes
     from formcast.engine.models.deepseek_v4_runner import DeepseekV4Runner
     from formcast.engine.speculative.mtp import MTPProposer
 
@@ -197,10 +269,16 @@ def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tok
         if uses_mtp:
             mtp = MTPProposer(runner, valid_vocab_size=tokenizer.vocab_size)
     else:
+        # no more than the admitted requests can fill at the model's context (the
+        # CPU commits a block's memory when it is first written: runner.zeroed_cache)
+        context = min(config.max_model_len or mcfg.max_position_embeddings,
+                      mcfg.max_position_embeddings)
+        memory = min(config.kv_cache_memory, config.max_num_seqs * -(-context // bs)
+                     * kv_bytes_per_block(mcfg, bs, dtype))
         windows = tuple(decoder_config(mcfg).window(i) for i in range(mcfg.num_hidden_layers))
         groups = size_groups(group_layers(windows),
                              layer_block_bytes=layer_block_bytes(mcfg, bs, dtype),
-                             memory=config.kv_cache_memory, num_blocks=config.num_kv_blocks,
+                             memory=memory, num_blocks=config.num_kv_blocks,
                              max_num_seqs=config.max_num_seqs, margin=rollback_margin(config),
                              block_size=bs, lookahead=spec.max_draft + 1,
                              step_tokens=config.max_num_batched_tokens)

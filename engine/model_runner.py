@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from formcast.engine.config import LlamaConfig
@@ -35,6 +36,16 @@ def layer_block_bytes(config: LlamaConfig, block_size: int, dtype: torch.dtype) 
     """Bytes of one KV block of one layer (keys and values)."""
     elem = torch.empty(0, dtype=dtype).element_size()
     return 2 * block_size * config.num_key_value_heads * config.head_dim * elem
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache tensor. On the CPU its pages come from the kernel already
+    zeroed and are committed as they are first written (numpy's calloc), so a cache
+    sized for the longest requests costs resident memory only for the blocks used."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.float16):
+        return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32
+                                         else np.float16))
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass(kw_only=True)
@@ -134,8 +145,8 @@ class ModelRunner:
             raise ValueError("CUDA graphs serve full-attention models only (one KV group)")
         # with graphs, one block more: padding rows write their keys there
         self.kv_caches = [
-            torch.zeros(2, kv_groups[self._layer_group[i]].num_blocks + graphs, block_size,
-                        cfg.num_key_value_heads, cfg.head_dim, dtype=dtype, device=device)
+            zeroed_cache((2, kv_groups[self._layer_group[i]].num_blocks + graphs, block_size,
+                          cfg.num_key_value_heads, cfg.head_dim), dtype, device)
             for i in range(cfg.num_hidden_layers)
         ]
         self.graphs: DecodeGraphs | None = None

@@ -120,8 +120,8 @@ def _load_llm(ctx: typer.Context, model: str, device: str, dtype: str | None,
     if dtype is not None and dtype not in DTYPES:
         raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}",
                                  param_hint="--dtype")
-    if quantization not in (None, "none", "auto", "int4", "int8"):
-        raise typer.BadParameter(f"{quantization!r} is not none, auto, int4 or int8",
+    if quantization not in (None, "none", "auto", "int4", "int8", "gguf"):
+        raise typer.BadParameter(f"{quantization!r} is not none, auto, int4, int8 or gguf",
                                  param_hint="--quantization")
     options: dict[str, Any] = {"device": device,
                                "dtype": getattr(torch, dtype) if dtype else None}
@@ -138,7 +138,8 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m",
                                        help="Registry name, .gguf file or HF folder.")]
 DeviceOpt = Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")]
 DtypeOpt = Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")]
-QuantOpt = Annotated[str | None, typer.Option(help="CPU weights: none, auto, int4 or int8.")]
+QuantOpt = Annotated[str | None, typer.Option(
+    help="CPU weights: none, auto, int4, int8 or gguf (the file's own blocks).")]
 
 
 # -- pull ---------------------------------------------------------------------------

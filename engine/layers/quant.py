@@ -1,4 +1,13 @@
-"""Weight-only quantized linear layers for the CPU (int4 groups of 32, int8 per channel).
+"""Weight-only quantized linear layers for the CPU.
+
+**A GGUF's own blocks** (:class:`GGUFLinear`, :class:`GGUFEmbedding`; the default
+for a GGUF on the CPU): the weights stay as the file stores them (Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K, Q6_K) and the native kernels (:mod:`formcast.engine.kernels.native`)
+multiply int8-quantized activations by them, prompt rows and generated rows
+alike, each row independently of the others. One copy of the weights, no float32.
+
+The formats below (int4 groups of 32, int8 per channel) run on torch's own kernels
+and keep float32 weights for prompts.
 
 They run on torch's packed CPU kernels with bfloat16 activations, reading 4 or 8
 bits per weight instead of 32: decode on a CPU is bound by reading weights, so
@@ -29,7 +38,9 @@ import torch
 from torch import nn
 
 from formcast.engine.kernels.invariant_matmul import onednn_linear
+from formcast.engine.kernels import native
 from formcast.engine.layers.linear import onednn_available
+from formcast.engine.loader.dequant import dequantize_rows
 
 GROUP_SIZE = 32
 QUANTIZATIONS = ("int4", "int8")
@@ -304,3 +315,95 @@ def quantize_linears(model: nn.Module, kind: str, *, head: str = "int8",
             setattr(parent, name, new)
             replaced += 1
     return replaced
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T (+ b) with W kept in a GGUF's own blocks, as stored in the file.
+
+    The native kernels (:mod:`formcast.engine.kernels.native`) quantize each row of
+    ``x`` to int8 blocks of 32 and multiply by the blocks directly, prompt rows and
+    generated rows alike: every row runs the same arithmetic whatever the batch,
+    so a row's result does not depend on what it was batched with. Without the
+    extension the weight is dequantized to float32 once, on first use.
+
+    ``parts``: the weight as row blocks ``(blocks uint8 [O_i, bytes a row], qtype)``,
+    stacked along the output (a fused q|k|v whose parts a file stores in different
+    types stays one layer; neighbouring parts of one type become one). Tensors are plain attributes, not buffers: the model
+    around them may be materialized with ``to_empty`` without touching them.
+    """
+
+    def __init__(self, parts: list[tuple[torch.Tensor, str]], in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        for blocks, qtype in parts:
+            if qtype not in native.BLOCK_TYPES or blocks.dtype != torch.uint8 or \
+                    blocks.dim() != 2 or blocks.shape[1] != native.block_bytes(qtype, in_features):
+                raise ValueError(f"GGUF blocks of type {qtype} [{list(blocks.shape)}, "
+                                 f"{blocks.dtype}] do not hold rows of {in_features} inputs")
+        merged: list[tuple[torch.Tensor, str]] = []
+        for blocks, qtype in parts:  # neighbours of one type: one kernel call
+            if merged and merged[-1][1] == qtype:
+                merged[-1] = (torch.cat([merged[-1][0], blocks]), qtype)
+            else:
+                merged.append((blocks.contiguous(), qtype))
+        self.parts = merged
+        self.in_features = in_features
+        self.out_features = sum(b.shape[0] for b, _ in parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float().clone(),
+                                                           requires_grad=False)
+        self._dense: list[torch.Tensor] | None = None  # torch path only
+
+    @property
+    def qtypes(self) -> tuple[str, ...]:
+        return tuple(q for _, q in self.parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, I] -> [T, O] float32
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        dense: list[torch.Tensor | None] = [None] * len(self.parts)
+        if not native.available():
+            dense = self.dequantized()
+        if len(self.parts) == 1:
+            y = native.quant_matmul(x2, self.parts[0][0], self.parts[0][1], dense=dense[0])
+            if self.bias is None:  # (the decode step's common case: no more ops)
+                return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        else:
+            y = x2.new_empty(x2.shape[0], self.out_features)
+            start = 0
+            for (blocks, qtype), w in zip(self.parts, dense):
+                end = start + blocks.shape[0]
+                native.quant_matmul(x2, blocks, qtype, out=y[:, start:end], dense=w)
+                start = end
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> list[torch.Tensor]:
+        """Each part's weight as float32 [O_i, I] (made once, then kept: the torch path)."""
+        if self._dense is None:
+            self._dense = [dequantize_rows(b, q) for b, q in self.parts]
+        return self._dense
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embedding kept in a GGUF's blocks: the rows asked for are dequantized
+    on the fly (a step reads a few rows of a table the head may share)."""
+
+    def __init__(self, blocks: torch.Tensor, qtype: str, embedding_dim: int) -> None:
+        super().__init__()
+        self.blocks, self.qtype = blocks.contiguous(), qtype
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        # token_ids [T] -> [T, E] float32
+        rows = self.blocks[token_ids.reshape(-1)]
+        if self.qtype == "Q8_0":  # (the common case, in torch: no numpy round trip)
+            v = rows.view(rows.shape[0], -1, 34)
+            d = v[..., :2].contiguous().view(torch.float16).float()   # [T, E/32, 1]
+            q = v[..., 2:].contiguous().view(torch.int8).float()      # [T, E/32, 32]
+            out = (q * d).view(rows.shape[0], self.embedding_dim)
+        else:
+            out = dequantize_rows(rows, self.qtype)
+        return out.view(*token_ids.shape, self.embedding_dim)

@@ -95,3 +95,21 @@ def _q8_k(rows: np.ndarray) -> np.ndarray:
     d = blocks[:, :4].copy().view(np.float32)                    # [N, 1]
     codes = blocks[:, 4:260].copy().view(np.int8).astype(np.float32)
     return (d * codes).reshape(rows.shape[0], -1)
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """A weight kept in its GGUF blocks, uint8 ``[rows, bytes a row]``, as float32
+    ``[rows, elements a row]`` (the pure-torch path of the native kernels, and
+    their tests' reference). Any GGUF block type ``gguf`` decodes (Q5_K too),
+    whatever :data:`SUPPORTED_TYPES` says: the bytes here are already checked.
+
+    Raises ``ValueError`` when the row length is not a whole number of blocks.
+    """
+    kind = GGMLQuantizationType[qtype]
+    block_size, type_size = GGML_QUANT_SIZES[kind]
+    rows, width = blocks.shape
+    if width % type_size:
+        raise ValueError(f"{qtype} rows of {width} bytes are not whole {type_size}-byte blocks")
+    values = _np_dequantize(blocks.contiguous().numpy().view(np.uint8), kind)
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(
+        rows, width // type_size * block_size)

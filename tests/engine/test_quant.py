@@ -194,7 +194,7 @@ def test_the_smollm2_gguf_q4_1_blocks_are_its_float_weights(smollm2_engine, smol
 def int4_engine(smollm2_source):
     from formcast.engine import Engine
 
-    return Engine.from_pretrained(str(smollm2_source.path), device="cpu")  # "auto"
+    return Engine.from_pretrained(str(smollm2_source.path), device="cpu", quantization="int4")
 
 
 def _chat(engine, text):
@@ -202,7 +202,7 @@ def _chat(engine, text):
                                                 add_generation_prompt=True, tokenize=True)
 
 
-def test_auto_quantization_is_int4_for_a_q4_gguf_on_the_cpu(int4_engine):
+def test_int4_quantization_takes_a_q4_ggufs_own_4bit_blocks(int4_engine):
     from formcast.engine import Engine
 
     assert int4_engine.quantization == "int4"
