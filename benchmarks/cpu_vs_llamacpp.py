@@ -131,7 +131,7 @@ if {side!r} == "formcast":
     torch.set_num_threads({threads})
     import formcast
     from formcast.engine import SamplingParams
-    llm = formcast.load()
+    llm = formcast.load({path!r}, quantization={quant!r})
     ids = llm.tokenizer.encode({story!r})
     llm.engine.generate([ids], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
 else:
@@ -143,14 +143,13 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 
 
-def peak_rss(side: str, threads: int) -> float:
-    """Peak resident MB of a fresh process that loads ``side`` and generates 32 tokens."""
+def peak_rss(side: str, threads: int, path: Path, quant: str | None) -> float:
+    """Peak resident MB of a fresh process that loads ``side`` (the GGUF at ``path``)
+    and generates 32 tokens."""
     import subprocess
 
-    from formcast.engine.hub import resolve_model
-
-    code = _RSS_PROBE.format(side=side, threads=threads, story=STORY,
-                             path=str(resolve_model("smollm2").path))
+    code = _RSS_PROBE.format(side=side, threads=threads, story=STORY, path=str(path),
+                             quant=quant)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     return float(done.stdout.strip().splitlines()[-1])
@@ -175,9 +174,11 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--model", default="smollm2",
+                    help="a catalogue name (formcast models) or a GGUF path, for both sides")
     ap.add_argument("--quantization", default="auto",
-                    help="formcast's quantization: auto (the file's own blocks: gguf), gguf, "
-                    "int4, int8, none")
+                    help="formcast's quantization: auto (int4 where the file allows), gguf "
+                    "(the file's own blocks), int4, int8, none")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: "
                     "decode,prefill,extraction,concurrent,mask,rss")
     args = ap.parse_args()
@@ -191,9 +192,9 @@ def main() -> None:
     from llama_cpp import LlamaGrammar
 
     torch.set_num_threads(args.threads)
-    path = resolve_model("smollm2").path
+    path = resolve_model(args.model).path
     quant = None if args.quantization == "none" else args.quantization
-    llm = formcast.load(quantization=quant)
+    llm = formcast.load(str(path), quantization=quant)
     engine, tok = llm.engine, llm.tokenizer
     lcpp = load_llamacpp(path, args.threads)
     print(f"{llm!r} vs llama.cpp (llama-cpp-python) on {path.name}, {args.threads} threads, "
@@ -368,7 +369,8 @@ def main() -> None:
                   f"ratio {c / u:.3f} {verdict('mask', c / u)}", flush=True)
 
     if "rss" not in skip:
-        fc_mb, lc_mb = peak_rss("formcast", args.threads), peak_rss("llama.cpp", args.threads)
+        fc_mb = peak_rss("formcast", args.threads, path, quant)
+        lc_mb = peak_rss("llama.cpp", args.threads, path, quant)
         print(f"\n5. peak resident memory, load + a 32-token generation, a process each")
         print(f"   formcast  {fc_mb:6.0f} MB   llama.cpp {lc_mb:6.0f} MB   "
               f"(target formcast <= {RSS_TARGET_MB} MB: "
