@@ -186,7 +186,8 @@ class CompiledGrammar:
         matcher = self.grammar.matcher()
         if self.end_check is not None:
             matcher = EndCheckedMatcher(matcher, self.end_check, self.vocab.token_bytes,
-                                        self.vocab.eos_token_ids)
+                                        self.vocab.eos_token_ids,
+                                        ends=self.vocab.json_end_tokens)
         matcher._recipe = (self.constraint, self.backend, self.vocab)
         return matcher
 

@@ -17,6 +17,7 @@ import torch
 
 from formcast.engine.constraint import BaseConstraint, accept_forced_tokens, bitmask_words
 from formcast.grammars.constraints import JsonSchema
+from formcast.grammars.json_ends import root_is_scalar
 from formcast.grammars.json_quotes import NO_SPANS, NoSpans, QuoteParity, quote_tokens
 
 
@@ -194,14 +195,20 @@ class EndCheckedMatcher(Matcher):
     Schema keywords the backend does not compile). When the structure is complete
     but the check fails, the stop tokens are taken out of the mask, so generation
     must go on or dead-ends; :attr:`last_violation` then says why.
+
+    With ``ends`` (:func:`~formcast.grammars.json_ends.end_tokens` of the
+    vocabulary) it asks the inner matcher whether the document is complete only
+    after a token that may complete it (see :mod:`~formcast.grammars.json_ends`).
     """
 
-    __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict", "_version",
-                 "_inner_fill", "_inner_accept", "_inner_completed", "_recipe")
+    __slots__ = ("_inner", "_check", "_token_bytes", "_eos", "_parts", "_verdict",
+                 "_inner_fill", "_inner_accept", "_inner_completed", "_recipe", "_ends",
+                 "_watch", "_may_end", "_rooted")
 
     def __init__(self, inner: Matcher, check: Callable[[bytes], EndViolation | None],
                  token_bytes: Sequence[bytes], eos_token_ids: frozenset[int],
-                 parts: list[bytes] | None = None) -> None:
+                 parts: list[bytes] | None = None,
+                 ends: tuple[frozenset[int], frozenset[int]] | None = None) -> None:
         self._inner = inner
         # bound once: the per-token path
         self._inner_fill, self._inner_accept = inner.fill_bitmask, inner.accept
@@ -210,8 +217,25 @@ class EndCheckedMatcher(Matcher):
         self._token_bytes = token_bytes
         self._eos = eos_token_ids
         self._parts: list[bytes] = [] if parts is None else parts   # one entry per step
-        self._version = 0            # bumped by every change of state
-        self._verdict: tuple[int, EndViolation | None] | None = None   # (version, verdict)
+        self._verdict: tuple[EndViolation | None] | None = None   # None: not checked since a change
+        self._ends = ends
+        self._restart_ends()
+
+    def _restart_ends(self) -> None:
+        """Forget where the document may end: it may be complete now (a state
+        not reached token by token)."""
+        self._watch = self._ends   # (closers, blanks); None: every step may complete it
+        self._may_end = True       # False only when the inner matcher cannot be complete
+        self._rooted = False       # whether the root is known to be an object or an array
+
+    def _see_root(self) -> None:
+        """The root of the text so far, once a token that is not whitespace took
+        it past a closer: a scalar root may be complete after any step."""
+        scalar = root_is_scalar(self._parts)
+        if scalar:
+            self._watch = None
+            self._may_end = True
+        self._rooted = scalar is not None
 
     @property
     def inner(self) -> Matcher:
@@ -219,15 +243,16 @@ class EndCheckedMatcher(Matcher):
         return self._inner
 
     def _violation(self) -> EndViolation | None:
-        if self._verdict is None or self._verdict[0] != self._version:
-            self._verdict = (self._version, self._check(b"".join(self._parts)))
-        return self._verdict[1]
+        verdict = self._verdict
+        if verdict is None:
+            verdict = self._verdict = (self._check(b"".join(self._parts)),)
+        return verdict[0]
 
     @property
     def last_violation(self) -> str | None:
         """Why the finished document fails its end check; None while it is
         incomplete or passes. (Computed from the current state, cached.)"""
-        if not self._inner_completed():
+        if not self._may_end or not self._inner_completed():
             return None
         found = self._violation()
         return None if found is None else found.message
@@ -241,7 +266,7 @@ class EndCheckedMatcher(Matcher):
         An engine that meets a dead end here can roll back that many tokens (matcher
         and KV cache) and sample again instead of failing the request.
         """
-        if not self._inner_completed():
+        if not self._may_end or not self._inner_completed():
             return 0
         violation = self._violation()
         if violation is None:
@@ -255,7 +280,7 @@ class EndCheckedMatcher(Matcher):
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._inner_fill(bitmask, row)
-        if self._inner_completed() and self._violation() is not None:
+        if self._may_end and self._inner_completed() and self._violation() is not None:
             for eos in self._eos:
                 word = eos >> 5
                 value = int(bitmask[row, word]) & ~(1 << (eos & 31)) & 0xFFFFFFFF
@@ -276,22 +301,31 @@ class EndCheckedMatcher(Matcher):
 
     def accept(self, token_id: int) -> bool:
         if token_id in self._eos:
-            if not self._inner_completed() or self._violation() is not None \
-                    or not self._inner_accept(token_id):
+            if not self._may_end or not self._inner_completed() \
+                    or self._violation() is not None or not self._inner_accept(token_id):
                 return False
             self._parts.append(b"")
         elif self._inner_accept(token_id):
             self._parts.append(self._token_bytes[token_id])
+            watch = self._watch
+            if watch is not None:
+                if token_id in watch[0]:
+                    self._may_end = True
+                elif token_id not in watch[1]:
+                    self._may_end = False
+                    if not self._rooted:
+                        self._see_root()
         else:
             return False
-        self._version += 1
+        self._verdict = None
         return True
 
     def accept_text(self, text: str) -> bool:
         if not self._inner.accept_text(text):
             return False
         self._parts.append(text.encode("utf-8"))
-        self._version += 1
+        self._verdict = None
+        self._restart_ends()
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -300,14 +334,15 @@ class EndCheckedMatcher(Matcher):
         self._inner.rollback(num_tokens)
         if num_tokens:
             del self._parts[-num_tokens:]
-            self._version += 1
+            self._verdict = None
+            self._restart_ends()
             self._restart_spans()
 
     def is_terminated(self) -> bool:
         return self._inner.is_terminated()
 
     def is_completed(self) -> bool:
-        return self._inner.is_completed() and self._violation() is None
+        return self._may_end and self._inner.is_completed() and self._violation() is None
 
     def forced_tokens(self) -> list[int]:
         return [t for t in self._inner.forced_tokens() if t not in self._eos]
@@ -319,7 +354,8 @@ class EndCheckedMatcher(Matcher):
         taken = self._inner.take_forced_tokens(limit)
         if taken:
             self._parts.extend(self._token_bytes[t] for t in taken)
-            self._version += 1
+            self._verdict = None
+            self._restart_ends()
         return taken
 
     def forces_text(self) -> bool:
@@ -331,8 +367,10 @@ class EndCheckedMatcher(Matcher):
         return self._inner.narrow_choice()
 
     def fork(self) -> EndCheckedMatcher:
-        return EndCheckedMatcher(self._inner.fork(), self._check, self._token_bytes, self._eos,
-                                 list(self._parts))
+        copy = EndCheckedMatcher(self._inner.fork(), self._check, self._token_bytes, self._eos,
+                                 list(self._parts), self._ends)
+        copy._watch, copy._may_end, copy._rooted = self._watch, self._may_end, self._rooted
+        return copy
 
 
 def check_bitmask(bitmask: torch.Tensor, row: int, vocab_size: int) -> None:

@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import Protocol
 
 from formcast.engine.constraint import bitmask_words
+from formcast.grammars.json_ends import end_tokens
 from formcast.grammars.json_quotes import quote_counts
 
 
@@ -123,6 +124,13 @@ class Vocabulary:
         """Each token's unescaped double quotes, by id (see
         :func:`~formcast.grammars.json_quotes.quote_counts`); found once."""
         return quote_counts(self.token_bytes)
+
+    @cached_property
+    def json_end_tokens(self) -> tuple[frozenset[int], frozenset[int]]:
+        """``(closers, blanks)``: the tokens after which a JSON document whose
+        root is a container may be complete, and whitespace tokens (see
+        :func:`~formcast.grammars.json_ends.end_tokens`); found once."""
+        return end_tokens(self.token_bytes)
 
     @cached_property
     def _by_bytes(self) -> dict[bytes, int]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import threading
 
+import numpy
+import torch
 import xgrammar as xgr
 
 from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSource
@@ -45,8 +47,20 @@ class XGrammarBackend(Backend):
         # keeps xgrammar from logging a warning for each such accept.
         self.blocked = frozenset(vocab.special_token_ids - vocab.eos_token_ids)
         self.stops = frozenset(vocab.eos_token_ids)
+        self.special_ids = self.blocked | self.stops
         self.fill_plans = FillPlans(self.tuning)
         self._special: ctypes.Array | None = None
+        self._view: tuple[torch.Tensor, numpy.ndarray | None] | None = None
+
+    def numpy_view(self, bitmask: torch.Tensor) -> tuple[torch.Tensor, numpy.ndarray | None]:
+        """``(bitmask, its numpy view)`` (None for a mask outside host memory).
+        The last one is kept: the matchers of a run fill one bitmask, and
+        torch's view costs more than a fill of a known mask."""
+        view = self._view
+        if view is None or view[0] is not bitmask:
+            view = self._view = (bitmask, bitmask.numpy() if bitmask.device.type == "cpu"
+                                 else None)
+        return view
 
     def compile(self, source: GrammarSource) -> XGrammarGrammar:
         try:

@@ -144,7 +144,11 @@ class PreparedAccept(BatchAcceptor):
                 if ok:
                     m = matchers[i]
                     # (matchers are made with terminate_without_stop_token=False)
-                    status[i] = 2 if tokens[i] in m._stops and m._m.is_terminated() else 1
+                    if tokens[i] in m._stops and m._m.is_terminated():
+                        status[i] = 2
+                        m._end()
+                    else:
+                        status[i] = 1
         if self.texts:
             self.keep_texts(tokens, status)
         return status

@@ -11,6 +11,7 @@ import array
 import json
 import re
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import xgrammar as xgr
@@ -69,37 +70,58 @@ CONTAINS = _quiet_global("ffi.ArrayContains")
 TO_ARRAY = _quiet_global("ffi.Array")
 
 
-def _native_matcher_calls() -> bool:
-    """Whether xgrammar's native matcher has the per-token methods we know, with
-    the parameters we pass (read from tvm-ffi's reflection of the type)."""
+def _native_matcher_methods() -> dict[str, Any] | None:
+    """Private copies of xgrammar's native matcher methods ``fill_next_token_bitmask``,
+    ``accept_token`` and ``is_completed`` (tvm-ffi functions that take the native
+    matcher first), where this xgrammar has them with the parameters we pass
+    (read from tvm-ffi's reflection of the type); None otherwise.
+
+    A copy (read back through a tvm-ffi array: a new object, its setting its
+    own) is called without the Python wrapper tvm-ffi puts around a method, and
+    those of the two short calls keep the interpreter lock (see
+    :func:`_quiet_global`); a fill, which may take long, lets go of it."""
     known = {"fill_next_token_bitmask": ["Any", "int", "bool"], "accept_token": ["int", "bool"],
              "is_completed": []}
     try:
         native_type = xgr.tvm_ffi_binding._ffi_api.GrammarMatcher
-        found = {}
+        found, funcs = {}, {}
         for method in native_type.__tvm_ffi_type_info__.methods:
-            if method.name in known:
+            if method.name in known and not method.is_static:
                 schema = json.loads(method.metadata["type_schema"])
                 found[method.name] = [p["type"] for p in schema["named_args"]["params"][1:]]
-        return found == known
+                funcs[method.name] = method.func
+        if found != known:
+            return None
+        if TO_ARRAY is None:
+            return funcs
+        copies = {name: TO_ARRAY(fn)[0] for name, fn in funcs.items()}
+        if any(copy is funcs[name] for name, copy in copies.items()):
+            return funcs   # (not a copy: the shared function's setting is left alone)
+        copies["accept_token"].release_gil = False
+        copies["is_completed"].release_gil = False
+        return copies
     except Exception:
-        return False
+        return None
 
 
-NATIVE_MATCHER_CALLS = _native_matcher_calls()
+NATIVE_METHODS = _native_matcher_methods()
+NATIVE_MATCHER_CALLS = NATIVE_METHODS is not None
 
 
 def matcher_calls(matcher: xgr.GrammarMatcher) -> tuple[Callable, Callable, Callable]:
     """The per-token calls of ``matcher``: ``fill(bitmask, row, debug)``,
     ``accept(token, debug)`` and ``is_completed()``.
 
-    They are the methods of xgrammar's native object where this xgrammar has
-    the ones we know: its Python methods only forward to them, and on a
-    matcher's path, a call or two a token, that step is a sizeable part of the
-    cost. Otherwise they call the public methods."""
-    if NATIVE_MATCHER_CALLS:
+    They are xgrammar's native methods bound to its native object where this
+    xgrammar has the ones we know (see :func:`_native_matcher_methods`): its
+    Python methods only forward to them, and on a matcher's path, a call or
+    two a token, that step is a sizeable part of the cost. Otherwise they call
+    the public methods."""
+    methods = NATIVE_METHODS
+    if NATIVE_MATCHER_CALLS and methods is not None:
         handle = matcher._handle
-        return handle.fill_next_token_bitmask, handle.accept_token, handle.is_completed
+        return (partial(methods["fill_next_token_bitmask"], handle),
+                partial(methods["accept_token"], handle), partial(methods["is_completed"], handle))
     public_fill, public_accept = matcher.fill_next_token_bitmask, matcher.accept_token
     return (lambda bitmask, row, debug: public_fill(bitmask, row, debug_print=debug),
             lambda token, debug: public_accept(token, debug_print=debug),

@@ -21,6 +21,16 @@ if TYPE_CHECKING:
 _DEFAULT_TUNING = XGrammarTuning()
 
 
+def _refuse(token_id: int, debug: bool) -> bool:
+    """The per-token accept of a matcher that took a stop token."""
+    return False
+
+
+def _allow_nothing(bitmask: torch.Tensor, row: int, debug: bool) -> None:
+    """The per-token fill of a matcher that took a stop token (xgrammar's raises)."""
+    bitmask[row] = 0
+
+
 class XGrammarMatcher(Matcher):
     """A thin shell over ``xgrammar.GrammarMatcher``.
 
@@ -47,7 +57,7 @@ class XGrammarMatcher(Matcher):
     # (slots: a batch's opening reads every row's text each step, its objects cold)
     __slots__ = ("_xm", "_blocked", "_size", "_stops", "_moved", "_token_bytes", "_origin",
                  "_text", "_xfill", "_xaccept", "_xcompleted", "_xhandle", "_pending", "_broken",
-                 "_recipe", "_source", "_tuning", "_view")
+                 "_recipe", "_source", "_tuning", "_view", "_masks", "_special", "_ended")
 
     def __init__(self, matcher: xgr.GrammarMatcher | None, blocked: frozenset[int], size: int,
                  stops: frozenset[int], *, token_bytes: tuple[bytes, ...] | None = None,
@@ -61,6 +71,11 @@ class XGrammarMatcher(Matcher):
         self._blocked = blocked
         self._size = size
         self._stops = stops  # xgrammar's stop tokens: only accepting one ends a matcher
+        # the tokens accept looks at twice (blocked, stop tokens), found once a backend
+        backend = None if origin is None else origin.backend
+        self._special = backend.special_ids if backend is not None and \
+            backend.blocked is blocked and backend.stops is stops else blocked | stops
+        self._ended = False  # a stop token taken: xgrammar is offered nothing more
         self._moved = False  # a token or text was offered (see Matcher._is_fresh)
         self._token_bytes = token_bytes
         self._origin = origin
@@ -70,6 +85,9 @@ class XGrammarMatcher(Matcher):
         self._broken = None   # why its state is not its text's (see PendingAccept)
         self._source = None   # what it forks from when not its grammar's start
         self._view = None     # (a bitmask, its numpy view) while it fills by text
+        # its grammar's known masks, when it fills by text (see fill_bitmask)
+        self._masks = origin.text_masks if self._text is not None and \
+            self._tuning.text_masks else None
 
     def __del__(self, _release=ffi.release_later) -> None:  # (bound: the module may be gone)
         _release(getattr(self, "_xhandle", None))  # (xgrammar's matcher dies on the worker)
@@ -136,8 +154,31 @@ class XGrammarMatcher(Matcher):
         return None if at is None else masks.rows[at]
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._text is not None and self._tuning.text_masks:
-            self._fill_by_text(bitmask, row)
+        text, masks = self._text, self._masks
+        if text is not None and masks is not None:
+            # (fill by text, inline: most of a short answer's tokens come here)
+            view = self._view  # (torch's own row copy and numpy view cost more than a fill)
+            if view is None or view[0] is not bitmask:
+                view = self._view = self._origin.backend.numpy_view(bitmask)
+            words = view[1]
+            if words is None:  # (not in host memory: xgrammar refuses it)
+                self._fill_device(bitmask, row)
+                return
+            if self._broken is None:
+                at = masks.slots.get(text)
+                if at is not None and words.shape[1] == masks.words:  # (_known_mask)
+                    words[row] = masks.rows[at]
+                    return
+            if self._pending:
+                self._sync()
+            fill = self._xfill
+            if fill is None:
+                self._fork()
+                fill = self._xfill
+            fill(bitmask, row, False)
+            # (a text's mask is kept on its second visit: most are visited once)
+            if masks.seen_before(text):
+                masks.add(text, words[row])
             return
         if self._pending:
             self._sync()
@@ -147,24 +188,13 @@ class XGrammarMatcher(Matcher):
             fill = self._xfill
         fill(bitmask, row, False)
 
-    def _fill_by_text(self, bitmask: torch.Tensor, row: int) -> None:
-        """:meth:`fill_bitmask` while it keeps its text: a copy of the text's
-        known mask, or xgrammar's fill, which becomes the text's known mask
-        when a fill reached the text before."""
-        view = self._view  # (torch's own row copy and numpy view cost more than a fill)
-        if view is None or view[0] is not bitmask:
-            view = self._view = (bitmask, bitmask.numpy() if bitmask.is_cpu else None)
-        words, masks = view[1], self._origin.text_masks
-        if words is None:  # (not in host memory: xgrammar refuses it, a known mask is copied)
-            known = self._known_mask(bitmask.shape[1])
-            if known is not None:
-                bitmask[row] = torch.from_numpy(known)
-                return
-        elif self._broken is None and words.shape[1] == masks.words:  # (_known_mask)
-            at = masks.slots.get(self._text)
-            if at is not None:
-                words[row] = masks.rows[at]
-                return
+    def _fill_device(self, bitmask: torch.Tensor, row: int) -> None:
+        """:meth:`fill_bitmask` into a mask outside host memory, which xgrammar
+        refuses: a copy of its text's known mask (else xgrammar's error)."""
+        known = self._known_mask(bitmask.shape[1])
+        if known is not None:
+            bitmask[row] = torch.from_numpy(known)
+            return
         if self._pending:
             self._sync()
         fill = self._xfill
@@ -172,8 +202,6 @@ class XGrammarMatcher(Matcher):
             self._fork()
             fill = self._xfill
         fill(bitmask, row, False)
-        if words is not None and masks.seen_before(self._text):
-            masks.add(self._text, words[row])
 
     @staticmethod
     def tidy() -> None:
@@ -216,12 +244,12 @@ class XGrammarMatcher(Matcher):
 
     def _may_offer(self, token_id: int) -> bool:
         """Whether ``token_id`` may go to xgrammar at all (not a blocked special
-        token, inside the tokenizer's ids)."""
-        return token_id not in self._blocked and 0 <= token_id < self._size
+        token, inside the tokenizer's ids, and the matcher not ended)."""
+        return token_id not in self._blocked and 0 <= token_id < self._size and not self._ended
 
     def accept(self, token_id: int) -> bool:
-        if token_id in self._blocked or not 0 <= token_id < self._size:  # (_may_offer)
-            return False
+        if token_id in self._special or not 0 <= token_id < self._size:
+            return self._accept_special(token_id)
         self._moved = True
         if self._pending:
             self._sync()
@@ -233,14 +261,38 @@ class XGrammarMatcher(Matcher):
             return False
         text = self._text
         if text is not None:  # (_took, inline: most of an answer's opening keeps its text)
-            if token_id in self._stops:
-                self._text = None
-            else:
-                text += self._token_bytes[token_id]
-                self._text = text if len(text) <= self._tuning.text_key_limit else None
+            text += self._token_bytes[token_id]
+            self._text = text if len(text) <= self._tuning.text_key_limit else None
         return True
 
+    def _accept_special(self, token_id: int) -> bool:
+        """:meth:`accept` of a blocked token, an id out of range, or a stop token
+        (which ends the matcher: xgrammar, which logs each token offered after
+        its end on stderr, is then offered none, see :meth:`_end`)."""
+        if token_id in self._blocked or not 0 <= token_id < self._size or self._ended:
+            return False
+        self._moved = True
+        self._sync()
+        if not self._m.accept_token(token_id):
+            return False
+        self._end()
+        return True
+
+    def _end(self) -> None:
+        """A stop token was taken: every later token is refused here, and no
+        token is allowed (until a rollback), without a call to xgrammar."""
+        self._ended = True
+        self._text = None
+        self._xaccept, self._xfill = _refuse, _allow_nothing
+
+    def _unend(self) -> None:
+        """A rollback took the stop token back."""
+        self._ended = False
+        self._own(self._xm)
+
     def accept_text(self, text: str) -> bool:
+        if self._ended:
+            return False
         self._moved = True
         self._sync()
         taken = self._m.accept_string(text)
@@ -273,6 +325,8 @@ class XGrammarMatcher(Matcher):
                 self._m.rollback(num_tokens)
             except RuntimeError as exc:
                 raise ValueError(ffi.library_message(exc)) from None
+            if self._ended:
+                self._unend()
 
     def is_terminated(self) -> bool:
         self._sync()
@@ -361,9 +415,12 @@ class XGrammarMatcher(Matcher):
         if self._xm is not None:
             self._sync()
             matcher = self._xm.fork()
-        return XGrammarMatcher(matcher, self._blocked, self._size, self._stops,
+        copy = XGrammarMatcher(matcher, self._blocked, self._size, self._stops,
                                token_bytes=self._token_bytes, origin=self._origin,
                                text=self._text)
+        if self._ended:
+            copy._end()
+        return copy
 
     @property
     def xgrammar_matcher(self) -> xgr.GrammarMatcher:

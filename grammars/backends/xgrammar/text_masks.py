@@ -71,8 +71,20 @@ class TextMasks:
             at = len(self.slots)
             if len(mask) != self.words or at >= self.capacity or text in self.slots:
                 return
-            if self.rows is None:
-                self.rows = numpy.empty((self.capacity, self.words), dtype=numpy.int32)
-            self.rows[at] = mask
+            rows = self.rows
+            if rows is None or at == len(rows):
+                rows = self._grown(at)
+            rows[at] = mask
             self.texts.append(text)
             self.slots[text] = at  # (after the row is written: readers take no lock)
+
+    def _grown(self, used: int) -> numpy.ndarray:
+        """Room for twice the ``used`` rows (the lock held). The rows grow from a
+        few: a grammar that learns few texts never pays for a whole new block of
+        ``capacity`` rows, whose every page faults on its first write. A reader
+        holding the rows before keeps a valid copy of the rows it knows."""
+        rows = numpy.empty((min(self.capacity, max(4, 2 * used)), self.words), dtype=numpy.int32)
+        if used:
+            rows[:used] = self.rows[:used]
+        self.rows = rows
+        return rows
