@@ -32,7 +32,7 @@ def test_version():
     (["generate", "hi", "--json-schema", '{"type": "nonsense"}'], "#/type"),
     (["generate", "hi", "--json-schema", '{"type": "integer", "minimum": 3, "maximum": 1}'],
      "unsatisfiable"),
-    (["generate", "hi", "--quantization", "int3"], "none, auto, int4 or int8"),
+    (["generate", "hi", "--quantization", "int3"], "'int3' is not none, auto, int4"),
     (["--log-level", "loud", "generate", "hi"], "loud"),
     (["serve", "--quantization", "fp8"], "fp8"),
     (["serve", "--port", "0"], "port"),
