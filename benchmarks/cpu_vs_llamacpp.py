@@ -249,10 +249,12 @@ def main() -> None:
     # 1b. prefill of a long prompt, batch 1 (a different first token each time: no
     # prefix cache on either side)
     if "prefill" not in skip:
-        body = tok.encode(" ".join([STORY] * 40))[:args.prefill_tokens - 1]
+        # (no special tokens: a model that adds bos would get it twice, mid-prompt)
+        body = tok.encode(" ".join([STORY] * 40),
+                          add_special_tokens=False)[:args.prefill_tokens - 1]
         fc, lc = [], []
         for r in range(4):
-            ids = [tok.encode(f" {r}")[0]] + body
+            ids = [tok.encode(f" {r}", add_special_tokens=False)[0]] + body
             fc.append(formcast_prefill(engine, ids))
             lcpp.reset()
             lc.append(llamacpp_prefill(lcpp, ids))
