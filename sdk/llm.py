@@ -8,7 +8,6 @@ until its requests finish. Calls from several threads are serialized.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -63,9 +62,9 @@ class LLM:
         self._lock = threading.RLock()
 
     def __repr__(self) -> str:
-        quant = self.engine.quantization
-        return (f"LLM(model={self.engine.name!r}, device={self.engine.device}, "
-                f"dtype={self.engine.dtype}" + (f", quantization={quant!r})" if quant else ")"))
+        e = self.engine
+        quant = f", quantization={e.quantization!r}" if e.quantization else ""
+        return f"LLM(model={e.name!r}, device={e.device}, dtype={e.dtype}{quant})"
 
     # -- prompts --------------------------------------------------------------------
     def prompt_ids(self, prompt: str | list[dict[str, str]], *, system: str | None = None,
@@ -76,8 +75,7 @@ class LLM:
 
     def _prompt_text(self, prompt: str | list[dict[str, str]], *, system: str | None,
                      raw: bool) -> tuple[str, bool]:
-        """The text :meth:`prompt_ids` encodes, and whether the encoding adds the
-        model's bos/eos (a chat template writes its own)."""
+        """The text :meth:`prompt_ids` encodes, and whether encoding adds bos/eos."""
         if raw:
             if not isinstance(prompt, str):
                 raise RequestError("raw=True takes a string prompt")

@@ -72,10 +72,6 @@ def test_pull_gemma_prints_the_verified_cached_file(gemma_gguf: Path) -> None:
 
 @pytest.mark.slow
 def test_load_gemma_by_name_prompts_completion_style(gemma_gguf: Path) -> None:
-    from formcast.engine.loader.gguf import SUPPORTED_ARCHITECTURES
-
-    if "gemma3" not in SUPPORTED_ARCHITECTURES:
-        pytest.skip("the engine has no gemma3 architecture yet")
     llm = formcast.load("gemma3-270m", device="cpu")
     assert llm.engine.name == "gemma3-270m"
     prompt = "The capital of France is"
