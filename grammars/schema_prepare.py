@@ -21,6 +21,7 @@ from formcast.grammars.constraints import JsonSchema
 from formcast.grammars.errors import ConstraintError
 from formcast.grammars.json_spans import value_span
 from formcast.grammars.matcher import EndViolation
+from formcast.grammars.metaschema import check_schema
 from formcast.grammars.native_log import native_log
 from formcast.grammars.schema_coverage import (
     ANNOTATIONS, PROFILES, KeywordCoverage, SchemaCoverage, analyze, pointer_join,
@@ -79,16 +80,16 @@ def load_schema(constraint: JsonSchema) -> Normalised:
     declared = isinstance(schema, dict) and "$schema" in schema
     try:
         if declared:
-            validator.check_schema(schema)
+            check_schema(schema, validator)
         normalised = normalise(schema)
         if not declared:
-            validator.check_schema(normalised.schema)
+            check_schema(normalised.schema, validator)
     except SchemaError as exc:
         where = pointer_join("#", *exc.path)
         raise ConstraintError(f"{where}: invalid JSON Schema: {exc.message}") from None
     except (TypeError, AttributeError):   # malformed beyond what normalise can read
         try:
-            validator.check_schema(schema)
+            check_schema(schema, validator)
         except SchemaError as exc:
             where = pointer_join("#", *exc.path)
             raise ConstraintError(f"{where}: invalid JSON Schema: {exc.message}") from None
