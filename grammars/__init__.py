@@ -26,7 +26,7 @@ _EXPORTS = {
     "UnsupportedTypeError": "formcast.grammars.errors",
     "Ebnf": "formcast.grammars.constraints",
     "EndCheckedMatcher": "formcast.grammars.matcher",
-    "EndViolation": "formcast.grammars.matcher",
+    "EndViolation": "formcast.grammars.end_violation",
     "GrammarCompiler": "formcast.grammars.compiler",
     "Grounded": "formcast.grammars.grounding",
     "GroundedMatcher": "formcast.grammars.grounded_matcher",

@@ -21,16 +21,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from formcast.grammars.errors import ConstraintError
-from formcast.grammars import regex_dialect
-from formcast.grammars.backends.base import Backend, BackendGrammar, GrammarSource
+from formcast.grammars.backends.base import Backend, BackendGrammar
 from formcast.grammars.bitmask import allocate_bitmask
 from formcast.grammars.cache import ByteBoundedLRU, Failure
-from formcast.grammars.constraints import Choice, Constraint, Ebnf, JsonSchema, Lark, Regex
+from formcast.grammars.constraints import Constraint
 from formcast.grammars.grammar_check import check_grammar
-from formcast.grammars.matcher import EndCheckedMatcher, EndViolation, Matcher
+from formcast.grammars.end_violation import EndCheck
+from formcast.grammars.matcher import EndCheckedMatcher, Matcher
 from formcast.grammars.native_log import native_log
 from formcast.grammars.schema_coverage import SchemaCoverage
-from formcast.grammars.schema_prepare import prepare
+from formcast.grammars.source import grammar_source
 from formcast.grammars.vocab import TokenizerLike, Vocabulary
 
 if TYPE_CHECKING:     # importing it loads xgrammar, which a compiler may never use
@@ -39,7 +39,6 @@ if TYPE_CHECKING:     # importing it loads xgrammar, which a compiler may never 
     from formcast.grammars.grounding import GroundingPlan
 
 BACKENDS = ("xgrammar", "outlines-core")
-EndCheck = Callable[[bytes], EndViolation | None]
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_CACHE_BYTES = 512 << 20
 _FAILURE_BYTES = 1024          # what a cached failure is charged
@@ -217,28 +216,6 @@ class CompiledGrammar:
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         """An int32 ``[rows, ceil(vocab_size/32)]`` CPU bitmask, every token allowed."""
         return allocate_bitmask(rows, self.vocab.vocab_size)
-
-
-def grammar_source(constraint: Constraint, backend: str
-                   ) -> tuple[GrammarSource, SchemaCoverage | None, EndCheck | None]:
-    """Validate a constraint and translate it for ``backend``: (source, coverage, end check)."""
-    if isinstance(constraint, Regex):
-        source = GrammarSource(kind="regex", text=regex_dialect.translate(constraint.pattern))
-        return source, None, None
-    if isinstance(constraint, Choice):
-        alts = "|".join(regex_dialect.literal(o) for o in constraint.options)
-        return GrammarSource(kind="regex", text=f"({alts})"), None, None
-    if isinstance(constraint, JsonSchema):
-        prepared = prepare(constraint, backend)
-        source = GrammarSource(kind="json_schema", text=prepared.text,
-                               max_whitespace=constraint.whitespace_bound)
-        return source, prepared.coverage, prepared.end_check
-    if isinstance(constraint, Ebnf):
-        return GrammarSource(kind="ebnf", text=constraint.text, root=constraint.root), None, None
-    if isinstance(constraint, Lark):
-        return GrammarSource(kind="lark", text=constraint.text), None, None
-    raise ConstraintError(f"not a formcast constraint: {type(constraint).__name__} "
-                          "(use Regex, JsonSchema, Ebnf, Lark, Choice or from_type)")
 
 
 class GrammarCompiler:

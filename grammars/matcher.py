@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from formcast.engine.constraint import BaseConstraint, accept_forced_tokens, bitmask_words
 from formcast.grammars.constraints import JsonSchema
+from formcast.grammars.end_violation import EndViolation
 from formcast.grammars.json_ends import root_is_scalar
 from formcast.grammars.json_quotes import NO_SPANS, NoSpans, QuoteParity, quote_tokens
 
@@ -169,23 +169,6 @@ class Matcher(BaseConstraint):
         if n:
             self.rollback(n)
         return n
-
-
-@dataclass(frozen=True)
-class EndViolation:
-    """Why a finished document failed its end check.
-
-    Attributes
-    ----------
-    message : str
-        What is wrong, with the JSON path of the offending value.
-    start : int
-        Byte offset in the document from which it must change (e.g. the offending
-        value, or a container's closing bracket when something is missing from it).
-    """
-
-    message: str
-    start: int
 
 
 class EndCheckedMatcher(Matcher):

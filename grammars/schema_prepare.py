@@ -20,7 +20,7 @@ from jsonschema.exceptions import SchemaError, best_match
 from formcast.grammars.constraints import JsonSchema
 from formcast.grammars.errors import ConstraintError
 from formcast.grammars.json_spans import value_span
-from formcast.grammars.matcher import EndViolation
+from formcast.grammars.end_violation import EndViolation
 from formcast.grammars.metaschema import check_schema
 from formcast.grammars.native_log import native_log
 from formcast.grammars.schema_coverage import (

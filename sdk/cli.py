@@ -410,6 +410,7 @@ def dataset(
     except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--prompts/--template/--vars")
     with _errors_to_exit_codes():
+        extraction_spec(target).check()  # (a bad schema fails before the model loads)
         llm = _load_llm(ctx, model, device, dtype, quantization)
         columns = (SpinnerColumn(), TextColumn("dataset"), BarColumn(bar_width=20),
                    MofNCompleteColumn(), DatasetRateColumn(), TimeElapsedColumn())
@@ -459,10 +460,11 @@ def eval_command(
         except ModuleNotFoundError as exc:
             raise typer.BadParameter(str(exc), param_hint="--plot")
     try:
-        load_task(task)  # a malformed task fails before the model loads
+        items = load_task(task)  # a malformed task fails before the model loads
     except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc), param_hint="TASK")
     with _errors_to_exit_codes():
+        _check_task_constraints(items)
         llm = _load_llm(ctx, model, device, dtype, quantization)
         columns = (SpinnerColumn(), TextColumn("{task.description:13s}"), BarColumn(bar_width=20),
                    MofNCompleteColumn(), TimeElapsedColumn())
@@ -483,6 +485,25 @@ def eval_command(
         if plot is not None:
             plot_report(data, plot)
     print_eval_summary(Console(highlight=False), _err(), data, report, plot)
+
+
+def _check_task_constraints(items: list[Any]) -> None:
+    """Each distinct constraint of a task, checked before the model loads.
+
+    Raises
+    ------
+    ConstraintError
+        The first bad constraint, with the id of the item holding it.
+    """
+    seen: set[str] = set()
+    for item in items:
+        if item.constraint_key in seen:
+            continue
+        seen.add(item.constraint_key)
+        try:
+            output_spec(**{item.kind: item.constraint}).check()
+        except ConstraintError as exc:
+            raise ConstraintError(f"task item {item.id!r}: {exc}") from None
 
 
 def main() -> None:

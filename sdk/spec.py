@@ -57,13 +57,9 @@ class OutputSpec:
         """
         if self.constraint is None:
             return
-        from formcast.grammars.constraints import Regex
-        from formcast.grammars.regex_dialect import translate
-
-        if isinstance(self.constraint, Regex):  # (its syntax first: no torch to import)
-            translate(self.constraint.pattern)
-        from formcast.grammars.compiler import grammar_source
+        # (the front end imports no torch: a bad regex or schema fails before any load)
         from formcast.grammars.grammar_check import check_grammar
+        from formcast.grammars.source import grammar_source
 
         source, _, _ = grammar_source(self.constraint, "xgrammar")
         if source.kind in ("ebnf", "lark"):

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
-from formcast.grammars.matcher import Matcher
-from formcast.grammars.vocab import Vocabulary
+if TYPE_CHECKING:  # (both load torch, which the front end's GrammarSource must not)
+    from formcast.grammars.matcher import Matcher
+    from formcast.grammars.vocab import Vocabulary
 
 SourceKind = Literal["regex", "json_schema", "ebnf", "lark"]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -89,6 +90,45 @@ def test_malformed_input_lines_are_named(tmp_path):
     result = RUNNER.invoke(app, ["extract", "--schema", str(schema), "-i", str(bad),
                                       "-o", str(tmp_path / "out.jsonl")])
     assert result.exit_code == 2 and "'text'" in result.output
+
+
+# The CLI run in a fresh interpreter, which then says whether torch was ever imported.
+NO_TORCH_ENTRY = """
+import sys
+from formcast.cli import main
+sys.argv[0] = "formcast"
+try:
+    main()
+finally:
+    print("torch imported:", "torch" in sys.modules, file=sys.stderr)
+"""
+UNSATISFIABLE = json.dumps({"type": "integer", "minimum": 5, "maximum": 3})
+BAD_TYPE = json.dumps({"type": "object", "properties": {"age": {"type": "whole"}}})
+
+
+@pytest.mark.parametrize(("args", "files", "message"), [
+    (["generate", "hi", "--regex", "(unclosed"], {},
+     "error: invalid regex '(unclosed': missing ), unterminated subpattern"),
+    (["generate", "hi", "--json-schema", UNSATISFIABLE], {}, "error: #/minimum: no integer"),
+    (["extract", "--schema", "bad.json", "-i", "in.jsonl", "-o", "out.jsonl"],
+     {"bad.json": BAD_TYPE, "in.jsonl": '"Alice is 31."\n'}, "#/properties/age"),
+    (["dataset", "--schema", "bad.json", "-n", "2", "-o", "out.jsonl"],
+     {"bad.json": BAD_TYPE}, "#/properties/age"),
+    (["eval", "task.jsonl", "--report", "r.json"],
+     {"task.jsonl": json.dumps({"id": "q7", "prompt": "?", "answer": "1", "regex": "[0-9"})},
+     "error: task item 'q7': invalid regex '[0-9'"),
+])
+def test_a_bad_constraint_fails_before_torch_or_the_model_loads(tmp_path, args, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    proc = subprocess.run([sys.executable, "-c", NO_TORCH_ENTRY, *args], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path, env={**os.environ,
+                                                                     "COLUMNS": "240"})
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "torch imported: False" in proc.stderr
+    assert not (tmp_path / "out.jsonl").exists() or not (tmp_path / "out.jsonl").read_text()
 
 
 def test_python_dash_m_formcast_runs_the_cli():
