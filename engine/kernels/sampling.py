@@ -55,6 +55,9 @@ def sampling_thresholds(logits: torch.Tensor, temperature: torch.Tensor, top_k: 
     for i in range(logits.shape[0]):
         x = logits[i].float()
         t = float(temperature[i])
+        if bool(torch.isneginf(x).all()):  # a dead end: nothing to keep (the sampler flags it)
+            out[i] = float("-inf")
+            continue
         if int(top_k[i]) == 0 and float(top_p[i]) >= 1.0 and float(min_p[i]) <= 0.0:
             out[i] = x[x > float("-inf")].min()  # nothing cut: the lowest finite logit
             continue

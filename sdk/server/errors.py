@@ -2,8 +2,8 @@
 
 Every error leaves the server as ``{"error": {"message", "type", "param", "code"}}``
 with the status the ``openai`` client maps to its exception classes (400
-BadRequestError, 401 AuthenticationError, 404 NotFoundError, 429
-RateLimitError, 500 InternalServerError).
+BadRequestError, 401 AuthenticationError, 404 NotFoundError, 422
+UnprocessableEntityError, 429 RateLimitError, 500 InternalServerError).
 """
 
 from __future__ import annotations
@@ -37,6 +37,32 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
+
+
+# The engine's message for a request whose constraint left no token to sample.
+_DEAD_END = "(dead end)"
+
+
+def aborted_error(reason: str | None) -> ApiError:
+    """The :class:`ApiError` of a request the engine ended on its own.
+
+    Parameters
+    ----------
+    reason : str or None
+        The engine's ``RequestOutput.error``.
+
+    Returns
+    -------
+    ApiError
+        422 ``constraint_dead_end`` when the constraint allowed no token to go on
+        with (the schema admits nothing the model could finish; a 4xx, so that
+        clients do not retry it), else 500 ``generation_failed``.
+    """
+    if reason and _DEAD_END in reason:
+        return ApiError(422, f"the constraint reached a dead end: {reason}",
+                        param="response_format", code="constraint_dead_end")
+    return ApiError(500, f"generation failed: {reason or 'aborted'}", type="server_error",
+                    code="generation_failed")
 
 
 def api_error(exc: BaseException) -> ApiError:

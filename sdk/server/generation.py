@@ -27,7 +27,7 @@ from formcast.engine import RequestOutput, SamplingParams
 from formcast.errors import FormcastError, QueueFullError
 from formcast.server import responses as r
 from formcast.server.constraints import ToolPlan, request_spec
-from formcast.server.errors import ApiError, api_error
+from formcast.server.errors import ApiError, aborted_error, api_error
 from formcast.server.protocol import ChatCompletionRequest, CompletionRequest, ChatMessage
 from formcast.spec import OutputSpec
 
@@ -71,7 +71,7 @@ async def chat_job(llm: AsyncLLM, req: ChatCompletionRequest) -> Job:
     if plan is not None:  # (tell the model what it is writing: it sees only the mask)
         messages.insert(0, {"role": "system", "content": plan.instructions()})
     ids = llm.llm.prompt_ids(messages)
-    _check_length(llm, ids)
+    _check_length(llm, ids, "messages")
     max_tokens = req.max_completion_tokens or req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling(req, len(ids), llm, max_tokens, logprobs)
@@ -99,7 +99,7 @@ async def completion_job(llm: AsyncLLM, req: CompletionRequest) -> Job:
     ids_all, params_all, echoes = [], [], []
     texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
     for ids, given in zip(prompts, texts if len(texts) == len(prompts) else [None] * len(prompts)):
-        _check_length(llm, ids)
+        _check_length(llm, ids, "prompt")
         logprobs = req.logprobs
         ids_all += [ids] * req.n
         params_all += _sampling(req, len(ids), llm, req.max_tokens or 16, logprobs)
@@ -119,11 +119,11 @@ def _message(m: ChatMessage) -> dict[str, str]:
     return {"role": m.role, "content": content or ""}
 
 
-def _check_length(llm: AsyncLLM, ids: Sequence[int]) -> None:
+def _check_length(llm: AsyncLLM, ids: Sequence[int], param: str) -> None:
     limit = llm.llm.engine.max_model_len
     if len(ids) >= limit:
         raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {limit} "
-                       "(prompt + output); shorten the prompt", param="messages",
+                       "(prompt + output); shorten the prompt", param=param,
                        code="context_length_exceeded")
 
 
@@ -153,8 +153,7 @@ async def finals(llm: AsyncLLM, job: Job, request: Request) -> list[RequestOutpu
 def check(llm: AsyncLLM, out: RequestOutput, spec: OutputSpec) -> None:
     """Raise the ApiError of a failed output; validate a complete constrained one."""
     if out.finish_reason == "abort":
-        raise ApiError(500, f"generation failed: {out.error or 'aborted'}", type="server_error",
-                       code="generation_failed")
+        raise aborted_error(out.error)
     if spec.parses and out.finish_reason != "length":
         result = llm.finish(out, spec)
         if isinstance(result, FormcastError):

@@ -124,16 +124,17 @@ def test_sampling_follows_the_distribution():
         assert abs(c / n - p) < 4 * math.sqrt(p * (1 - p) / n)
 
 
-def test_dead_end_and_broken_constraints_fail_only_their_row():
+@pytest.mark.parametrize("temperature, invariant", [(0.0, False), (1.0, False), (1.0, True)])
+def test_dead_end_and_broken_constraints_fail_only_their_row(temperature, invariant):
     class Broken(AllowOnly):
         def fill_bitmask(self, bitmask, row):
             raise KeyError("boom")
 
-    sampler = Sampler(64, 64)
+    sampler = Sampler(64, 64, invariant=invariant)
     ok = make_seq([1], rid="ok", temperature=0.0)
-    dead = make_seq([1], rid="dead", temperature=0.0)
+    dead = make_seq([1], rid="dead", temperature=temperature, seed=5)
     dead.constraint = AllowOnly(set())
-    broken = make_seq([1], rid="broken", temperature=0.0)
+    broken = make_seq([1], rid="broken", temperature=temperature, seed=6)
     broken.constraint = Broken({1})
     logits = torch.zeros(3, 64)
     logits[:, 5] = 1.0

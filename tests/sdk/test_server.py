@@ -291,12 +291,13 @@ def test_json_that_loops_ends_valid_unless_stop_loops_is_off(client):
 
 
 # -- errors ------------------------------------------------------------------------------
-def _post(server, body, *, key: str | None = None, raw: bool = False) -> httpx.Response:
+def _post(server, body, *, key: str | None = None, raw: bool = False,
+          route: str = "/chat/completions") -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     if raw:
-        return httpx.post(server.url + "/chat/completions", content=body,
+        return httpx.post(server.url + route, content=body,
                           headers={**headers, "Content-Type": "application/json"})
-    return httpx.post(server.url + "/chat/completions", json=body, headers=headers)
+    return httpx.post(server.url + route, json=body, headers=headers)
 
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -332,6 +333,22 @@ def test_errors_answer_openai_bodies(server, client, body, status, param):
     assert _chat(client, "Say hi.", max_tokens=2).choices  # the server goes on
 
 
+@pytest.mark.parametrize("body,status,param", [
+    ('{"model": "smollm2", "prompt": ', 400, None),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": [3]}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "guided_json": {"type": "nonsense"}}, 400,
+     "response_format"),
+    ({"model": "gpt-4o", "prompt": "hi"}, 404, "model"),
+    ({"model": MODEL, "prompt": "word " * 20000}, 400, "prompt"),
+], ids=["invalid-json", "wrong-type", "invalid-schema", "unknown-model", "prompt-too-long"])
+def test_completions_errors_answer_openai_bodies(server, body, status, param):
+    resp = _post(server, body, raw=isinstance(body, str), route="/completions")
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
 def test_openai_client_raises_its_error_classes(client):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=MSG)
@@ -341,6 +358,56 @@ def test_openai_client_raises_its_error_classes(client):
         _chat(client, "x", response_format={"type": "json_schema",
                                             "json_schema": {"name": "x", "schema": {
                                                 "type": "string", "pattern": "(("}}})
+
+
+# It passes the up-front check, but the end check refuses every boolean the mask allows:
+# the engine bans each in turn until no token is left (a dead end found while generating).
+DEAD_END = {"type": "json_schema", "json_schema": {"name": "b", "schema": {
+    "type": "boolean", "not": {"type": "boolean"}}}}
+OTHERS = [dict(extra_body={"guided_regex": r"\d{3}-\d{4}"}),
+          dict(response_format={"type": "json_schema",
+                                "json_schema": {"name": "p", "schema": PERSON}}),
+          dict(max_tokens=12)]
+
+
+def test_a_dead_end_answers_422_while_the_rest_of_the_batch_finishes(server, client):
+    question = [{"role": "user", "content": "Describe Alice, 31, in a few words."}]
+    alone = [client.chat.completions.create(model=MODEL, messages=question, temperature=0,
+                                            **{"max_tokens": 40, **o}).choices[0].message.content
+             for o in OTHERS]
+    failed_before = _metrics(server)['formcast_requests_total{outcome="failed"}']
+
+    async def together():
+        async with openai.AsyncOpenAI(base_url=server.url, api_key="x", max_retries=0,
+                                      timeout=300) as c:
+            # (the dead end sampled, the others greedy: a mixed batch, on the sampling path)
+            return await asyncio.gather(*(c.chat.completions.create(
+                model=MODEL, messages=question, **{"max_tokens": 40, "temperature": 0, **o})
+                for o in [dict(response_format=DEAD_END, temperature=1.0, seed=1), *OTHERS]),
+                return_exceptions=True)
+
+    dead, *done = asyncio.run(together())
+    assert isinstance(dead, openai.UnprocessableEntityError), dead
+    assert (dead.code, dead.param, dead.type) == ("constraint_dead_end", "response_format",
+                                                  "invalid_request_error")
+    assert "dead end" in dead.message and "Traceback" not in dead.message
+    assert [o.choices[0].message.content for o in done] == alone
+    m = _metrics(server)
+    assert m['formcast_requests_total{outcome="failed"}'] == failed_before + 1
+    assert m["formcast_requests_in_flight"] == 0
+    assert m["formcast_kv_blocks_free"] == m["formcast_kv_blocks_total"]
+
+
+def test_a_streamed_dead_end_ends_with_an_error_event(server):
+    body = {"model": MODEL, "messages": MSG, "max_tokens": 40, "stream": True,
+            "response_format": DEAD_END}
+    with httpx.stream("POST", server.url + "/chat/completions", json=body, timeout=300) as resp:
+        assert resp.status_code == 200  # (sent before the first token)
+        events = [line.removeprefix("data: ") for line in resp.iter_lines()
+                  if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "constraint_dead_end" and "dead end" in error["message"]
 
 
 def test_api_key(allm):
