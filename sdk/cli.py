@@ -33,13 +33,14 @@ from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputErr
                              ModelNotFoundError, OutputValidationError, RequestError)
 from formcast.cli_models import models_command
 from formcast.extraction import extraction_spec
-from formcast.server.command import serve_command
+from formcast.server.command import QUANTIZATIONS, serve_command
 from formcast.spec import output_spec
 
 app = typer.Typer(name="formcast", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False,
                   help="Structured generation on formcast's embedded engine (no API key).")
 
+log = logging.getLogger("formcast.cli")
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
 DTYPES = ("float32", "bfloat16", "float16")
@@ -63,8 +64,9 @@ def _options(version: Annotated[bool, typer.Option(  # noqa: ARG001  (acted on b
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise typer.BadParameter(f"{log_level!r} is not debug, info, warning or error",
                                  param_hint="--log-level")
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # (set apart: basicConfig leaves the level alone when the root logger has handlers)
+    logging.getLogger().setLevel(log_level.upper())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,13 +122,15 @@ def _load_llm(ctx: typer.Context, model: str, device: str, dtype: str | None,
     if dtype is not None and dtype not in DTYPES:
         raise typer.BadParameter(f"{dtype!r} is not one of {', '.join(DTYPES)}",
                                  param_hint="--dtype")
-    if quantization not in (None, "none", "auto", "int4", "int8", "gguf"):
-        raise typer.BadParameter(f"{quantization!r} is not none, auto, int4, int8 or gguf",
-                                 param_hint="--quantization")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise typer.BadParameter(f"{quantization!r} is not {', '.join(QUANTIZATIONS[:-1])} or "
+                                 f"{QUANTIZATIONS[-1]}", param_hint="--quantization")
     options: dict[str, Any] = {"device": device,
                                "dtype": getattr(torch, dtype) if dtype else None}
     if quantization:
         options["quantization"] = None if quantization == "none" else quantization
+    log.info("loading %s (device %s, dtype %s, quantization %s)", model, device,
+             dtype or "default", quantization or "default")
     state = ctx.find_object(CliContext)
     load = state.load if state is not None else _default_load
     with _err().status(f"loading {model} ..."):

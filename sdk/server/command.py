@@ -9,7 +9,7 @@ import typer
 
 log = logging.getLogger("formcast.server")
 
-QUANTIZATIONS = ("none", "auto", "int4", "int8")
+QUANTIZATIONS = ("none", "auto", "int4", "int8", "gguf")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -27,7 +27,8 @@ def serve_command(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda[:N].")] = "auto",
     dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
     quantization: Annotated[str | None, typer.Option(
-        help="Weights: none, auto (int4 for a Q4 GGUF on the CPU), int4 or int8.")] = None,
+        help="Weights: none, auto (int4 for a Q4 GGUF on the CPU), int4, int8 or gguf (the "
+             "file's own blocks).")] = None,
     max_num_seqs: Annotated[int | None, typer.Option(
         min=1, help="Most requests in one engine batch.")] = None,
     max_model_len: Annotated[int | None, typer.Option(min=16, help="Context length.")] = None,

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import subprocess
-import sys
+import logging
 
 import pytest
 from typer.testing import CliRunner
@@ -15,7 +14,7 @@ from typer.testing import CliRunner
 import formcast
 from formcast.cli import CliContext, app
 
-RUNNER = CliRunner()
+RUNNER = CliRunner(env={"COLUMNS": "240"})  # (no message wrapped in rich's boxes)
 
 
 def _no_load(model, **kwargs):
@@ -34,7 +33,7 @@ def test_version():
      "unsatisfiable"),
     (["generate", "hi", "--quantization", "int3"], "'int3' is not none, auto, int4"),
     (["--log-level", "loud", "generate", "hi"], "loud"),
-    (["serve", "--quantization", "fp8"], "fp8"),
+    (["serve", "--quantization", "fp8"], "'fp8' is not one of none, auto, int4, int8, gguf"),
     (["serve", "--port", "0"], "port"),
 ])
 def test_bad_options_and_constraints_fail_before_the_model_loads(args, message):
@@ -63,11 +62,23 @@ def test_extract_checks_its_schema_before_the_model_loads(tmp_path, schema, mess
     assert message in result.output and "Traceback" not in result.output
 
 
-def test_a_bad_regex_fails_in_a_fresh_process_without_the_model():
-    proc = subprocess.run([sys.executable, "-m", "formcast", "generate", "hi", "--regex", "a[b"],
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "invalid regex" in proc.stderr
-    assert "torch" not in proc.stderr
+@pytest.mark.parametrize("level,logged", [("info", True), ("warning", False)])
+def test_log_level_sets_what_the_cli_logs(caplog, level, logged):
+    def load(model, **kwargs):
+        raise RuntimeError("no model in this test")
+
+    root = logging.getLogger()
+    before = root.level
+    try:
+        with caplog.at_level(logging.NOTSET):  # (the CLI's level decides, not pytest's)
+            result = RUNNER.invoke(app, ["--log-level", level, "generate", "hi", "--model", "m1"],
+                                   obj=CliContext(load=load))
+            assert root.level == getattr(logging, level.upper())
+    finally:
+        root.setLevel(before)
+    assert result.exit_code == 1 and "no model in this test" in result.output
+    lines = [r.getMessage() for r in caplog.records if r.name == "formcast.cli"]
+    assert any(line.startswith("loading m1") for line in lines) is logged
 
 
 def test_serve_help_lists_its_options():
@@ -91,6 +102,18 @@ def test_info_reports_the_quantization_the_engine_uses(llm, quantization, expect
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["runtime"]["quantization"] == expected
     assert seen.get("quantization", "auto") == ("auto" if quantization is None else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization,expected", [(None, "int4"), ("int8", "int8"),
+                                                    ("none", "none")])
+def test_info_reports_the_quantization_of_a_real_load(quantization, expected):
+    # (the embedded GGUF is Q4_1: "auto", the default, packs its linears as int4)
+    args = ["info", "--json", "--device", "cpu"] + (
+        ["--quantization", quantization] if quantization else [])
+    result = RUNNER.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["runtime"]["quantization"] == expected
 
 
 def test_the_package_is_typed():
