@@ -22,10 +22,23 @@ tokens of valid answers), 0 errors and 0 invalid answers at 64 clients, RSS flat
 within 10% (first vs last 10 s at the largest client count). ``--outputs DIR``
 writes every answer (server, clients, schema, finish reason, text) as JSONL.
 
+Each server is started, then warmed up before any load runs: its warm-up
+requests must complete within ``--warmup-timeout`` (generous: a loaded machine
+decodes slowly). formcast gets one per schema (it compiles and caches each
+grammar), the peer one (it builds its grammar per request). A peer that does not start or warm up in time is reported as such, with the
+machine's load average, and the run goes on with formcast's figures alone (no
+ratio). Clients stop sending at the end of the fixed time; the requests then in
+flight finish and count (the phase's seconds run until the last one ends).
+
+``--soak SECONDS`` is the soak mode: formcast alone, one phase at the (single)
+``--clients`` count for SECONDS, with the targets 0 errors, 0 invalid answers and
+RSS flat within 10%.
+
 Usage::
 
     python benchmarks/serve_load.py [--duration 60] [--clients 1,16,64] [--threads N]
-                                    [--quantization auto] [--skip-peer]
+                                    [--quantization auto] [--skip-peer] [--json out.json]
+    python benchmarks/serve_load.py --soak 60 --clients 64
 
 llama-cpp-python's server: ``pip install 'llama-cpp-python[server]'``.
 """
@@ -36,6 +49,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -76,7 +90,8 @@ class Phase:
         lat = sorted(self.latencies)
         pick = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else float("nan"))
         first, last = _window_means(self.rss, 10.0)
-        return {"clients": self.clients, "requests": len(lat), "req_s": len(lat) / self.seconds,
+        return {"clients": self.clients, "seconds": self.seconds, "requests": len(lat),
+                "req_s": len(lat) / self.seconds,
                 "tok_s": self.tokens / self.seconds,
                 "valid_tok_s": self.valid_tokens / self.seconds,
                 "p50_s": pick(0.50), "p99_s": pick(0.99),
@@ -102,21 +117,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], url: str, log: Path, timeout: float = 300.0) -> subprocess.Popen:
-    """Start a server and wait until ``url`` answers 200."""
+class NotReady(RuntimeError):
+    """A server that did not start, or did not answer its warm-up, in time."""
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def start(name: str, cmd: list[str], url: str, log: Path, timeout: float) -> subprocess.Popen:
+    """Start a server and wait until ``url`` answers 200 (raises NotReady)."""
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}; see {log}")
+            raise NotReady(f"{name} exited with code {proc.returncode} while starting; "
+                           f"see {log}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"{cmd[:4]} did not start in {timeout:.0f} s; see {log}")
+    stop(proc)
+    raise NotReady(f"{name} did not answer {url} within {timeout:.0f} s ({_load()}); see {log}")
+
+
+def warm_up(name: str, url: str, bodies: list[Body], timeout: float) -> float:
+    """Requests (``bodies``) that must each complete (200) within what is left of
+    ``timeout`` seconds (raises NotReady). Returns the seconds taken."""
+    began = time.monotonic()
+    for body in bodies:
+        left = timeout - (time.monotonic() - began)
+        try:
+            resp = httpx.post(url + "/chat/completions", json=body.json, timeout=max(left, 1.0))
+        except httpx.TimeoutException:
+            raise NotReady(f"{name}'s warm-up request ({body.schema_name}) did not complete "
+                           f"within {timeout:.0f} s ({_load()}); raise --warmup-timeout or "
+                           "run on a quieter machine") from None
+        if resp.status_code != 200:
+            raise NotReady(f"{name}'s warm-up request ({body.schema_name}) answered "
+                           f"{resp.status_code}: {resp.text[:300]}")
+    return time.monotonic() - began
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -190,11 +232,11 @@ def _valid(body: Body, text: str) -> bool:
 
 
 async def load_phase(url: str, bodies: list[Body], clients: int, duration: float, pid: int,
-                     answers: Any) -> Phase:
+                     answers: Any, request_timeout: float) -> Phase:
     """``clients`` loops sending ``bodies`` round robin for ``duration`` seconds."""
     phase, counter = Phase(clients=clients), iter(range(10**9))
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+    async with httpx.AsyncClient(base_url=url, timeout=request_timeout, limits=limits) as http:
         begin = time.monotonic()
         end = begin + duration
 
@@ -234,19 +276,41 @@ async def load_phase(url: str, bodies: list[Body], clients: int, duration: float
     return phase
 
 
-def run_server(name: str, cmd: list[str], port: int, bodies: list[Body], clients: list[int],
-               duration: float, logs: Path, outputs: Path | None) -> list[Phase]:
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What every server runs: client counts, seconds each, and the limits."""
+
+    clients: list[int]
+    duration: float
+    start_timeout: float
+    warmup_timeout: float
+    request_timeout: float
+    logs: Path
+    outputs: Path | None
+
+
+def run_server(name: str, cmd: list[str], port: int, bodies: list[Body], plan: Plan, *,
+               warm_each_schema: bool) -> list[Phase]:
+    """Start, warm up and load one server (raises NotReady when it never gets ready).
+
+    ``warm_each_schema``: the warm-up sends one request per schema (a server that
+    compiles and caches each grammar), else one request."""
     url = f"http://127.0.0.1:{port}/v1"
-    proc = start(cmd, url + "/models", logs / f"{name}.log")
-    answers = None if outputs is None else (outputs / f"{name}.jsonl").open("w")
+    began = time.monotonic()
+    proc = start(name, cmd, url + "/models", plan.logs / f"{name}.log", plan.start_timeout)
+    answers = None if plan.outputs is None else (plan.outputs / f"{name}.jsonl").open("w")
     try:
+        ready = time.monotonic() - began
+        warm = list({b.schema_name: b for b in bodies}.values()) if warm_each_schema \
+            else bodies[:1]
+        took = warm_up(name, url, warm, plan.warmup_timeout)
+        print(f"  {name:9} started in {ready:.0f} s, warm-up ({len(warm)} requests) {took:.0f} s, "
+              f"{_load()}", flush=True)
         phases = []
-        # warm-up: one request per schema (formcast compiles each grammar once)
-        for body in {b.schema_name: b for b in bodies}.values():
-            httpx.post(url + "/chat/completions", json=body.json, timeout=600)
-        for n in clients:
-            phase = asyncio.run(load_phase(url, bodies, n, duration, proc.pid, answers))
-            print(f"  {name:9} {_fmt(phase.row())}", flush=True)
+        for n in plan.clients:
+            phase = asyncio.run(load_phase(url, bodies, n, plan.duration, proc.pid, answers,
+                                           plan.request_timeout))
+            print(f"  {name:9} {_fmt(phase.row())}  ({_load()})", flush=True)
             for sample in phase.error_samples:
                 print(f"    error: {sample}")
             phases.append(phase)
@@ -258,7 +322,8 @@ def run_server(name: str, cmd: list[str], port: int, bodies: list[Body], clients
 
 
 def _fmt(row: dict[str, Any]) -> str:
-    return (f"clients {row['clients']:3}  {row['requests']:5} req  {row['req_s']:6.2f} req/s  "
+    return (f"clients {row['clients']:3}  {row['requests']:5} req in {row['seconds']:.0f} s  "
+            f"{row['req_s']:6.2f} req/s  "
             f"{row['tok_s']:7.1f} tok/s ({row['valid_tok_s']:.1f} in valid answers)  "
             f"p50 {row['p50_s']:6.2f} s  p99 {row['p99_s']:6.2f} s  errors {row['errors']}  "
             f"cut {row['cut']}  invalid {row['invalid']}  peak RSS {row['peak_rss_mb']:6.0f} MB  "
@@ -269,42 +334,72 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=60.0, help="seconds per client count")
     ap.add_argument("--clients", default="1,16,64")
+    ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                    help="formcast alone, one phase at --clients (one count) for SECONDS; "
+                         "targets: 0 errors, 0 invalid answers, RSS flat")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quantization", default="auto", help="formcast's: none|auto|int4|int8")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--start-timeout", type=float, default=600.0,
+                    help="seconds a server may take to answer /v1/models")
+    ap.add_argument("--warmup-timeout", type=float, default=1800.0,
+                    help="seconds the warm-up requests (one per schema) may take together")
+    ap.add_argument("--request-timeout", type=float, default=1800.0,
+                    help="seconds one request under load may take before it counts as an error")
     ap.add_argument("--logs", type=Path, default=Path("/tmp/serve_load"))
     ap.add_argument("--outputs", type=Path, default=None,
                     help="folder: every answer of each server as <server>.jsonl")
+    ap.add_argument("--json", type=Path, default=None, help="write every row here")
     args = ap.parse_args(argv)
+    # (SIGTERM unwinds like Ctrl-C, so that the server started last is stopped too)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     clients = [int(c) for c in args.clients.split(",")]
+    if args.soak is not None and len(clients) != 1:
+        ap.error("--soak takes one --clients count (e.g. --soak 60 --clients 64)")
     args.logs.mkdir(parents=True, exist_ok=True)
     if args.outputs is not None:
         args.outputs.mkdir(parents=True, exist_ok=True)
+    plan = Plan(clients=clients, duration=args.soak or args.duration,
+                start_timeout=args.start_timeout, warmup_timeout=args.warmup_timeout,
+                request_timeout=args.request_timeout, logs=args.logs, outputs=args.outputs)
 
     from formcast.engine.hub import resolve_model
 
     gguf = resolve_model("smollm2").path
-    print(f"model {gguf.name}, {args.threads} threads, {args.duration:.0f} s per client count, "
-          f"clients {clients}")
+    mode = f"soak of {plan.duration:.0f} s" if args.soak else f"{plan.duration:.0f} s per count"
+    print(f"model {gguf.name}, {args.threads} threads, {mode}, clients {clients}, {_load()}")
     port = free_port()
     ours = [sys.executable, "-m", "formcast", "serve", "--model", str(gguf), "--port", str(port),
             "--served-model-name", MODEL_NAME, "--num-threads", str(args.threads),
             "--quantization", args.quantization, "--max-concurrency", "1024", "--device", "cpu"]
-    results = {"formcast": run_server("formcast", ours, port, payloads(True, args.max_tokens),
-                                      clients, args.duration, args.logs, args.outputs)}
-    if not args.skip_peer:
+    results: dict[str, list[Phase]] = {
+        "formcast": run_server("formcast", ours, port, payloads(True, args.max_tokens), plan,
+                               warm_each_schema=True)}
+    peer_note = None
+    if not (args.skip_peer or args.soak):
         port = free_port()
         peer = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf),
                 "--port", str(port), "--model_alias", MODEL_NAME, "--n_threads",
                 str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096"]
-        results["llama.cpp"] = run_server("llama.cpp", peer, port,
-                                          payloads(False, args.max_tokens), clients,
-                                          args.duration, args.logs, args.outputs)
-    return report(results, clients)
+        try:
+            results["llama.cpp"] = run_server("llama.cpp", peer, port,
+                                              payloads(False, args.max_tokens), plan,
+                                              warm_each_schema=False)
+        except NotReady as exc:
+            peer_note = str(exc)
+            print(f"  llama.cpp NOT MEASURED: {exc}", flush=True)
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "threads": args.threads, "quantization": args.quantization, "soak": args.soak,
+            "peer_note": peer_note,
+            "rows": {name: [p.row() for p in phases] for name, phases in results.items()}},
+            indent=2) + "\n")
+    return report(results, clients, soak=args.soak is not None, peer_note=peer_note)
 
 
-def report(results: dict[str, list[Phase]], clients: list[int]) -> int:
+def report(results: dict[str, list[Phase]], clients: list[int], *, soak: bool,
+           peer_note: str | None) -> int:
     ours = {p.clients: p.row() for p in results["formcast"]}
     ok = True
     print()
@@ -321,11 +416,16 @@ def report(results: dict[str, list[Phase]], clients: list[int]) -> int:
                 verdict = "PASS" if min(ratio, valid) >= TARGET_RATIO else "FAIL"
                 line += f" (target >= {TARGET_RATIO}x, both: {verdict})"
             print(line)
+    elif peer_note is not None:
+        ok = False
+        print(f"no ratio: the peer was not measured ({peer_note})")
     top = ours[max(clients)]
     failed = top["errors"] + top["invalid"]
     ok &= failed == 0
-    print(f"errors and invalid answers at {max(clients)} clients: {top['errors']} + "
-          f"{top['invalid']} (target 0: {'PASS' if failed == 0 else 'FAIL'})")
+    what = f"over a {top['seconds']:.0f} s soak" if soak else "at"
+    print(f"errors and invalid answers {what} {max(clients)} clients: {top['errors']} + "
+          f"{top['invalid']} in {top['requests'] + top['errors']} requests "
+          f"(target 0: {'PASS' if failed == 0 else 'FAIL'})")
     drift = (top["rss_last_mb"] - top["rss_first_mb"]) / top["rss_first_mb"]
     ok &= abs(drift) <= RSS_TOLERANCE
     verdict = "PASS" if abs(drift) <= RSS_TOLERANCE else "FAIL"

@@ -314,6 +314,8 @@ MSG = [{"role": "user", "content": "hi"}]
         "type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "integer", "minimum": 5, "maximum": 1}}}}, 400, "response_format"),
     ({"model": MODEL, "messages": MSG, "guided_regex": "(unclosed"}, 400, "response_format"),
+    ({"model": MODEL, "messages": MSG, "structured_outputs": {"grammar": 'root ::= ("a" | '}},
+     400, "response_format"),
     ({"model": MODEL, "messages": MSG, "guided_regex": "a", "guided_choice": ["a"]}, 400,
      "response_format"),
     ({"model": MODEL, "messages": MSG, "tools": [WEATHER],
@@ -322,7 +324,7 @@ MSG = [{"role": "user", "content": "hi"}]
     ({"model": MODEL, "messages": [{"role": "user", "content": "word " * 20000}]}, 400,
      "messages"),
 ], ids=["invalid-json", "wrong-type", "wrong-type-messages", "invalid-schema",
-        "unsatisfiable-schema", "invalid-regex", "two-constraints", "unknown-tool",
+        "unsatisfiable-schema", "invalid-regex", "invalid-grammar", "two-constraints", "unknown-tool",
         "unknown-model", "prompt-too-long"])
 def test_errors_answer_openai_bodies(server, client, body, status, param):
     resp = _post(server, body, raw=isinstance(body, str))
