@@ -422,7 +422,7 @@ def report(results: dict[str, list[Phase]], clients: list[int], *, soak: bool,
     top = ours[max(clients)]
     failed = top["errors"] + top["invalid"]
     ok &= failed == 0
-    what = f"over a {top['seconds']:.0f} s soak" if soak else "at"
+    what = f"over a {top['seconds']:.0f} s soak at" if soak else "at"
     print(f"errors and invalid answers {what} {max(clients)} clients: {top['errors']} + "
           f"{top['invalid']} in {top['requests'] + top['errors']} requests "
           f"(target 0: {'PASS' if failed == 0 else 'FAIL'})")
