@@ -255,6 +255,31 @@ def _weight(t: ReaderTensor, name: str, shape: tuple[int, ...], config: LlamaCon
     return w if convert is None else convert(w)
 
 
+_QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def _fused_name(name: str) -> str:
+    """The fused ``qkv_proj`` name a q, k or v projection's tensor belongs to
+    (``name`` itself for any other tensor)."""
+    for part in _QKV:
+        if f".self_attn.{part}." in name:
+            return name.replace(part, "qkv_proj")
+    return name
+
+
+def _fused_weight(parts: list[tuple[str, ReaderTensor]], shape: tuple[int, ...],
+                  config: LlamaConfig, path: Path, file_size: int) -> torch.Tensor:
+    """A fused ``qkv_proj`` weight or bias of ``shape`` from its q, k and v tensors."""
+    ordered = sorted(parts, key=lambda p: _QKV.index(p[0].split(".self_attn.")[1].split(".")[0]))
+    found = [tuple(int(d) for d in reversed(t.shape.tolist())) for _, t in ordered]
+    if sum(f[0] for f in found) != shape[0] or any(f[1:] != shape[1:] for f in found):
+        raise CorruptModelError(
+            f"{path}: tensors {', '.join(t.name for _, t in ordered)} have shapes "
+            f"{[list(f) for f in found]}, which do not make the {list(shape)} the metadata implies")
+    return torch.cat([_weight(t, name, f, config, path, file_size)
+                      for (name, t), f in zip(ordered, found)])
+
+
 def load_gguf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """Parse and dequantize a GGUF into float32 weights with transformers names.
 
@@ -271,6 +296,7 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torc
     shapes = expected_shapes(config)
     file_size = path.stat().st_size
     by_name: dict[str, ReaderTensor] = {}
+    parts: dict[str, list[tuple[str, ReaderTensor]]] = {}  # fused name -> its stored parts
     for t in reader.tensors:
         if t.name in ROPE_FACTOR_TENSORS:  # (read into the config)
             continue
@@ -279,17 +305,24 @@ def load_gguf(path: str | os.PathLike[str]) -> tuple[LlamaConfig, dict[str, torc
             raise UnsupportedModelError(
                 f"{path}: unexpected tensor {t.name!r} for a {config.architecture} model; "
                 "formcast does not know how to use it")
+        fused = _fused_name(name)
+        if name not in shapes and fused in shapes:  # (Phi-3 files with q, k, v apart)
+            parts.setdefault(fused, []).append((name, t))
+            continue
         if name not in shapes:
             raise CorruptModelError(
                 f"{path}: tensor {t.name} does not fit the metadata (block_count "
                 f"{config.num_hidden_layers})")
         by_name[name] = t
-    missing = [n for n in shapes if n not in by_name]
+    missing = [n for n in shapes if n not in by_name and len(parts.get(n, ())) != 3]
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CorruptModelError(f"{path}: missing tensors for {', '.join(missing[:5])}{more}")
     weights: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
+        if name in parts:
+            weights[name] = _fused_weight(parts[name], shape, config, path, file_size)
+            continue
         t = by_name[name]
         found = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims inner-first
         if found != shape:
@@ -439,11 +472,19 @@ def _int4_blocks(data, qtype: str, shape: tuple[int, int]) -> Int4Blocks:
     return Int4Blocks(torch.from_numpy(codes.copy()), torch.from_numpy(d), torch.from_numpy(zero))
 
 
-def read_int4_blocks(path: str | os.PathLike[str]) -> dict[str, Int4Blocks]:
+def stores_quantized(reader: GGUFReader) -> bool:
+    """Whether a GGUF keeps any matrix in quantized blocks (not F32, F16 or BF16)."""
+    return any(len(t.shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16")
+               for t in reader.tensors)
+
+
+def read_int4_blocks(path: str | os.PathLike[str], *,
+                     reader: GGUFReader | None = None) -> dict[str, Int4Blocks]:
     """The weights a GGUF stores as Q4_0 or Q4_1, kept 4-bit, by transformers
     name (a Llama file's q/k rows put back in transformers' RoPE order, as
     :func:`load_gguf` does).
     Other tensors are not read. Empty for a file without such tensors.
+    ``reader``: the file already opened (:func:`open_gguf`), not parsed again.
 
     Raises
     ------
@@ -451,7 +492,7 @@ def read_int4_blocks(path: str | os.PathLike[str]) -> dict[str, Int4Blocks]:
         As :func:`read_gguf_config`; also for a truncated tensor.
     """
     path = Path(path)
-    reader = open_gguf(path)
+    reader = reader or open_gguf(path)
     config = config_from_reader(reader, path)
     file_size = path.stat().st_size
     out: dict[str, Int4Blocks] = {}

@@ -8,7 +8,8 @@ llama.cpp's converters store some tensors in their own form; reading undoes it:
   directly); the window pattern (five sliding layers to one full), the sliding
   layers' RoPE base (10000) and the query scale (``key_length ** -0.5``) are
   llama.cpp's fixed choices unless the file says otherwise.
-- ``phi3``: LongRoPE's factors as tensors ``rope_factors_long/short.weight``.
+- ``phi3``: LongRoPE's factors as tensors ``rope_factors_long/short.weight``; the
+  attention projections fused (``attn_qkv``) or apart (``attn_q/k/v``, fused on load).
 """
 
 from __future__ import annotations

@@ -49,11 +49,11 @@ def _configs(transformers) -> dict[str, Callable[[], object]]:
             rope_scaling={"rope_type": "longrope",
                           "short_factor": [1.0 + 0.1 * i for i in range(8)],
                           "long_factor": [2.0 + 0.3 * i for i in range(8)]}),
-    }
+    } | {"phi3_qkv": lambda: _configs(transformers)["phi3"]()}  # (q, k, v apart in its GGUF)
 
 
 HF_CASES = ["qwen2", "qwen3", "mistral", "gemma3", "phi3"]
-GGUF_CASES = ["qwen2", "qwen3", "mistral", "gemma3_gguf", "phi3"]
+GGUF_CASES = ["qwen2", "qwen3", "mistral", "gemma3_gguf", "phi3", "phi3_qkv"]
 
 
 def reference(transformers, case: str, seed: int = 0):
@@ -78,7 +78,7 @@ def reference(transformers, case: str, seed: int = 0):
 # ----------------------------------------------------------------------- GGUF
 
 _ARCH = {"qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama", "gemma3_gguf": "gemma3",
-         "phi3": "phi3"}
+         "phi3": "phi3", "phi3_qkv": "phi3"}
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
           "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -105,6 +105,20 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order for its adjacent-pair RoPE (Llama files only)."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _split_qkv(state: dict[str, torch.Tensor], c) -> dict[str, torch.Tensor]:
+    """``state`` with each fused ``qkv_proj`` weight as q, k and v projections."""
+    head_dim = c.hidden_size // c.num_attention_heads
+    sizes = [c.num_attention_heads * head_dim] + [c.num_key_value_heads * head_dim] * 2
+    out = {}
+    for name, tensor in state.items():
+        if ".qkv_proj." not in name:
+            out[name] = tensor
+            continue
+        for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split(sizes)):
+            out[name.replace("qkv_proj", part)] = piece
+    return out
 
 
 def write_gguf(path: Path, model, case: str) -> None:
@@ -136,6 +150,8 @@ def write_gguf(path: Path, model, case: str) -> None:
     state = model.state_dict()
     if c.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    if case == "phi3_qkv":  # (llama.cpp's other Phi-3 layout: attn_q, attn_k, attn_v)
+        state = _split_qkv(state, c)
     for hf, tensor in state.items():
         arr = tensor.float().numpy()
         if arch == "llama" and ".q_proj." in hf:

@@ -153,7 +153,7 @@ def test_quantized_cpu_linears_run_each_family(saved, case: str, quantization: s
 
 @pytest.mark.parametrize("case, family, window", [
     ("qwen2", "qwen2", None), ("qwen3", "qwen3", None), ("mistral", "llama", WINDOW),
-    ("gemma3_gguf", "gemma3", WINDOW), ("phi3", "phi3", 12)])
+    ("gemma3_gguf", "gemma3", WINDOW), ("phi3", "phi3", 12), ("phi3_qkv", "phi3", 12)])
 def test_gguf_config_says_family_and_window(saved, case: str, family: str, window) -> None:
     from formcast.engine.loader import read_gguf_config
 
