@@ -1,7 +1,9 @@
 """Each family on the Llama path (Qwen2, Qwen3, Mistral, Gemma 3, Phi-3) on a GPU:
 random weights of a small shape (``formcast.engine.models.shapes.family_shapes``)
 in bfloat16, greedy generation with CUDA graphs on and off, with and without
-prompt-lookup speculation, and prefill logits against the float32 CPU model.
+prompt-lookup speculation (a difference reports the eager run's top-two gap where
+it starts: a near tie is rounding), the same in the batch-invariant mode, and
+prefill logits against the float32 CPU model.
 
 Prompts are longer than the sliding windows, so the Triton kernels' window
 masking runs in prefill, decode and verification. Prints one line a check: OK or
@@ -46,18 +48,30 @@ def _prompts(vocab: int, seed: int) -> list[list[int]]:
     return pieces + [pieces[0] * 4]  # (a repetitive one: drafts for prompt lookup)
 
 
-def _generate(eng, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+def _generate(eng, prompts: list[list[int]], tokens: int, margins: list | None = None
+              ) -> list[list[int]]:
+    """Greedy tokens of each prompt; ``margins`` (a list) gets each row's gaps
+    between the top two log-probs at every step."""
     from formcast.engine import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    return [list(o.token_ids) for o in eng.generate(prompts, params)]
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                            logprobs=None if margins is None else 1)
+    outs = eng.generate(prompts, params)
+    if margins is not None:
+        margins.extend([[lp.logprob - next((v for t, v in lp.top if t != lp.token_id), -1e9)
+                         for lp in o.logprobs] for o in outs])
+    return [list(o.token_ids) for o in outs]
 
 
-def _first_difference(a: list[list[int]], b: list[list[int]]) -> str:
+def _first_difference(a: list[list[int]], b: list[list[int]], margins: list[list[float]]) -> str:
+    """Where ``a`` first differs from ``b`` (the eager run, whose top-two gaps are
+    ``margins``): a near tie there is bfloat16 rounding, a wide gap a bug."""
     for row, (x, y) in enumerate(zip(a, b)):
         if x != y:
             at = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-            return f"row {row} differs from token {at} on"
+            gap = margins[row][at] if at < len(margins[row]) else float("nan")
+            return (f"row {row} differs from token {at} on; eager's top-two log-prob gap "
+                    f"there {gap:.4f}")
     return "same"
 
 
@@ -69,14 +83,27 @@ def check_family(name: str, tokens: int) -> list[tuple[str, bool, str]]:
     prompts = _prompts(config.vocab_size, 1)
     results = []
     t0 = time.perf_counter()
+    margins: list[list[float]] = []
     eager = _generate(_engine(config, weights, "cuda", torch.bfloat16, cuda_graphs=False,
-                              spec="none"), prompts, tokens)
+                              spec="none"), prompts, tokens, margins)
     graphs_eng = _engine(config, weights, "cuda", torch.bfloat16, cuda_graphs=True, spec="none")
     graphs = _generate(graphs_eng, prompts, tokens)
-    results.append(("graphs vs eager", graphs == eager, _first_difference(graphs, eager)))
+    results.append(("graphs vs eager", graphs == eager,
+                    _first_difference(graphs, eager, margins)))
     spec = _generate(_engine(config, weights, "cuda", torch.bfloat16, cuda_graphs=True,
                              spec="prompt_lookup"), prompts, tokens)
-    results.append(("prompt lookup vs eager", spec == eager, _first_difference(spec, eager)))
+    results.append(("prompt lookup vs eager", spec == eager,
+                    _first_difference(spec, eager, margins)))
+    # the batch-invariant mode's kernels round a row the same whatever the step's
+    # shape: graphs and eager must agree there, near ties included
+    inv_margins: list[list[float]] = []
+    inv_eager = _generate(_engine(config, weights, "cuda", torch.bfloat16, cuda_graphs=False,
+                                  spec="none", batch_invariant=True), prompts, tokens,
+                          inv_margins)
+    inv_graphs = _generate(_engine(config, weights, "cuda", torch.bfloat16, cuda_graphs=True,
+                                   spec="none", batch_invariant=True), prompts, tokens)
+    results.append(("invariant: graphs vs eager", inv_graphs == inv_eager,
+                    _first_difference(inv_graphs, inv_eager, inv_margins)))
     # Triton prefill (bf16) against the torch path in float32 on the CPU
     ids = prompts[2]
     gpu = graphs_eng.forward_logits(ids).float()
