@@ -17,7 +17,11 @@ stay hashed in their pool until evicted). Tokens the full group had cached past
 that point are computed again ("replayed"): a sliding layer's keys depend, through
 the layers under it, on a receptive field of layers x window tokens, so they
 cannot be rebuilt exactly from one window of tokens; a prefix whose window blocks
-are cached replays nothing.
+are cached replays nothing. Where they were evicted, the hit falls back to the
+longest prefix whose windows are still cached (the start, at worst) and the rest
+is computed again: exact, at the cost of that recompute. (Released window blocks
+go to the pool's free list before a finished request's last window does, so the
+windows a later prompt can hit are the last to be evicted.)
 """
 
 from __future__ import annotations

@@ -166,6 +166,33 @@ def test_prefix_hit_on_a_long_shared_prefix_gives_the_cold_outputs(models, name)
     assert warm.block_manager.replayed_tokens <= WINDOW
 
 
+# (all sliding: a small pool; with a full group: sized from the memory, the sliding
+# pool holding two requests' windows and the full group the rest)
+EVICTING = {"mistral": dict(num_kv_blocks=24), "gemma_like": dict(num_kv_blocks=None, max_num_seqs=2)}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_a_prefix_hit_after_its_window_was_evicted_recomputes_to_the_cold_outputs(models, name):
+    """Another request cycles the sliding pool, evicting the shared prefix's windows
+    (the full group still holds the prefix): the hit falls back to the start and
+    the prefix is computed again, with the cold run's outputs."""
+    _, model = models[name]
+    shared = prompt(96, seed=4)
+    first, second = shared + prompt(5, seed=5), shared + prompt(7, seed=6)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    warm = engine(model, **EVICTING[name])
+    bm = warm.block_manager
+    sliding = [m.num_blocks for m in bm.managers if m.window is not None]
+    warm.generate([first], params)
+    warm.generate([prompt(max(sliding) * BS + 8, seed=7)], params)
+    hit = warm.generate([second], params)[0]
+    cold = engine(model, enable_prefix_caching=False).generate([second], params)[0]
+    assert hit.token_ids == cold.token_ids
+    assert hit.metrics.num_cached_prompt_tokens == 0
+    # the full group had the prefix: its 96 tokens are replayed (none without one)
+    assert bm.replayed_tokens == (len(shared) if len(bm.managers) > 1 else 0)
+
+
 def seq_of(n: int, seed: int, rid: str):
     return make_seq(prompt(n, seed), rid=rid)
 
