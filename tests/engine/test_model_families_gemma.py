@@ -1,8 +1,8 @@
 """Gemma 3 270M (Q4_K_M GGUF: Q4_K, Q5_0, Q6_K and Q8_0 tensors), real weights,
 against transformers loading the same GGUF: logits within 1e-3 in float32 and
 greedy generation identical for 32 tokens, one prompt longer than the sliding
-window (512). Skipped unless the file is in the formcast cache
-(``formcast pull gemma3-270m``). Token ids only: the tokenizer is not under test.
+window (512). The file is fetched into the formcast cache on first use (as
+``formcast pull gemma3-270m`` does). Token ids only: the tokenizer is not under test.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import torch
 
 from formcast.engine import Engine, SamplingParams
 from formcast.engine.config import EngineConfig
-from formcast.engine.errors import ModelError
-from formcast.engine.hub import ModelSource, models_dir, resolve_model
+from formcast.engine.hub import ModelSource, resolve_model
 from formcast.engine.loader import load_checkpoint
 from formcast.engine.loading import build_model
 
@@ -29,13 +28,10 @@ GENERATED = 32
 
 @pytest.fixture(scope="module")
 def gemma_gguf() -> Path:
-    try:
-        path = resolve_model("gemma3-270m", fetch=False).path
-    except ModelError:
-        path = models_dir() / "gemma3-270m" / FILE
-    if not Path(path).is_file():
-        pytest.skip(f"Gemma 3 270M is not in the cache ({path})")
-    return Path(path)
+    """The registry's Gemma 3 270M GGUF, fetched and checked on first use."""
+    path = Path(resolve_model("gemma3-270m").path)
+    assert path.name == FILE
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -168,7 +168,8 @@ def test_prefix_hit_on_a_long_shared_prefix_gives_the_cold_outputs(models, name)
 
 # (all sliding: a small pool; with a full group: sized from the memory, the sliding
 # pool holding two requests' windows and the full group the rest)
-EVICTING = {"mistral": dict(num_kv_blocks=24), "gemma_like": dict(num_kv_blocks=None, max_num_seqs=2)}
+EVICTING = {"mistral": dict(num_kv_blocks=24),
+            "gemma_like": dict(num_kv_blocks=None, max_num_seqs=2)}
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))
