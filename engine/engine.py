@@ -121,8 +121,10 @@ class Engine:
             in bfloat16. Several times faster decode; logits move slightly. "int4" on
             a GGUF whose linears are stored Q4_0/Q4_1 takes the file's own blocks
             (codes exact; scales in bfloat16); other weights are quantized from float
-            (min/max per group). "auto" (the default): "int4" for such a GGUF on the
-            CPU, None otherwise. None: float weights in ``dtype``.
+            (min/max per group). "auto" (the default), on the CPU: "int4" for such a
+            GGUF, "int8" for a GGUF whose matrices are stored in other quantized
+            blocks (K-quants, Q5, Q8: dequantized, then quantized per channel),
+            None otherwise. None: float weights in ``dtype``.
         **config
             Fields of :class:`EngineConfig` (block_size, num_kv_blocks, max_num_seqs, ...).
         parallel : formcast.engine.ParallelConfig | None

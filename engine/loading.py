@@ -20,7 +20,7 @@ from formcast.engine.kernels.native import BLOCK_TYPES
 from formcast.engine.layers.quant import (QUANTIZATIONS, GGUFEmbedding, GGUFLinear,
                                           quantize_linears)
 from formcast.engine.loader.gguf_blocks import Blocks, read_gguf_blocks
-from formcast.engine.loader.gguf import Int4Blocks, read_int4_blocks
+from formcast.engine.loader.gguf import Int4Blocks, open_gguf, read_int4_blocks, stores_quantized
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
                                                         state_bytes_per_token)
@@ -60,11 +60,16 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
         raise ValueError("quantization='gguf' runs a Llama-architecture GGUF whose weights "
                          f"are all in {', '.join(BLOCK_TYPES)} blocks, in float32 on the CPU")
     ckpt = load_checkpoint(source)
-    blocks = {}
+    blocks, quantized = {}, False
     if source.kind == "gguf" and dev.type == "cpu" and quantization in ("auto", "int4"):
-        blocks = fuse_int4_blocks(read_int4_blocks(source.path))
+        reader = open_gguf(source.path)  # (parsed once: a large vocabulary takes seconds)
+        blocks = fuse_int4_blocks(read_int4_blocks(source.path, reader=reader))
+        quantized = stores_quantized(reader)
     if quantization == "auto":
-        quantization = "int4" if blocks else None
+        # a file's 4-bit blocks run as stored; other quantized blocks (K-quants, Q5,
+        # Q8) as int8 from their dequantized weights: requantized to int4 they lose
+        # greedy agreement with float32 that int8 keeps
+        quantization = "int4" if blocks else "int8" if quantized else None
     model = build_model(ckpt.config, ckpt.weights, device=dev, dtype=dtype,
                         quantization=quantization, int4_blocks=blocks)
     return model, tokenizer, dev, source.name, quantization
@@ -178,6 +183,8 @@ def fuse_int4_blocks(blocks: dict[str, Int4Blocks]) -> dict[str, Int4Blocks]:
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     out: dict[str, Int4Blocks] = {}
     for name in blocks:
+        if name.count(".") < 2:  # ("lm_head.weight": the head is quantized on its own)
+            continue
         stem, part, _ = name.rsplit(".", 2)  # "model.layers.0.mlp", "up_proj", "weight"
         for layer, parts in fused.items():
             if part == parts[0]:

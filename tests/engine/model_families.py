@@ -121,9 +121,14 @@ def _split_qkv(state: dict[str, torch.Tensor], c) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_gguf(path: Path, model, case: str) -> None:
-    """Write ``model`` (a :func:`reference` of ``case``) as a float32 GGUF."""
+def write_gguf(path: Path, model, case: str, qtype: str = "F32", *,
+               tokenizer: bool = False) -> None:
+    """Write ``model`` (a :func:`reference` of ``case``) as a GGUF, its matrices
+    in ``qtype`` blocks (a type :func:`gguf.quants.quantize` writes), the rest
+    float32; ``tokenizer``: with a byte-level BPE vocabulary (``<i>`` tokens) in
+    its metadata, for loaders that read one."""
     import gguf
+    from gguf.quants import quantize
 
     c, arch = model.config, _ARCH[case]
     w = gguf.GGUFWriter(str(path), arch)
@@ -136,6 +141,10 @@ def write_gguf(path: Path, model, case: str) -> None:
     w.add_key_length(c.head_dim if hasattr(c, "head_dim") else c.hidden_size // c.num_attention_heads)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
+    if tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_list(["a", "b", "ab"] + [f"<{i}>" for i in range(3, c.vocab_size)])
+        w.add_token_merges(["a b"])  # (one: the writer leaves an empty list out)
     rope = c.rope_parameters
     rope = rope.get("full_attention", rope)
     w.add_rope_freq_base(rope["rope_theta"])
@@ -160,7 +169,12 @@ def write_gguf(path: Path, model, case: str) -> None:
             arr = _permute(arr, c.num_key_value_heads)
         elif arch == "gemma3" and hf.endswith("norm.weight"):
             arr = arr + 1  # (llama.cpp's Gemma norms multiply by the stored weight)
-        w.add_tensor(_gguf_name(hf, arch), np.ascontiguousarray(arr))
+        arr = np.ascontiguousarray(arr)
+        if qtype != "F32" and arr.ndim == 2:
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(_gguf_name(hf, arch), quantize(arr, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(_gguf_name(hf, arch), arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -218,3 +218,18 @@ def test_multimodal_gemma3_folder_gives_its_language_model(saved, tmp_path: Path
     assert multimodal.config == plain.config
     assert set(multimodal.weights) == set(plain.weights)
     assert all(torch.equal(multimodal.weights[k], plain.weights[k]) for k in plain.weights)
+
+
+@pytest.mark.parametrize("qtype, expected", [("F32", None), ("Q4_0", "int4"), ("Q5_0", "int8"),
+                                             ("Q8_0", "int8")])
+def test_auto_quantization_follows_how_the_file_stores_its_matrices(tmp_path: Path, qtype: str,
+                                                                    expected) -> None:
+    """"auto" on the CPU: a file's 4-bit blocks run as int4, other quantized blocks
+    as int8 from their dequantized weights, float32 matrices stay float."""
+    path = tmp_path / f"qwen2-{qtype}.gguf"
+    write_gguf(path, reference(transformers, "qwen2"), "qwen2", qtype, tokenizer=True)
+    engine = Engine.from_pretrained(str(path), device="cpu", spec="none")
+    assert engine.quantization == expected
+    out = engine.generate([_prompt(12, 5)], SamplingParams(max_tokens=4, temperature=0.0,
+                                                          ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
