@@ -15,7 +15,8 @@ import torch
 
 from formcast.engine.config import DeepseekV4Config, LlamaConfig
 from formcast.engine.hub import ModelSource
-from formcast.engine.loader.gguf import load_gguf, read_cache, read_gguf_config, write_cache
+from formcast.engine.loader.gguf import load_gguf, read_gguf_config
+from formcast.engine.loader.weight_cache import read_cache, write_cache
 from formcast.engine.loader.hf import expected_shapes, load_hf, read_hf_config
 
 

@@ -18,7 +18,7 @@ from formcast.engine.hub import ModelSource
 from formcast.engine.loader import (Checkpoint, expected_shapes, load_checkpoint,
                                     read_gguf_config)
 from formcast.engine.loader.dequant import SUPPORTED_TYPES, dequantize
-from formcast.engine.loader.gguf import cache_path, read_cache
+from formcast.engine.loader.weight_cache import cache_path, read_cache
 from formcast.errors import CorruptModelError, ModelNotFoundError, UnsupportedModelError
 
 transformers = pytest.importorskip("transformers")
