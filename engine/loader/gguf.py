@@ -12,7 +12,6 @@ cached next to the GGUF (:mod:`formcast.engine.loader.weight_cache`): a parse co
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,6 @@ from formcast.engine.loader.gguf_arch import (ROPE_FACTOR_TENSORS, SUPPORTED_ARC
                                               family_config, hf_name, stored_to_hf)
 from formcast.engine.loader.hf import expected_shapes
 
-_log = logging.getLogger(__name__)
 
 def open_gguf(path: str | os.PathLike[str]) -> GGUFReader:
     """Parse a GGUF file's header and tensor table (tensor data stays memory-mapped).
