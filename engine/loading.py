@@ -26,6 +26,7 @@ from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
                                                         state_bytes_per_token)
 from formcast.engine.models.families import build_causal_lm
 from formcast.engine.models.llama import LlamaForCausalLM, decoder_config
+from formcast.engine.models.llama_gguf import GGUFLlamaForCausalLM
 from formcast.engine.tokenizer import Tokenizer
 from formcast.engine.tokenizer_files import cached_gguf_tokenizer
 
@@ -80,9 +81,10 @@ def build_gguf_model(config: LlamaConfig, weights: dict[str, Blocks | torch.Tens
     """A Llama model whose linears and embedding keep a GGUF's blocks as stored
     (``weights`` from :func:`read_gguf_blocks`, consumed; :class:`GGUFLinear`,
     :class:`GGUFEmbedding`; fused q|k|v and gate|up), only the norms in float32:
-    one copy of the weights in memory."""
+    one copy of the weights in memory. Each layer's step is one native call
+    (:class:`GGUFLlamaForCausalLM`)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = GGUFLlamaForCausalLM(config)
 
     fusions = {names: fused for fused, names in gguf_fusions(config).items()}
 

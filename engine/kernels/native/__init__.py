@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = (Path(__file__).with_name("qgemm.cpp"), Path(__file__).with_name("qgemm_body.inc"))
+_SOURCES = tuple(Path(__file__).with_name(n)
+                 for n in ("qgemm.cpp", "qgemm_body.inc", "layer_body.inc", "layer.inc"))
 
 # ggml's block types: id, elements a block, bytes a block
 BLOCK_TYPES: dict[str, tuple[int, int, int]] = {
@@ -182,3 +183,24 @@ def _build() -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def decoder_layer(x: torch.Tensor, pending: torch.Tensor | None, norms: tuple[torch.Tensor, torch.Tensor],
+                  eps: float, weights: list[torch.Tensor], qtypes: list[int], counts: list[int],
+                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  kv_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                  limits: torch.Tensor, *, heads: int, kv_heads: int, scale: float,
+                  window: int | None) -> torch.Tensor:
+    """One Llama decoder layer's step on the rows of ``x`` [T, E] (float32, updated in
+    place and returned, ``pending`` [T, E] added first): RMSNorm and activation
+    quantization, q|k|v, RoPE, the new keys and values written to their ``slots`` of
+    ``kv_cache`` [2, blocks, block size, Hkv, D], attention of each row over its first
+    ``limits[t]`` keys in the blocks ``tables[t]`` (the last ``window`` of them, when
+    given), the output projection, then RMSNorm, gate|up, SwiGLU and down, each added
+    to the stream. ``weights``: the four projections' block parts in order, ``counts``
+    parts each, ``qtypes`` their ggml type ids. Needs :func:`available`."""
+    torch.ops.formcast_native.decoder_layer(x, pending, norms[0], norms[1], eps, weights, qtypes,
+                                            counts, positions, cos, sin, kv_cache, slots, tables,
+                                            limits, heads, kv_heads, scale, window or 0,
+                                            _isa_index())
+    return x

@@ -109,30 +109,57 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, fl
   }
 }
 
+// one weight's rows in one block type (a fused projection may hold several)
+struct Part {
+  const uint8_t* w;
+  int64_t rows, row_bytes;
+  int qtype;
+};
+
+// A decoder layer's step (layer_body.inc): its weights, the step's rows, the
+// paged cache and the scratch buffers (grown by the caller, never in the step).
+struct LayerArgs {
+  float* x;  // [t, e] the residual stream, updated in place
+  int64_t t, e, d, heads, kv_heads, inter;
+  const float *norm1, *norm2;
+  float eps, scale;
+  const Part *qkv, *o, *gate_up, *down;
+  int n_qkv, n_o, n_gate_up, n_down;
+  const int64_t *positions, *slots, *tables, *limits;
+  int64_t table_width, block_size, window;
+  const float *cos, *sin;  // [P, d] each
+  float *k_cache, *v_cache;  // [slots, kv_heads, d] each
+  int8_t* q8;
+  float *d8, *s8, *hbuf, *qkv_out, *attn, *gu, *ybuf;
+};
+
 namespace generic {
 #define QG_SIMD 0
 #include "qgemm_body.inc"
+#include "layer_body.inc"
 #undef QG_SIMD
 }  // namespace generic
 
 #if QG_X86
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #define QG_SIMD 1
 #define QG_VNNI 0
 #include "qgemm_body.inc"
+#include "layer_body.inc"
 #undef QG_VNNI
 #undef QG_SIMD
 }  // namespace avx2
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace vnni {
 #define QG_SIMD 1
 #define QG_VNNI 1
 #include "qgemm_body.inc"
+#include "layer_body.inc"
 #undef QG_VNNI
 #undef QG_SIMD
 }  // namespace vnni
@@ -144,7 +171,8 @@ enum Isa : int64_t { GENERIC = 0, AVX2 = 1, VNNI = 2 };
 int64_t best_isa() {
 #if QG_X86
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
   if (avx2 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
     return VNNI;
   if (avx2) return AVX2;
@@ -211,6 +239,8 @@ void quantize_act(const at::Tensor& x, at::Tensor& q, at::Tensor& d, at::Tensor&
                 d.data_ptr<float>(), s.data_ptr<float>());
 }
 
+#include "layer.inc"
+
 }  // namespace
 
 TORCH_LIBRARY(formcast_native, m) {
@@ -218,4 +248,8 @@ TORCH_LIBRARY(formcast_native, m) {
   m.def("quantize_act(Tensor x, Tensor(a!) q, Tensor(a!) d, Tensor(a!) s) -> ()",
         &quantize_act);
   m.def("isa() -> int", &detected_isa);
+  m.def("decoder_layer(Tensor(a!) x, Tensor? pending, Tensor norm1, Tensor norm2, float eps, "
+        "Tensor[] weights, int[] qtypes, int[] counts, Tensor positions, Tensor cos, "
+        "Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, Tensor limits, "
+        "int heads, int kv_heads, float scale, int window, int isa) -> ()", &decoder_layer);
 }
