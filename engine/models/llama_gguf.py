@@ -28,6 +28,10 @@ class GGUFDecoderLayer(LlamaDecoderLayer):
     """A Llama layer whose step is one native call (module doc), where it can be."""
 
     _native: tuple[list[torch.Tensor], list[int], list[int]] | None = None
+    # the projections (bits: q|k|v, o, gate|up, down) whose inputs go in as int8
+    # codes plus the codes of their rounding error (native.decoder_layer's
+    # two_level): closer to float32's greedy tokens, slower at many rows
+    two_level_activations = 0b1111
 
     def native_weights(self) -> tuple[list[torch.Tensor], list[int], list[int]] | None:
         """The four projections' parts, type ids and part counts for the native call;
@@ -62,7 +66,8 @@ class GGUFDecoderLayer(LlamaDecoderLayer):
                                           self.post_attention_layernorm.weight),
                              self.input_layernorm.eps, *weights, positions, cos, sin, kv_cache,
                              meta.slot_mapping, tables, limits, heads=attn.num_heads,
-                             kv_heads=attn.num_kv_heads, scale=attn.scale, window=attn.window)
+                             kv_heads=attn.num_kv_heads, scale=attn.scale, window=attn.window,
+                             two_level=self.two_level_activations)
         return x, None
 
 

@@ -190,7 +190,7 @@ def decoder_layer(x: torch.Tensor, pending: torch.Tensor | None, norms: tuple[to
                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   kv_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                   limits: torch.Tensor, *, heads: int, kv_heads: int, scale: float,
-                  window: int | None) -> torch.Tensor:
+                  window: int | None, two_level: int = 0b1111) -> torch.Tensor:
     """One Llama decoder layer's step on the rows of ``x`` [T, E] (float32, updated in
     place and returned, ``pending`` [T, E] added first): RMSNorm and activation
     quantization, q|k|v, RoPE, the new keys and values written to their ``slots`` of
@@ -198,9 +198,12 @@ def decoder_layer(x: torch.Tensor, pending: torch.Tensor | None, norms: tuple[to
     ``limits[t]`` keys in the blocks ``tables[t]`` (the last ``window`` of them, when
     given), the output projection, then RMSNorm, gate|up, SwiGLU and down, each added
     to the stream. ``weights``: the four projections' block parts in order, ``counts``
-    parts each, ``qtypes`` their ggml type ids. Needs :func:`available`."""
+    parts each, ``qtypes`` their ggml type ids. ``two_level``: bit i set (projections in
+    the order above), projection i's input goes in as its int8 codes and the int8
+    codes of their rounding error (about 14 bits: float32 activations' greedy
+    tokens), else as one set of codes (llama.cpp's Q8 activations). Needs :func:`available`."""
     torch.ops.formcast_native.decoder_layer(x, pending, norms[0], norms[1], eps, weights, qtypes,
                                             counts, positions, cos, sin, kv_cache, slots, tables,
                                             limits, heads, kv_heads, scale, window or 0,
-                                            _isa_index())
+                                            two_level, _isa_index())
     return x

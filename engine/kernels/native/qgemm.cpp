@@ -129,8 +129,9 @@ struct LayerArgs {
   int64_t table_width, block_size, window;
   const float *cos, *sin;  // [P, d] each
   float *k_cache, *v_cache;  // [slots, kv_heads, d] each
+  int two_level;  // bit i: projection i's input as int8 codes plus those of their error
   int8_t* q8;
-  float *d8, *s8, *hbuf, *qkv_out, *attn, *gu, *ybuf;
+  float *d8, *s8, *hbuf, *qkv_out, *attn, *gu, *ybuf, *wide, *resid;
 };
 
 namespace generic {
@@ -251,5 +252,5 @@ TORCH_LIBRARY(formcast_native, m) {
   m.def("decoder_layer(Tensor(a!) x, Tensor? pending, Tensor norm1, Tensor norm2, float eps, "
         "Tensor[] weights, int[] qtypes, int[] counts, Tensor positions, Tensor cos, "
         "Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, Tensor limits, "
-        "int heads, int kv_heads, float scale, int window, int isa) -> ()", &decoder_layer);
+        "int heads, int kv_heads, float scale, int window, int two_level, int isa) -> ()", &decoder_layer);
 }
