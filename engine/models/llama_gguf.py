@@ -97,6 +97,53 @@ def row_keys(meta: AttentionMetadata, t: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 class GGUFLlamaForCausalLM(LlamaForCausalLM):
-    """:class:`LlamaForCausalLM` with :class:`GGUFDecoderLayer` layers."""
+    """:class:`LlamaForCausalLM` with :class:`GGUFDecoderLayer` layers, all of them run
+    by one native call a step where every layer can be (one RoPE, one attention
+    metadata, the same settings)."""
 
     layer_class = GGUFDecoderLayer
+    _plan: tuple | None = None
+
+    def native_plan(self) -> tuple | None:
+        """(norms, weights, type ids, counts, eps, two-level mask) of every layer for
+        :func:`native.decoder_layers`; None where a layer cannot run natively or the
+        layers differ (windows, RoPE, settings). Made again when a layer's
+        ``two_level_activations`` changes."""
+        layers = list(self.model.layers)
+        masks = {layer.two_level_activations for layer in layers}
+        if self._plan is not None and self._plan[0] == masks:
+            return self._plan[1]
+        plan = None
+        got = [layer.native_weights() for layer in layers]
+        first = layers[0].self_attn
+        if all(g is not None for g in got) and len(masks) == 1 and \
+                self.model.local_rotary is None and \
+                all(layer.self_attn.window == first.window for layer in layers) and \
+                len({layer.input_layernorm.eps for layer in layers} |
+                    {layer.post_attention_layernorm.eps for layer in layers}) == 1:
+            norms = [n for layer in layers
+                     for n in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)]
+            plan = (norms, [w for g in got for w in g[0]], [q for g in got for q in g[1]],
+                    [c for g in got for c in g[2]], layers[0].input_layernorm.eps, masks.pop())
+        self._plan = ({layer.two_level_activations for layer in layers}, plan)
+        return plan
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        # token_ids, positions [T] -> hidden states [T, E]
+        plan = self.native_plan() if isinstance(meta, AttentionMetadata) else None
+        if plan is None or token_ids.device.type != "cpu" or not native.available() or \
+                any(c.dtype != torch.float32 for c in kv_caches):
+            return super().forward(token_ids, positions, kv_caches, meta)
+        norms, weights, qtypes, counts, eps, two_level = plan
+        x = self.model.embed(token_ids)
+        if x._base is not None or not x.is_contiguous():
+            x = x.contiguous().clone()  # (written in place)
+        tables, limits = row_keys(meta, x.shape[0])
+        cos, sin = self.model.rotary.tables(x.device)
+        attn = self.model.layers[0].self_attn
+        return native.decoder_layers(x, norms, eps, weights, qtypes, counts, positions, cos, sin,
+                                     kv_caches, meta.slot_mapping, tables, limits,
+                                     heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+                                     scale=attn.scale, window=attn.window, two_level=two_level)

@@ -196,3 +196,13 @@ def test_layer_runs_the_torch_step_with_the_extension_off():
                               os.path.abspath(__file__)))))
     assert done.returncode == 0, done.stderr
     assert "torch step ok" in done.stdout
+
+
+@needs_native
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_whole_model_in_one_call_equals_its_layers_one_by_one(family):
+    model = tiny_model(family, layers=3)
+    ids = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(11))
+    whole = model.forward(ids, torch.arange(9), empty_cache(model), prefill_meta([2, 0, 5], 9))
+    layered = run(model, ids, torch.arange(9), empty_cache(model), prefill_meta([2, 0, 5], 9))
+    assert torch.equal(whole, layered)

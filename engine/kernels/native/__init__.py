@@ -49,6 +49,7 @@ class _State:
         self.lock = threading.Lock()
         self.tried = False
         self.reason: str | None = None
+        self.best_isa = 0  # the machine's best level, once loaded
 
 
 _state = _State()
@@ -83,7 +84,7 @@ def isa() -> str:
 
 
 def _isa_index() -> int:
-    best = int(torch.ops.formcast_native.isa())
+    best = _state.best_isa
     asked = os.environ.get("FORMCAST_NATIVE_ISA")
     return min(best, ISAS.index(asked)) if asked in ISAS else best
 
@@ -141,6 +142,7 @@ def _load() -> str | None:
         torch.ops.load_library(str(_build()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return str(exc)
+    _state.best_isa = int(torch.ops.formcast_native.isa())
     return None
 
 
@@ -206,4 +208,20 @@ def decoder_layer(x: torch.Tensor, pending: torch.Tensor | None, norms: tuple[to
                                             counts, positions, cos, sin, kv_cache, slots, tables,
                                             limits, heads, kv_heads, scale, window or 0,
                                             two_level, _isa_index())
+    return x
+
+
+def decoder_layers(x: torch.Tensor, norms: list[torch.Tensor], eps: float,
+                   weights: list[torch.Tensor], qtypes: list[int], counts: list[int],
+                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   kv_caches: list[torch.Tensor], slots: torch.Tensor, tables: torch.Tensor,
+                   limits: torch.Tensor, *, heads: int, kv_heads: int, scale: float,
+                   window: int | None, two_level: int = 0b1111) -> torch.Tensor:
+    """:func:`decoder_layer` for every layer of a decoder in one call (nothing pending):
+    ``norms`` two a layer, ``counts`` four a layer, ``weights`` and ``qtypes`` every
+    layer's parts in layer order, ``kv_caches`` one a layer. Returns ``x``, updated."""
+    torch.ops.formcast_native.decoder_layers(x, norms, eps, weights, qtypes, counts, positions,
+                                             cos, sin, kv_caches, slots, tables, limits, heads,
+                                             kv_heads, scale, window or 0, two_level,
+                                             _isa_index())
     return x

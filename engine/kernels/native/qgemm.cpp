@@ -253,4 +253,8 @@ TORCH_LIBRARY(formcast_native, m) {
         "Tensor[] weights, int[] qtypes, int[] counts, Tensor positions, Tensor cos, "
         "Tensor sin, Tensor(b!) kv_cache, Tensor slots, Tensor tables, Tensor limits, "
         "int heads, int kv_heads, float scale, int window, int two_level, int isa) -> ()", &decoder_layer);
+  m.def("decoder_layers(Tensor(a!) x, Tensor[] norms, float eps, Tensor[] weights, int[] qtypes, "
+        "int[] counts, Tensor positions, Tensor cos, Tensor sin, Tensor(b!)[] kv_caches, "
+        "Tensor slots, Tensor tables, Tensor limits, int heads, int kv_heads, float scale, "
+        "int window, int two_level, int isa) -> ()", &decoder_layers);
 }
