@@ -1,7 +1,9 @@
 """Quality of the quantized CPU path against the float32 path, on real prompts.
 
-The default CPU format is "gguf": the file's own blocks on the native kernels, prompt
-rows included (int4 runs prompts on float32 weights). For each prompt the float32 engine (the GGUF dequantized) generates ``--tokens``
+"gguf": the file's own blocks on the native kernels, prompt rows included (int4 runs
+prompts on float32 weights); each projection's input as int8 codes plus the codes of
+their rounding error, and, for comparison, as one set of codes (llama.cpp's Q8
+activations). For each prompt the float32 engine (the GGUF dequantized) generates ``--tokens``
 greedy tokens; each quantized engine then scores that same sequence in one pass
 (teacher forcing). Reported per format: the max and mean absolute logit difference
 over all generated positions, the greedy agreement (share of positions where both
@@ -37,8 +39,12 @@ def main() -> None:
     from formcast.engine.layers.quant import Bf16Linear
 
     ref = Engine.from_pretrained("smollm2", device="cpu", quantization=None)
-    formats = {"gguf (native kernels, the default)": Engine.from_pretrained(
+    formats = {"gguf (native kernels)": Engine.from_pretrained(
         "smollm2", device="cpu", quantization="gguf")}
+    one_level = Engine.from_pretrained("smollm2", device="cpu", quantization="gguf")
+    for layer in one_level.model.model.layers:
+        layer.two_level_activations = 0
+    formats["gguf, one set of activation codes"] = one_level
     formats["int4 (file's Q4_1 blocks), int8 head"] = Engine.from_pretrained(
         "smollm2", device="cpu", quantization="int4")
     if not args.fast:
