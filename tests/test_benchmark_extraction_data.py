@@ -101,3 +101,18 @@ def test_gold_objects_are_spans_of_their_texts_and_score_full_marks(splits):
         assert missing == 0, item.text
         credit, fields = ed.score_item(item, gold)
         assert credit == pytest.approx(fields), item.text
+
+
+@pytest.mark.parametrize("schema, gold, predicted, expected", [
+    ("Event", {"title": "Fair", "date": "2026-04-20", "city": "Oslo", "venue": None},
+     {"title": "Fair", "date": "2026-04-21", "city": "Oslo", "venue": "Hall"},
+     {"string": (2.0, 2), "date": (0.0, 1), "null": (0.0, 1)}),
+    ("Product", {"name": "X", "brand": "B", "price": 9.5, "currency": "EUR", "in_stock": True},
+     {"name": "X", "brand": "B", "price": 9.5, "currency": "USD", "in_stock": True},
+     {"string": (2.0, 2), "number": (1.0, 1), "enum": (0.0, 1), "bool": (1.0, 1)}),
+    ("Review", {"product": "P", "rating": 4, "pros": ["a", "b"], "cons": []},
+     None, {"string": (0.0, 1), "number": (0.0, 1), "list": (0.0, 2)}),
+])
+def test_score_kinds_splits_credit_by_kind_of_field(schema, gold, predicted, expected):
+    item = ed.Item(schema=schema, text="t", gold=gold)
+    assert ed.score_kinds(item, predicted) == expected
