@@ -13,7 +13,9 @@ that the text does not give a value:
   least two items without saying): the matcher ends a list at its first repeated
   item, which is dropped from the value (:func:`tidy`);
 - optional fields (not required) are always written and may be ``null``; a null
-  the caller's schema does not allow is dropped, so the field takes its default.
+  the caller's schema does not allow is dropped, so the field takes its default;
+  a nullable string field that only copies another field's value is made null,
+  and a list drops the items an earlier list of the same object holds (:func:`tidy`).
 
 The output is validated against the caller's own schema afterwards.
 """
@@ -164,6 +166,7 @@ def _tidy(value: Any, node: Any, defs: dict) -> Any:
     if isinstance(value, dict):
         for option in options:
             props = option.get("properties", {})
+            _null_copies(value, props, defs)
             for name in option.get(_NULL_ADDED, []):
                 if name in value and value[name] is None:
                     del value[name]
@@ -178,6 +181,39 @@ def _tidy(value: Any, node: Any, defs: dict) -> Any:
                     value = _distinct(value)
                 break
     return value
+
+
+def _null_copies(value: dict, props: dict, defs: dict) -> None:
+    """Null each nullable string field of ``value`` that only copies another field's
+    value (a required one, or an earlier one): a small model fills a field the text
+    leaves empty with its neighbour's value ("venue": the event's title)."""
+    _drop_copied_items(value, props)
+    seen: dict[str, bool] = {}       # normalised string -> whether a required field has it
+    for name, item in value.items():
+        if isinstance(item, str) and name in props:
+            key = " ".join(item.split()).casefold()
+            seen[key] = seen.get(key, False) or not _allows_null(resolve(props[name], defs))
+    kept: set[str] = set()
+    for name, item in value.items():
+        if not (isinstance(item, str) and name in props) or not item.strip():
+            continue
+        key = " ".join(item.split()).casefold()
+        if _allows_null(resolve(props[name], defs)) and (seen[key] or key in kept):
+            value[name] = None
+        else:
+            kept.add(key)
+
+
+def _drop_copied_items(value: dict, props: dict) -> None:
+    """Drop the string items of a list field of ``value`` that an earlier list field
+    already holds ("cons" that repeat the "pros")."""
+    earlier: set[str] = set()
+    for name, items in value.items():
+        if not (isinstance(items, list) and name in props):
+            continue
+        keys = [" ".join(i.split()).casefold() if isinstance(i, str) else None for i in items]
+        value[name] = [i for i, k in zip(items, keys) if k is None or k not in earlier]
+        earlier.update(k for k in keys if k is not None)
 
 
 def _distinct(items: list) -> list:

@@ -98,3 +98,41 @@ def test_grounded_strings_are_not_capped(prop, grounded, cap):
     schema = {"type": "object", "properties": {"s": prop}, "required": ["s"]}
     gen = generation_schema(schema, grounded=grounded)
     assert gen["properties"]["s"].get("maxLength") == cap
+
+
+class Event(BaseModel):
+    title: str
+    city: str
+    venue: str | None
+    host: str | None
+
+
+@pytest.mark.parametrize(("generated", "expected"), [
+    ({"title": "Food Fair", "city": "Oslo", "venue": "food fair", "host": "Ana"},
+     {"title": "Food Fair", "city": "Oslo", "venue": None, "host": "Ana"}),
+    ({"title": "Food Fair", "city": "Oslo", "venue": "Hall", "host": "Hall"},
+     {"title": "Food Fair", "city": "Oslo", "venue": "Hall", "host": None}),  # the later one
+    ({"title": "Fair", "city": "Oslo", "venue": "Oslo Hall", "host": None},
+     {"title": "Fair", "city": "Oslo", "venue": "Oslo Hall", "host": None}),  # not a copy
+    ({"title": "Oslo", "city": "Oslo", "venue": None, "host": None},
+     {"title": "Oslo", "city": "Oslo", "venue": None, "host": None}),  # required ones stay
+])
+def test_tidy_nulls_optional_fields_that_copy_another(generated, expected):
+    assert tidy(generated, generation_schema(Event.model_json_schema())) == expected
+
+
+class Review(BaseModel):
+    pros: list[str]
+    cons: list[str]
+    tags: list[int]
+
+
+@pytest.mark.parametrize(("generated", "expected"), [
+    ({"pros": ["quiet", "fast"], "cons": ["Quiet", "loud"], "tags": []},
+     {"pros": ["quiet", "fast"], "cons": ["loud"], "tags": []}),
+    ({"pros": ["quiet"], "cons": ["quiet"], "tags": [1]},
+     {"pros": ["quiet"], "cons": [], "tags": [1]}),
+    ({"pros": [], "cons": ["loud"], "tags": [2, 2]}, {"pros": [], "cons": ["loud"], "tags": [2]}),
+])
+def test_tidy_drops_list_items_an_earlier_list_holds(generated, expected):
+    assert tidy(generated, generation_schema(Review.model_json_schema())) == expected
