@@ -124,8 +124,7 @@ class GroundedMatcher(Matcher):
         if not isinstance(text, GroundingText):
             text = token_index(vocab).grounding_text(
                 text, strings=bool(plan.strings), numbers=bool(plan.numbers),
-                distinct=distinct_items, words=plan.words, capitalise=plan.capitalise,
-                derived=plan.derived)
+                distinct=distinct_items, words=plan.words, capitalise=plan.capitalise)
         self._text = text
         self._plan = plan
         self._vocab = vocab

@@ -100,17 +100,12 @@ class GroundingPlan:
     capitalise : bool
         A grounded string may also be a span of the text with each word's first
         letter upper-cased ("Nurse" from "a nurse").
-    derived : tuple of str
-        Other strings a grounded string may also be a span of: forms of the text's
-        own values that the schema asks for (e.g. its dates in ISO form, for
-        ``format: date`` fields; see ``grounding_plan(formats=)``).
     """
 
     strings: frozenset[tuple[str, ...]] = frozenset()
     numbers: frozenset[tuple[str, ...]] = frozenset()
     words: bool = False
     capitalise: bool = False
-    derived: tuple[str, ...] = ()
 
     def __bool__(self) -> bool:
         return bool(self.strings or self.numbers)
@@ -129,8 +124,7 @@ class GroundingPlan:
 
 
 def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
-                   capitalise: bool = False, formats: frozenset[str] = frozenset(),
-                   choices: frozenset[str] = frozenset()) -> GroundingPlan:
+                   capitalise: bool = False) -> GroundingPlan:
     """Find the grounded values of documents of ``schema``. Does not change ``schema``.
 
     The schema is walked through ``properties``, ``items``/``prefixItems`` (any
@@ -152,13 +146,6 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
         every number and integer.
     words, capitalise : bool
         How grounded strings match the text (see :class:`GroundingPlan`).
-    formats : frozenset of str
-        String formats grounded too under "auto" and "strict" (e.g. ``{"date"}``, with
-        the text's dates given to the plan's ``derived`` in that format).
-    choices : frozenset of str
-        Enum values the text names: under "auto" and "strict", a string ``enum`` with
-        one of them is grounded too (with these values given to the plan's
-        ``derived``, its value is then one the text names).
 
     Returns
     -------
@@ -200,13 +187,8 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
         types = node.get("type")
         types = {types} if isinstance(types, str) else set(types or ())
         fixed = any(k in node for k in ("enum", "const"))
-        plain = not any(k in node for k in _NOT_PLAIN) or (
-            node.get("format") in formats and not any(k in node for k in _NOT_PLAIN[:3]))
-        values = node.get("enum")
-        if choices and mark is not False and isinstance(values, list) and values and all(
-                isinstance(v, str) for v in values) and choices.intersection(values):
-            strings.add(path)
-        if "string" in types and not fixed and (mark is True or (mark is None and plain)):
+        if "string" in types and not fixed and (
+                mark is True or (mark is None and not any(k in node for k in _NOT_PLAIN))):
             strings.add(path)
         if types & {"number", "integer"} and not fixed and (
                 mark is True or (mark is None and mode == "strict")):

@@ -160,17 +160,15 @@ class TokenIndex:
         return found
 
     def grounding_text(self, text: str, *, strings: bool, numbers: bool, distinct: bool,
-                       words: bool = False, capitalise: bool = False,
-                       derived: tuple[str, ...] = ()) -> GroundingText:
+                       words: bool = False, capitalise: bool = False) -> GroundingText:
         """The :class:`GroundingText` of ``text`` (the last few are kept: a request
         repeated, or several schemas over one text, share its tables)."""
-        key = (text, (strings, numbers, distinct, words, capitalise, derived))
+        key = (text, (strings, numbers, distinct, words, capitalise))
         with self._lock:
             found = self._texts.get(key)
         if found is None:
             found = GroundingText(text, self, strings=strings, numbers=numbers,
-                                  distinct=distinct, words=words, capitalise=capitalise,
-                                  derived=derived)
+                                  distinct=distinct, words=words, capitalise=capitalise)
             with self._lock:
                 if len(self._texts) >= _TEXTS_KEPT:
                     self._texts.pop(next(iter(self._texts)))
@@ -260,20 +258,18 @@ def capitalised(text: str) -> str:
     return _WORD_START.sub(lambda m: m.group(0).upper(), text)
 
 
-def source_tables(text: str, *, words: bool = False, capitalise: bool = False,
-                  derived: Sequence[str] = ()) -> tuple[bytes, bytes]:
+def source_tables(text: str, *, words: bool = False, capitalise: bool = False
+                  ) -> tuple[bytes, bytes]:
     """What grounded strings are spans of, escaped, with its boundaries
     (:func:`escape_text`); with ``capitalise``, the text then (if it differs) its
-    :func:`capitalised` copy; then each of ``derived`` (forms of the text's values,
-    such as its dates in ISO form). The parts are joined by a NUL byte that no JSON
-    string body holds, so no span crosses from one to another."""
+    :func:`capitalised` copy, joined by a NUL byte that no JSON string body holds, so
+    no span crosses from one to the other."""
     body, marks = escape_text(text, words=words)
     titled = capitalised(text) if capitalise else text
-    parts = ([titled] if titled != text else []) + [d for d in derived if d]
-    for part in parts:
-        body2, marks2 = escape_text(part, words=words)
-        body, marks = body + b"\x00" + body2, marks + marks2
-    return body, marks
+    if titled == text:
+        return body, marks
+    body2, marks2 = escape_text(titled, words=words)
+    return body + b"\x00" + body2, marks + marks2
 
 
 def text_numbers(text: str) -> frozenset[bytes]:
@@ -332,8 +328,6 @@ class GroundingText:
     words, capitalise : bool
         Whether a grounded string starts and ends only at word edges, and whether it
         may also be a span of the :func:`capitalised` text (:func:`source_tables`).
-    derived : tuple of str
-        Other strings grounded strings may also be spans of (:func:`source_tables`).
 
     Attributes
     ----------
@@ -343,14 +337,12 @@ class GroundingText:
     """
 
     def __init__(self, text: str, index: TokenIndex, *, strings: bool, numbers: bool,
-                 distinct: bool, words: bool = False, capitalise: bool = False,
-                 derived: tuple[str, ...] = ()) -> None:
+                 distinct: bool, words: bool = False, capitalise: bool = False) -> None:
         self.text = text
         self.index = index
         self.sensitivities = (index.sensitivity(strings, numbers, False),
                               index.sensitivity(strings, numbers, distinct))
-        self.escaped, self.boundary = source_tables(text, words=words, capitalise=capitalise,
-                                                    derived=derived)
+        self.escaped, self.boundary = source_tables(text, words=words, capitalise=capitalise)
         self.numbers = text_numbers(text)
         self.number_prefixes = frozenset(n[:k] for n in self.numbers for k in range(1, len(n) + 1))
         self._ends: dict[bytes, tuple[int, ...]] = {}

@@ -15,13 +15,12 @@ from typing import Any, is_typeddict
 
 from formcast.errors import (ConstraintError, FormcastError, GroundingError, OutputValidationError,
                              RequestError)
-from formcast.extraction_choices import enum_values, named_choices
-from formcast.extraction_dates import text_dates
+from formcast.extraction_choices import narrowed
 from formcast.extraction_prompt import ABSENT_NOTE, extraction_messages, form_lines, type_name
 from formcast.extraction_schema import (MAX_FREE_STRING, MAX_LIST_ITEMS, cap_free_strings,
                                         generation_schema, lists_distinct, tidy, tidy_then)
 from formcast.grammars.errors import UnsupportedTypeError
-from formcast.grammars.grounding import GroundingPlan, grounding_plan
+from formcast.grammars.grounding import grounding_plan
 from formcast.completion import Completion
 from formcast.spec import OutputSpec, parse_json, type_spec
 
@@ -117,20 +116,11 @@ class Extraction:
         # for "a nurse", and left free to stop mid-word it writes "Plu" for "plumber")
         self.plan = grounding_plan(gen, "strict" if grounding == "auto" else grounding,
                                    words=True, capitalise=True)
-        # date fields are held to the text's own dates, in ISO form, and enum fields to
-        # the values the text names, where it writes any (extraction_dates,
-        # extraction_choices); a text without one leaves them to the model
-        self._gen, self._mode = gen, grounding
-        plain = grounding_plan(gen, grounding).strings
-        self.dates = grounding_plan(gen, grounding, formats=frozenset({"date"})).strings - plain
-        self.choices = enum_values(gen) if grounding != "off" else frozenset()
         # under "auto" a number keeps to the text's numbers when it has one, and is
         # the model's own otherwise (no GroundingError): "Five stars" gives 5
         self.soft_numbers = self.plan.numbers - grounding_plan(gen, grounding).numbers
-        # (values held to the text only where it has some: never a GroundingError)
-        self.soft = (self.soft_numbers | self.dates
-                     | grounding_plan(gen, grounding, choices=self.choices).strings - plain)
         self.distinct_items = lists_distinct(gen)
+        self.narrow = grounding != "off"  # (date and enum fields keep to the text)
         self.instructions = instructions
         self.texts = list(texts)
         self._ids: list[list[int] | FormcastError] | None = None
@@ -154,26 +144,24 @@ class Extraction:
 
     def matcher(self, index: int, compiled: Any) -> Any:
         """Text ``index``'s own matcher of the compiled generation schema: its grounded
-        values are whole words of the text (or of its words capitalised), its lists
-        end at their first repeated item."""
-        matcher = compiled.grounded_matcher(self.texts[index], self.text_plan(index),
+        values are whole words of the text (or of its words capitalised), its date and
+        enum fields keep to the dates and values the text writes where it writes any
+        (:func:`~formcast.extraction_choices.narrowed`, compiled for this text), its
+        lists end at their first repeated item."""
+        narrow = narrowed(self.spec.constraint.schema, self.texts[index]) \
+            if self.narrow else None
+        if narrow is not None:
+            from formcast import grammars
+
+            try:
+                compiled = grammars.compile(
+                    dataclasses.replace(self.spec.constraint, schema=narrow), compiled.vocab)
+            except ConstraintError:
+                pass  # (the call's own schema still holds)
+        matcher = compiled.grounded_matcher(self.texts[index], self.plan,
                                             distinct_items=self.distinct_items)
         self._matchers[index] = matcher
         return matcher
-
-    def text_plan(self, index: int) -> GroundingPlan:
-        """The grounding plan of text ``index``: the call's, with its date fields held
-        to the text's dates and its enum fields to the values the text names."""
-        text = self.texts[index]
-        dates = text_dates(text) if self.dates else ()
-        named = named_choices(text, self.choices) if self.choices else frozenset()
-        if not (dates or named):
-            return self.plan
-        strings = self.plan.strings | (self.dates if dates else frozenset())
-        if named:
-            strings |= grounding_plan(self._gen, self._mode, choices=named).strings
-        return dataclasses.replace(self.plan, strings=strings,
-                                   derived=dates + tuple(sorted(named)))
 
     def checked(self, index: int, result: Any) -> Any:
         """``result`` of text ``index``, or a :class:`GroundingError` naming the field
@@ -182,7 +170,7 @@ class Extraction:
         if matcher is None or not isinstance(result, (OutputValidationError, Completion)):
             return result
         missing = [v for v in matcher.violations if v.kind == "ungrounded"
-                   and not _pointer_in(v.pointer, self.soft)]
+                   and not _pointer_in(v.pointer, self.soft_numbers)]
         if not missing:
             return result
         first = missing[0]

@@ -96,27 +96,6 @@ def test_plan_table(schema, strings):
     assert grounding_plan(schema).strings == frozenset(strings)
 
 
-@pytest.mark.parametrize("schema, formats, strings", [
-    ({"type": "string", "format": "date"}, {"date"}, {()}),
-    ({"type": "string", "format": "email"}, {"date"}, set()),
-    ({"type": "string", "format": "date", "pattern": "^2"}, {"date"}, set()),
-    ({"type": "string", "format": "date", "x-grounded": False}, {"date"}, set()),
-])
-def test_plan_grounds_the_formats_asked_for(schema, formats, strings):
-    assert grounding_plan(schema, formats=frozenset(formats)).strings == frozenset(strings)
-
-
-@pytest.mark.parametrize("schema, strings", [
-    ({"type": "string", "enum": ["EUR", "USD"]}, {()}),
-    ({"type": "string", "enum": ["GBP", "USD"]}, set()),      # names none of its values
-    ({"enum": ["EUR", 1]}, set()),
-    ({"type": "string", "enum": ["EUR"], "x-grounded": False}, set()),
-])
-def test_plan_grounds_choices_the_text_names(schema, strings):
-    plan = grounding_plan(schema, choices=frozenset({"EUR", "hour"}))
-    assert plan.strings == frozenset(strings)
-
-
 def test_markers_write_the_schema_keyword():
     props = PERSON_SCHEMA["properties"]
     assert props["age"]["x-grounded"] is True and props["summary"]["x-grounded"] is False
@@ -176,12 +155,6 @@ def test_capitalised_copy_joins_the_text(text, capital, joined):
     assert capitalised(text) == capital
     body, marks = source_tables(text, capitalise=True)
     assert body == joined and len(marks) == len(body) + 1
-
-
-def test_derived_strings_join_after_the_text():
-    body, marks = source_tables("on 3 May 2025", capitalise=True, derived=("2025-05-03",))
-    assert body == b"on 3 May 2025\x00On 3 May 2025\x002025-05-03"
-    assert len(marks) == len(body) + 1
 
 
 # -- masks against a brute-force oracle ------------------------------------------------
@@ -341,20 +314,6 @@ def test_number_masks_match_the_oracle(compiler, tiny_vocab, text, distinct):
 def test_escapes_inside_grounded_strings(compiler, tiny_vocab, text, content, allowed):
     compiled = compiler.compile(JsonSchema({"type": "string"}), tiny_vocab)
     m = ground(compiled.matcher(), text, grounding_plan({"type": "string"}), tiny_vocab)
-    ids = _ids(tiny_vocab, '"' + content + '"')
-    assert (m.valid_prefix(ids) == len(ids)) is allowed
-
-
-@pytest.mark.parametrize("content, allowed", [
-    ("2025-05-03", True),        # derived from "3 May 2025"
-    ("May 2025", True),          # a span of the text itself
-    ("2025-05-0", False),       # (ends inside a word)
-    ("2025-05-033 May", False),  # no span crosses from one part to another
-])
-def test_grounded_strings_may_be_derived_values(compiler, tiny_vocab, content, allowed):
-    plan = GroundingPlan(frozenset({()}), words=True, derived=("2025-05-03",))
-    compiled = compiler.compile(JsonSchema({"type": "string"}), tiny_vocab)
-    m = ground(compiled.matcher(), "on 3 May 2025", plan, tiny_vocab)
     ids = _ids(tiny_vocab, '"' + content + '"')
     assert (m.valid_prefix(ids) == len(ids)) is allowed
 
