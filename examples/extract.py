@@ -21,7 +21,7 @@ import formcast
 
 
 class Contact(BaseModel):
-    name: str = Field(description="full name")
+    name: str = Field(description="the person's full name")  # (not the company's)
     company: str
     email: str
 
