@@ -4,7 +4,9 @@
 :mod:`formcast.extraction_prompt`, generates under the schema of
 :mod:`formcast.extraction_schema` (bounded strings and lists, distinct items,
 nullable optional fields) with each text's own grounded matcher, and validates
-what comes back against the caller's schema.
+what comes back against the caller's schema. Unless grounding is "off", a text's
+date and enum fields keep to the dates and enum values it writes
+(:func:`formcast.extraction_choices.narrowed`, compiled for that text).
 """
 
 from __future__ import annotations
