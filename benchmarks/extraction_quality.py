@@ -64,8 +64,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+# (load_items: for the other benchmarks, which import it from here)
 from extraction_data import (KINDS, SCHEMAS, SPLITS, Item, hallucinations,  # noqa: F401
-                             load_items, load_split, score_item, score_kinds)  # load_items: for the other benchmarks
+                             load_items, load_split, score_item, score_kinds)
 from extraction_previous import previous_constraint, previous_messages
 from pydantic import BaseModel, ValidationError
 
