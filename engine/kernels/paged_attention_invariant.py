@@ -47,12 +47,16 @@ def masked_keys(limits: torch.Tensor, width: int, window: int | None = None) -> 
 
 
 def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: torch.Tensor,
-                 scale: float, softcap: float | None = None) -> torch.Tensor:
+                 scale: float, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The invariant core. ``q`` [N, R, D] (R a multiple of :data:`ROW_TILE`),
     ``k``, ``v`` [N, S, D] (S a multiple of :data:`KV_SPLIT`), ``masked_out``
     [N, R, S] bool (or broadcasting to it): :func:`masked_keys` of the keys each
-    row sees, ``0 .. limit - 1`` (at least one). ``softcap``: scores become
-    ``softcap * tanh(score / softcap)``. Returns [N, R, D] in ``q``'s dtype (float32 math)."""
+    row sees, ``0 .. limit - 1`` (at least one, unless ``sinks``). ``softcap``:
+    scores become ``softcap * tanh(score / softcap)``. ``sinks`` [N, R, 1] float32
+    (or broadcasting to it): one more logit per row that takes probability mass
+    and adds no value (added to the weight sum after the scan). Returns [N, R, D]
+    in ``q``'s dtype (float32 math)."""
     n, r, d = q.shape
     s = k.shape[1]
     splits = s // KV_SPLIT
@@ -61,6 +65,8 @@ def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: 
         scores.div_(softcap).tanh_().mul_(softcap)
     scores.masked_fill_(masked_out, float("-inf"))
     top = scores.amax(dim=-1, keepdim=True)                                       # exact
+    if sinks is not None:
+        top = torch.maximum(top, sinks)
     probs = torch.exp_(scores.sub_(top))                                          # [N, R, S]
     # [N, R, splits, C]: each split's weight sum over exactly C keys, then a scan
     sums = probs.view(n, r, splits, KV_SPLIT).sum(dim=-1).cumsum(dim=-1)[..., -1:]  # [N, R, 1]
@@ -68,6 +74,8 @@ def attend_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked_out: 
     vs = v.reshape(n * splits, KV_SPLIT, d)
     parts = torch.bmm(pv, vs).view(n, splits, r, d)                               # per split
     out = parts.cumsum(dim=1)[:, -1] if splits > 1 else parts[:, 0]               # [N, R, D]
+    if sinks is not None:
+        sums = sums + torch.exp(sinks - top)
     return out.div_(sums).to(q.dtype)
 
 

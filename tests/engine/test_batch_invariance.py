@@ -374,6 +374,21 @@ def test_cuda_bf16_outputs_are_the_same_in_every_arrangement(tokenizer, name):
     _check(name, outs, expected, eng)
 
 
+@pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.silu,
+                                torch.nn.functional.softplus])
+@pytest.mark.parametrize("width", [1, 3, 16, 2049])
+def test_pointwise_gives_a_row_the_same_bits_at_any_row_count(fn, width):
+    """sigmoid, silu and softplus round differently in torch's scalar tail than in
+    its vector loop; through ``pointwise`` a row's bits are the same alone or among others."""
+    from formcast.engine.kernels.invariant_pointwise import pointwise
+
+    x = torch.randn(40, width, generator=torch.Generator().manual_seed(width))
+    every = pointwise(fn, x)
+    for m in (1, 2, 5, 17, 39):
+        assert torch.equal(pointwise(fn, x[:m]), every[:m]), m
+    assert torch.allclose(every, fn(x))
+
+
 @pytest.mark.parametrize("tokens", [2, 9, 40])
 def test_moe_experts_give_a_token_the_same_bits_in_any_batch(tokens):
     """The routed experts' grouped GEMM (DeepSeek-V4's MoE, CPU path): a token's
@@ -389,3 +404,64 @@ def test_moe_experts_give_a_token_the_same_bits_in_any_batch(tokens):
     alone_out = grouped_expert_mlp(x[:1], gate_up, down, chosen[:1], weights[:1], 7.0)
     batched = grouped_expert_mlp(x, gate_up, down, chosen, weights, 7.0)
     assert torch.equal(batched[:1], alone_out)
+
+
+# -- DeepSeek-V4 (per-request states: sliding windows, compressed entries, sinks) -------
+
+MTP = SpecConfig(method="mtp", scheduled=False, min_confidence=0.0)
+DEEPSEEK_ARRANGEMENTS = {
+    "together, prefix caching on": ARRANGEMENTS["together, prefix caching on"],
+    "every prefill chunked": ARRANGEMENTS["every prefill chunked"],
+    "tiny KV budget (preemption)": ARRANGEMENTS["tiny KV budget (preemption)"],
+    "prompt-lookup speculation": ARRANGEMENTS["prompt-lookup speculation"],
+    "MTP speculation": lambda m, t, r: random_batches(m, t, r, spec=MTP),
+}
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny DeepSeek-V4 ops on a shared 2-core machine: one thread is much faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def deepseek_run(tmp_path_factory):
+    """A tiny DeepSeek-V4 (every layer type, hash and score routing, an MTP layer)
+    loaded as the engine loads it, its requests, and their results run alone."""
+    from tests.engine.deepseek_v4_folders import CONFIGS, write_folder
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    folder = tmp_path_factory.mktemp("deepseek_v4")
+    write_folder(folder, "all_layers_mtp", 0)
+    eng = Engine.from_pretrained(str(folder), device="cpu", spec="none")
+    vocab = CONFIGS["all_layers_mtp"]["vocab_size"]
+    requests = make_requests(12, seed=7, vocab=(3, vocab - 1), shared=20, longest=60,
+                             max_tokens=(2, 7))
+    outs, _ = alone(eng.model, eng.tokenizer, requests)
+    torch.set_num_threads(before)
+    return eng, requests, _result(outs)
+
+
+@pytest.mark.parametrize("name", list(DEEPSEEK_ARRANGEMENTS))
+def test_deepseek_v4_outputs_are_the_same_in_every_arrangement(deepseek_run, one_thread, name):
+    eng, requests, expected = deepseek_run
+    outs, ran = DEEPSEEK_ARRANGEMENTS[name](eng.model, eng.tokenizer, requests)
+    _check(name, outs, expected, ran, exercised=False)
+
+
+def test_deepseek_v4_mode_off_is_not_batch_invariant(deepseek_run, one_thread):
+    """The control: with the mode off the same requests run together differ from
+    their runs alone, so the harness above can tell the mode from its absence."""
+    eng, requests, _ = deepseek_run
+    off = {"batch_invariant": False, "spec": "none", "num_kv_blocks": 512}
+    ref = Engine(eng.model, eng.tokenizer, device=CPU,
+                 config=EngineConfig(enable_prefix_caching=False, **off))
+    expected = _result([ref.generate([p], sp)[0] for p, sp in requests])
+    eng_off = Engine(eng.model, eng.tokenizer, device=CPU,
+                     config=EngineConfig(max_num_seqs=len(requests), **off))
+    got = _result(eng_off.generate([p for p, _ in requests], [sp for _, sp in requests]))
+    assert sum(g != e for g, e in zip(got, expected)) > 0
