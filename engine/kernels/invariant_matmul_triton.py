@@ -54,6 +54,7 @@ def _programs_at_once(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
 def gemm_plan(n: int, k: int, device: torch.device) -> GemmPlan:
     """The plan for a weight of ``n`` outputs and ``k`` inputs on ``device``: column
     tiles of 64 (128 for wide outputs such as a vocabulary), and K split until one

@@ -222,6 +222,28 @@ def test_linears_give_a_row_the_same_bits_at_any_row_count(out_f, in_f):
     assert torch.allclose(tiled_linear(x, w), x @ w.t(), atol=1e-4)
 
 
+@pytest.mark.parametrize("keys", [64, 192, 1024])
+def test_the_blas_computes_a_row_the_same_way_from_the_attention_row_tile_on(keys):
+    """What the attention's row tile rests on: a batched product's first rows are
+    the same bits at every row count that is a multiple of the tile, and in any
+    batch of matrices (scores: rows x head dim x keys; weighted values: rows x a
+    split of 64 keys x head dim)."""
+    from formcast.engine.kernels.paged_attention_invariant import KV_SPLIT, ROW_TILE
+
+    gen = torch.Generator().manual_seed(keys)
+    d = 64
+    q, k = torch.randn(3, 200, d, generator=gen), torch.randn(3, keys, d, generator=gen)
+    p, v = torch.rand(5, 200, KV_SPLIT, generator=gen), torch.randn(5, KV_SPLIT, d, generator=gen)
+    scores = torch.bmm(q[:, :ROW_TILE], k.transpose(1, 2))
+    values = torch.bmm(p[:, :ROW_TILE], v)
+    for m in range(ROW_TILE, 201, ROW_TILE):
+        assert torch.equal(torch.bmm(q[:, :m], k.transpose(1, 2))[:, :ROW_TILE], scores), m
+        assert torch.equal(torch.bmm(p[:, :m], v)[:, :ROW_TILE], values), m
+    for n in (1, 2, 4):
+        assert torch.equal(torch.bmm(q[:n, :ROW_TILE], k[:n].transpose(1, 2)), scores[:n])
+        assert torch.equal(torch.bmm(p[:n, :ROW_TILE], v[:n]), values[:n])
+
+
 @pytest.mark.parametrize(("context", "chunk", "window", "softcap"),
                          [(150, 150, None, None), (150, 37, None, None), (64, 1, None, None),
                           (65, 2, None, None), (200, 64, None, None), (150, 37, 24, None),
@@ -462,64 +484,3 @@ def test_moe_experts_give_a_token_the_same_bits_in_any_batch(tokens):
     alone_out = grouped_expert_mlp(x[:1], gate_up, down, chosen[:1], weights[:1], 7.0)
     batched = grouped_expert_mlp(x, gate_up, down, chosen, weights, 7.0)
     assert torch.equal(batched[:1], alone_out)
-
-
-# -- DeepSeek-V4 (per-request states: sliding windows, compressed entries, sinks) -------
-
-MTP = SpecConfig(method="mtp", scheduled=False, min_confidence=0.0)
-DEEPSEEK_ARRANGEMENTS = {
-    "together, prefix caching on": ARRANGEMENTS["together, prefix caching on"],
-    "every prefill chunked": ARRANGEMENTS["every prefill chunked"],
-    "tiny KV budget (preemption)": ARRANGEMENTS["tiny KV budget (preemption)"],
-    "prompt-lookup speculation": ARRANGEMENTS["prompt-lookup speculation"],
-    "MTP speculation": lambda m, t, r: random_batches(m, t, r, spec=MTP),
-}
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny DeepSeek-V4 ops on a shared 2-core machine: one thread is much faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def deepseek_run(tmp_path_factory):
-    """A tiny DeepSeek-V4 (every layer type, hash and score routing, an MTP layer)
-    loaded as the engine loads it, its requests, and their results run alone."""
-    from tests.engine.deepseek_v4_folders import CONFIGS, write_folder
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    folder = tmp_path_factory.mktemp("deepseek_v4")
-    write_folder(folder, "all_layers_mtp", 0)
-    eng = Engine.from_pretrained(str(folder), device="cpu", spec="none")
-    vocab = CONFIGS["all_layers_mtp"]["vocab_size"]
-    requests = make_requests(12, seed=7, vocab=(3, vocab - 1), shared=20, longest=60,
-                             max_tokens=(2, 7))
-    outs, _ = alone(eng.model, eng.tokenizer, requests)
-    torch.set_num_threads(before)
-    return eng, requests, _result(outs)
-
-
-@pytest.mark.parametrize("name", list(DEEPSEEK_ARRANGEMENTS))
-def test_deepseek_v4_outputs_are_the_same_in_every_arrangement(deepseek_run, one_thread, name):
-    eng, requests, expected = deepseek_run
-    outs, ran = DEEPSEEK_ARRANGEMENTS[name](eng.model, eng.tokenizer, requests)
-    _check(name, outs, expected, ran, exercised=False)
-
-
-def test_deepseek_v4_mode_off_is_not_batch_invariant(deepseek_run, one_thread):
-    """The control: with the mode off the same requests run together differ from
-    their runs alone, so the harness above can tell the mode from its absence."""
-    eng, requests, _ = deepseek_run
-    off = {"batch_invariant": False, "spec": "none", "num_kv_blocks": 512}
-    ref = Engine(eng.model, eng.tokenizer, device=CPU,
-                 config=EngineConfig(enable_prefix_caching=False, **off))
-    expected = _result([ref.generate([p], sp)[0] for p, sp in requests])
-    eng_off = Engine(eng.model, eng.tokenizer, device=CPU,
-                     config=EngineConfig(max_num_seqs=len(requests), **off))
-    got = _result(eng_off.generate([p for p, _ in requests], [sp for _, sp in requests]))
-    assert sum(g != e for g, e in zip(got, expected)) > 0
