@@ -3,7 +3,8 @@ bitwise the same whatever it shares a step with, through per-request states
 (sliding windows, compressed entries, attention sinks), hyper-connections and
 MoE layers. The harness of tests/engine/test_batch_invariance.py on a tiny
 DeepSeek-V4 loaded as the engine loads it, with MTP speculation, and a mode-off
-control that shows the harness can tell the difference.
+control that shows the harness can tell the difference, and data-parallel
+placement (with and without expert parallel) against one process.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from formcast.engine import Engine, EngineConfig
+from formcast.engine import Engine, EngineConfig, ParallelConfig
 from formcast.engine.speculative import SpecConfig
 from tests.engine.test_batch_invariance import (ARRANGEMENTS, CPU, _check, _result, alone,
                                                 make_requests, random_batches)
@@ -54,6 +55,7 @@ def deepseek_run(tmp_path_factory):
                              max_tokens=(2, 7))
     outs, _ = alone(eng.model, eng.tokenizer, requests)
     torch.set_num_threads(before)
+    eng.folder = folder  # (for the data-parallel test's ranks to load)
     return eng, requests, _result(outs)
 
 
@@ -76,3 +78,19 @@ def test_deepseek_v4_mode_off_is_not_batch_invariant(deepseek_run, one_thread):
                      config=EngineConfig(max_num_seqs=len(requests), **off))
     got = _result(eng_off.generate([p for p, _ in requests], [sp for _, sp in requests]))
     assert sum(g != e for g, e in zip(got, expected)) > 0
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["data parallel", "data and expert parallel"])
+def test_data_parallel_placement_gives_the_bits_of_one_process(deepseek_run, ep):
+    """Two ranks (gloo, CPU) each take some of the requests, in other company than
+    on one process; with ``ep=2`` each MoE layer's experts are split between them
+    and tokens cross to the rank holding theirs. Every token and logprob equals
+    the request run alone on one process."""
+    eng, requests, expected = deepseek_run
+    par = Engine.from_pretrained(str(eng.folder), device="cpu", spec="none",
+                                 parallel=ParallelConfig(dp=2, ep=ep))
+    try:
+        got = _result(par.generate([p for p, _ in requests], [sp for _, sp in requests]))
+    finally:
+        par.shutdown()
+    assert got == expected
