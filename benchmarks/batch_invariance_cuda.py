@@ -53,9 +53,9 @@ def requests_for(n: int, vocab: int, seed: int = 7) -> list[tuple[list[int], Sam
 
 
 def neighbours(n: int, vocab: int, seed: int = 9) -> list[list[int]]:
-    """``n`` long prompts (600 to 1500 tokens) to run beside a request."""
+    """``n`` long prompts (300 to 1000 tokens) to run beside a request."""
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(rng.randrange(600, 1500))]
+    return [[rng.randrange(100, vocab) for _ in range(rng.randrange(300, 1000))]
             for _ in range(n)]
 
 
