@@ -5,10 +5,13 @@ with ``--quantization none``), one with ``EngineConfig(batch_invariant=True)``
 and one with it off, take turns on the same workload (chat prompts, greedy,
 ``--tokens`` a request, ``--batch`` requests at once), the order flipped each
 round. Prints each side's best and median tokens/s and the ratio on/off
-(target: at least 0.95), and whether the two sides' tokens agree (they may
-not: the modes round differently; each is deterministic on its own).
+(target: at least 0.95), the same per second of this process's CPU time (on a
+machine others load, wall time swings with their work; CPU time much less,
+best with ``--threads 1``, where no thread spins waiting for another), and
+whether the two sides' tokens agree (they may not: the modes round
+differently; each is deterministic on its own).
 
-    python benchmarks/batch_invariance_cpu.py --batch 8 --tokens 32 --runs 3
+    python benchmarks/batch_invariance_cpu.py --batch 8 --tokens 32 --runs 3 --threads 1
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ def prompts(engine: Engine, n: int) -> list[list[int]]:
         add_generation_prompt=True, tokenize=True)) for i in range(n)]
 
 
-def timed(engine: Engine, ps: list[list[int]], sp: SamplingParams) -> tuple[float, list]:
-    start = time.perf_counter()
+def timed(engine: Engine, ps: list[list[int]], sp: SamplingParams
+          ) -> tuple[float, float, list]:
+    """Tokens per wall second, tokens per CPU second of this process, the tokens."""
+    start, cpu = time.perf_counter(), time.process_time()
     outs = engine.generate(ps, sp)
-    secs = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / secs, [list(o.token_ids) for o in outs]
+    secs, cpu_secs = time.perf_counter() - start, time.process_time() - cpu
+    n = sum(len(o.token_ids) for o in outs)
+    return n / secs, n / cpu_secs, [list(o.token_ids) for o in outs]
 
 
 def main() -> None:
@@ -62,11 +68,13 @@ def main() -> None:
     for eng in sides.values():  # warm-up (first calls allocate and pack)
         eng.generate(ps[:1], SamplingParams(max_tokens=2, temperature=0.0))
     rates: dict[bool, list[float]] = {False: [], True: []}
+    cpu_rates: dict[bool, list[float]] = {False: [], True: []}
     tokens: dict[bool, list] = {}
     for r in range(args.runs):
         for on in ((False, True) if r % 2 == 0 else (True, False)):
-            rate, toks = timed(sides[on], ps, sp)
+            rate, cpu_rate, toks = timed(sides[on], ps, sp)
             rates[on].append(rate)
+            cpu_rates[on].append(cpu_rate)
             tokens[on] = toks
     print(f"SmolLM2 {args.quantization}, batch {args.batch}, {args.tokens} tokens a request, "
           f"{torch.get_num_threads()} threads, {args.runs} runs a side")
@@ -75,6 +83,12 @@ def main() -> None:
               f"median {statistics.median(rates[on]):8.1f} tok/s")
     print(f"  ratio on/off: best {max(rates[True]) / max(rates[False]):.3f}, "
           f"median {statistics.median(rates[True]) / statistics.median(rates[False]):.3f}")
+    for on in (False, True):
+        print(f"  batch_invariant={on!s:5}: best {max(cpu_rates[on]):8.1f} tok per CPU s, "
+              f"median {statistics.median(cpu_rates[on]):8.1f}")
+    print(f"  ratio on/off per CPU second: best "
+          f"{max(cpu_rates[True]) / max(cpu_rates[False]):.3f}, median "
+          f"{statistics.median(cpu_rates[True]) / statistics.median(cpu_rates[False]):.3f}")
     print(f"  same tokens on both sides: {tokens[True] == tokens[False]}")
 
 

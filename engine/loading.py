@@ -272,7 +272,8 @@ def build_runner(model: LlamaForCausalLM | DeepseekV4ForCausalLM, tokenizer: Tok
             spec.method == "mtp" or (spec.method == "auto" and dtype == torch.float32))
         # per-request states, not paged KV: blocks only admit requests, nothing is shared
         prefix_caching = False
-        runner = DeepseekV4Runner(model, max_rollback=max_rollback, keep_hidden=uses_mtp)
+        runner = DeepseekV4Runner(model, max_rollback=max_rollback, keep_hidden=uses_mtp,
+                                  batch_invariant=config.batch_invariant_on(device.type))
         groups = (KVGroup(window=None, layers=tuple(range(mcfg.num_hidden_layers)),
                           num_blocks=num_blocks),)
         if uses_mtp:

@@ -24,11 +24,14 @@ import torch.nn.functional as F
 
 from formcast.engine.kernels import use_triton
 from formcast.engine.kernels.invariant_matmul import invariant_linear
+from formcast.engine.kernels.invariant_pointwise import pointwise
 
 
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float,
+                   invariant: bool = False) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``; ``invariant``: the silu by
+    :func:`formcast.engine.kernels.invariant_pointwise.pointwise` (row count-free bits)."""
+    return pointwise(F.silu, gate.clamp(max=limit), invariant) * up.clamp(min=-limit, max=limit)
 
 
 def grouped_expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -54,7 +57,7 @@ def grouped_expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
             continue
         rows = tokens[start:start + count]
         gate, up = invariant_linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
-        y = invariant_linear(clamped_swiglu(gate, up, limit), down[expert])
+        y = invariant_linear(clamped_swiglu(gate, up, limit, invariant), down[expert])
         out.index_add_(0, rows, (y * slot_weights[start:start + count, None]).to(out.dtype))
         start += count
     return out

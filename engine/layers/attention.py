@@ -21,7 +21,8 @@ from formcast.engine.kernels.paged_attention import (decode_masked_out, paged_de
 from formcast.engine.kernels.paged_attention_invariant import (decode_masked_keys,
                                                                decode_width,
                                                                invariant_decode_attention,
-                                                               invariant_prefill_attention_)
+                                                               invariant_prefill_attention_,
+                                                               prefill_masked_keys)
 from formcast.engine.kernels.rope import store_kv_
 
 
@@ -145,8 +146,14 @@ def _invariant_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             return o
         out[meta.decode_rows] = o
     if meta.prefills:
-        invariant_prefill_attention_(out, q, k_cache, v_cache, *meta.prefill_args(), scale,
-                                     window=window, softcap=softcap)
+        args = meta.prefill_args()
+        chunk_masks = meta.__dict__.setdefault("_invariant_prefill_masked", {})
+        masks = chunk_masks.get(window)
+        if masks is None:  # (once a step, not a layer)
+            masks = chunk_masks[window] = prefill_masked_keys(
+                args[1], args[2], h // k_cache.shape[2], window, q.device)
+        invariant_prefill_attention_(out, q, k_cache, v_cache, *args, scale, window=window,
+                                     softcap=softcap, masks=masks)
     return out
 
 

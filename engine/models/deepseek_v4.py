@@ -21,12 +21,13 @@ Legend: ``T`` tokens of the step, ``N`` hc streams, ``E`` hidden size, ``V`` voc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from formcast.engine.config import DeepseekV4Config
+from formcast.engine.kernels.invariant_pointwise import pointwise
+from formcast.engine.layers.linear import Linear
 from formcast.engine.models.deepseek_v4_attention import ChunkView, DeepseekV4Attention
-from formcast.engine.models.deepseek_v4_common import V4RMSNorm, V4Rotary, rms_normalize
+from formcast.engine.models.deepseek_v4_common import V4RMSNorm, V4Rotary, dense, rms_normalize
 from formcast.engine.models.deepseek_v4_moe import DeepseekV4MoE
 from formcast.engine.models.deepseek_v4_state import DeepseekV4State, LayerState
 
@@ -38,6 +39,8 @@ class HyperConnection(nn.Module):
     weights, ``sigmoid + eps``), ``post`` (spread weights, ``2 sigmoid``) and ``comb``
     (``N x N`` stream mix: row softmax + eps, then Sinkhorn row/column normalization).
     """
+
+    batch_invariant: bool = False  # (row-invariant mixing map and stream sums; set by the runner)
 
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
@@ -51,22 +54,26 @@ class HyperConnection(nn.Module):
         """streams ``[T, N, E]`` -> post ``[T, N]``, comb ``[T, N, N]`` (float32) and the
         collapsed block input ``[T, E]`` in the streams' dtype."""
         n = self.n
-        mixes = F.linear(rms_normalize(streams.flatten(1).float(), self.eps), self.fn.float())
+        mixes = dense(rms_normalize(streams.flatten(1).float(), self.eps), self.fn.float(),
+                      self.batch_invariant)
         pre, post, comb = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        pre = torch.sigmoid(pre * self.scale[0] + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post * self.scale[1] + post_b)
+        inv = self.batch_invariant
+        pre = pointwise(torch.sigmoid, pre * self.scale[0] + pre_b, inv) + self.hc_eps
+        post = 2 * pointwise(torch.sigmoid, post * self.scale[1] + post_b, inv)
         comb = (comb * self.scale[2] + comb_b).unflatten(-1, (n, n)).softmax(dim=-1) + self.hc_eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        collapsed = _stream_sum(pre, streams, self.batch_invariant).to(streams.dtype)
         return post, comb, collapsed
 
 
 class HyperHead(nn.Module):
     """Final collapse of the streams: ``sum_j (sigmoid(mix_j) + eps) * stream_j``."""
+
+    batch_invariant: bool = False
 
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
@@ -78,19 +85,40 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams ``[T, N, E]`` -> ``[T, E]``."""
-        mixes = F.linear(rms_normalize(streams.flatten(1).float(), self.eps), self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
+        mixes = dense(rms_normalize(streams.flatten(1).float(), self.eps), self.hc_fn.float(),
+                      self.batch_invariant)
+        pre = pointwise(torch.sigmoid, mixes * self.hc_scale.float() + self.hc_base.float(),
+                        self.batch_invariant) + self.hc_eps
+        return _stream_sum(pre, streams, self.batch_invariant).to(streams.dtype)
 
 
-def _mix(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+def _stream_sum(weights: torch.Tensor, streams: torch.Tensor, invariant: bool) -> torch.Tensor:
+    # sum_j weights[:, j] * stream_j: weights [T, N], streams [T, N, E] -> [T, E]; with
+    # ``invariant`` added stream after stream, whatever T
+    if not invariant:
+        return (weights[..., None] * streams).sum(dim=1)
+    out = weights[:, 0, None] * streams[:, 0]
+    for j in range(1, streams.shape[1]):
+        out = out + weights[:, j, None] * streams[:, j]
+    return out
+
+
+def _mix(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor,
+         invariant: bool = False) -> torch.Tensor:
     # new stream k = post_k * out + sum_j comb[j, k] * stream_j  -> [T, N, E]
     dtype = streams.dtype
-    return post.to(dtype)[..., None] * out[:, None, :] + comb.to(dtype).transpose(-1, -2) @ streams
+    spread = post.to(dtype)[..., None] * out[:, None, :]
+    comb = comb.to(dtype)
+    if not invariant:
+        return spread + comb.transpose(-1, -2) @ streams
+    return spread + torch.stack([_stream_sum(comb[:, :, k], streams, True)
+                                 for k in range(streams.shape[1])], dim=1)
 
 
 class DeepseekV4DecoderLayer(nn.Module):
     """Attention and MoE blocks, each between two mHC sites."""
+
+    batch_invariant: bool = False  # (the stream mixes in a fixed order; set by the runner)
 
     def __init__(self, config: DeepseekV4Config, layer_type: str, *, hashed: bool,
                  rotary: V4Rotary) -> None:
@@ -108,10 +136,10 @@ class DeepseekV4DecoderLayer(nn.Module):
         """streams ``[T, N, E]`` -> new streams and each chunk's new layer state."""
         post, comb, x = self.attn_hc(streams)
         out, states = self.self_attn(self.input_layernorm(x), positions, chunks, states, max_rollback)
-        streams = _mix(post, comb, out, streams)
+        streams = _mix(post, comb, out, streams, self.batch_invariant)
         post, comb, x = self.ffn_hc(streams)
         out = self.mlp(self.post_attention_layernorm(x), token_ids)
-        return _mix(post, comb, out, streams), states
+        return _mix(post, comb, out, streams, self.batch_invariant), states
 
 
 class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
@@ -130,8 +158,8 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
         e = config.hidden_size
         self.enorm = V4RMSNorm(e, config.rms_norm_eps)
         self.hnorm = V4RMSNorm(e, config.rms_norm_eps)
-        self.e_proj = nn.Linear(e, e, bias=False)
-        self.h_proj = nn.Linear(e, e, bias=False)
+        self.e_proj = Linear(e, e, bias=False)
+        self.h_proj = Linear(e, e, bias=False)
         self.hc_head = HyperHead(config)
         self.norm = V4RMSNorm(e, config.rms_norm_eps)
 
@@ -166,11 +194,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekV4Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = nn.ModuleList([DeepseekV4MTPLayer(config, self.model.rotary_main)] if with_mtp else [])
         self.lockstep = None  # expert parallel: formcast.engine.parallel.worker.Lockstep
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Batch-invariant mode for every part of the model: a row's results then do
+        not depend on the rows or chunks it shares a step with (the runner sets it)."""
+        for module in self.modules():
+            if hasattr(type(module), "batch_invariant"):
+                module.batch_invariant = on
 
     # -- state -----------------------------------------------------------------------
 
@@ -279,7 +314,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         mtp = self.mtp[0]
         chunks = _chunks(next_token_ids, states, lengths, [s.mtp_num_tokens for s in states])
         e = mtp.e_proj(mtp.enorm(self.model.embed_tokens(next_token_ids)))  # [T, E]
-        streams = e[:, None, :] + mtp.h_proj(mtp.hnorm(hidden))  # [T, N, E]
+        streams = e[:, None, :] + mtp.h_proj(mtp.hnorm(hidden).flatten(0, 1)).view_as(hidden)
         streams, new = mtp(streams, positions, next_token_ids, chunks,
                            [s.mtp_layers[0] for s in states], _rollback(states))
         for state, layer_state, length in zip(states, new, lengths):

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from formcast.engine.config import DeepseekV4Config
-from formcast.engine.models.deepseek_v4_common import V4RMSNorm, V4Rotary, rms_normalize
+from formcast.engine.kernels.paged_attention_invariant import KV_SPLIT, ROW_TILE, attend_split
+from formcast.engine.layers.linear import Linear
+from formcast.engine.models.deepseek_v4_common import V4RMSNorm, V4Rotary, dense, rms_normalize
 from formcast.engine.models.deepseek_v4_state import CompressorState, LayerState
 
 
@@ -65,8 +67,8 @@ class Compressor(nn.Module):
         super().__init__()
         self.dim, self.rate, self.overlap = dim, rate, overlap
         width = 2 * dim if overlap else dim
-        self.kv_proj = nn.Linear(hidden_size, width, bias=False)
-        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
+        self.kv_proj = Linear(hidden_size, width, bias=False)
+        self.gate_proj = Linear(hidden_size, width, bias=False)
         self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
         self.kv_norm = V4RMSNorm(dim, eps)
 
@@ -130,14 +132,17 @@ class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: scores compressed entries per query,
     ``sum_h w_h(x) * relu(q_h . k_s) / sqrt(DI)``, over its own overlapping compressor."""
 
+    # batch-invariant mode: scores by row-invariant products, heads summed in a fixed order
+    batch_invariant: bool = False
+
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
         self.num_heads, self.head_dim = config.index_n_heads, config.index_head_dim
         self.topk = config.index_topk
         self.compressor = Compressor(config.hidden_size, self.head_dim, config.compress_rate_csa,
                                      overlap=True, eps=config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.weights_proj = Linear(config.hidden_size, self.num_heads, bias=False)
 
     def queries(self, q_residual: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 rotary: V4Rotary) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,16 +155,39 @@ class Indexer(nn.Module):
                visible: torch.Tensor) -> torch.Tensor:
         """q ``[L, HI, DI]``, weights ``[L, HI]``, keys ``[n, DI]``, visible ``[L, n]`` ->
         bool ``[L, n]``: the visible entries among each query's top ``index_topk``."""
-        scores = F.relu(torch.einsum("lhd,nd->lhn", q.float(), keys.float())) * self.head_dim ** -0.5
-        scores = (scores * weights[..., None]).sum(dim=1)  # [L, n]
+        if self.batch_invariant:
+            scores = self._invariant_scores(q, weights, keys)
+        else:
+            scores = F.relu(torch.einsum("lhd,nd->lhn", q.float(), keys.float())) * self.head_dim ** -0.5
+            scores = (scores * weights[..., None]).sum(dim=1)  # [L, n]
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = torch.zeros_like(visible)
         chosen.scatter_(1, deterministic_topk(scores, self.topk), True)
         return chosen & visible
 
+    def _invariant_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor
+                          ) -> torch.Tensor:
+        # select's scores [L, n], each row's bits independent of L and of n: the
+        # products on row tiles, the heads added one after another
+        length, n = q.shape[0], keys.shape[0]
+        width = -(-n // KV_SPLIT) * KV_SPLIT
+        if n == 0:
+            return weights.new_zeros(length, 0)
+        padded = keys.float().new_zeros(width, keys.shape[1])
+        padded[:n] = keys.float()
+        scores = F.relu(dense(q.float(), padded, True)[..., :n]) * self.head_dim ** -0.5
+        out = scores[:, 0] * weights[:, 0, None]
+        for h in range(1, self.num_heads):
+            out += scores[:, h] * weights[:, h, None]
+        return out
+
 
 class DeepseekV4Attention(nn.Module):
     """Attention of one layer (sliding, CSA or HCA), over per-sequence states."""
+
+    # batch-invariant mode: a row's attention and low-rank output do not depend on
+    # the chunk it came in or the rows beside it (set by the runner)
+    batch_invariant: bool = False
 
     def __init__(self, config: DeepseekV4Config, layer_type: str, rotary: V4Rotary) -> None:
         super().__init__()
@@ -169,15 +197,15 @@ class DeepseekV4Attention(nn.Module):
         self.o_groups = config.o_groups
         self.eps = config.rms_norm_eps
         self.rotary = rotary
-        self.q_a_proj = nn.Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_a_proj = Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_a_norm = V4RMSNorm(config.q_lora_rank, config.rms_norm_eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
-        self.kv_proj = nn.Linear(config.hidden_size, self.head_dim, bias=False)
+        self.q_b_proj = Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False)
+        self.kv_proj = Linear(config.hidden_size, self.head_dim, bias=False)
         self.kv_norm = V4RMSNorm(self.head_dim, config.rms_norm_eps)
         # o_a_proj holds the o_groups per-group [o_lora_rank, H*D/o_groups] maps stacked.
-        self.o_a_proj = nn.Linear(self.num_heads * self.head_dim // config.o_groups,
+        self.o_a_proj = Linear(self.num_heads * self.head_dim // config.o_groups,
                                   config.o_groups * config.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.o_b_proj = Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.compressor: Compressor | None = None
         self.indexer: Indexer | None = None
@@ -244,12 +272,18 @@ class DeepseekV4Attention(nn.Module):
         out = self.rotary.rotate(torch.cat(outputs), cos, -sin)  # [T, H, D], rotation undone
         grouped = out.reshape(x.shape[0], self.o_groups, -1)  # [T, G, H*D/G]
         w = self.o_a_proj.weight.view(self.o_groups, -1, grouped.shape[-1])  # [G, r, H*D/G]
-        low_rank = torch.einsum("tgi,gri->tgr", grouped, w).flatten(1)  # [T, G*r]
+        if self.batch_invariant:  # one row-invariant product a group
+            low_rank = torch.cat([dense(grouped[:, g], w[g], True) for g in range(self.o_groups)],
+                                 dim=-1)
+        else:
+            low_rank = torch.einsum("tgi,gri->tgr", grouped, w).flatten(1)  # [T, G*r]
         return self.o_b_proj(low_rank), new_states
 
     def _attend(self, q: torch.Tensor, window: torch.Tensor, chunk: ChunkView,
                 extra_keys: torch.Tensor | None, selected: torch.Tensor | None) -> torch.Tensor:
         # q [L, H, D]; window [w + L, D] ending at the chunk's last token -> [L, H, D]
+        if self.batch_invariant:
+            return self._attend_invariant(q, window, chunk, extra_keys, selected)
         length = q.shape[0]
         q_pos = torch.arange(chunk.past, chunk.past + length, device=q.device)
         k_pos = torch.arange(chunk.past + length - window.shape[0], chunk.past + length, device=q.device)
@@ -264,3 +298,36 @@ class DeepseekV4Attention(nn.Module):
         sinks = self.sinks.float().view(-1, 1, 1).expand(-1, length, 1)
         probs = torch.cat((logits, sinks), dim=-1).softmax(dim=-1)[..., :-1]
         return torch.einsum("hls,sd->lhd", probs.to(keys.dtype), keys)
+
+    def _attend_invariant(self, q: torch.Tensor, window: torch.Tensor, chunk: ChunkView,
+                          extra_keys: torch.Tensor | None, selected: torch.Tensor | None
+                          ) -> torch.Tensor:
+        """:meth:`_attend` by :func:`attend_split`: window keys sit at their absolute
+        position in splits of ``KV_SPLIT`` (zeros before and after), compressed entries
+        at their index in splits of their own, every (token, head) a query row; so a
+        query's keys meet the same reductions in any chunk, prompt or decode."""
+        length, heads, d = q.shape
+        first = chunk.past + length - window.shape[0]  # position of window[0]
+        lead = first % KV_SPLIT
+        span = -(-(lead + window.shape[0]) // KV_SPLIT) * KV_SPLIT
+        n = 0 if extra_keys is None else extra_keys.shape[0]
+        width = span + -(-n // KV_SPLIT) * KV_SPLIT
+        keys = window.float().new_zeros(width, d)
+        keys[lead:lead + window.shape[0]] = window.float()
+        q_pos = torch.arange(chunk.past, chunk.past + length, device=q.device)[:, None]
+        k_pos = torch.arange(first - lead, first - lead + span, device=q.device)[None, :]
+        allowed = q.new_zeros(length, width, dtype=torch.bool)
+        allowed[:, :span] = (k_pos <= q_pos) & (k_pos > q_pos - self.sliding_window)
+        if n:
+            keys[span:span + n] = extra_keys.float()
+            allowed[:, span:span + n] = selected
+        rows = -(-length * heads // ROW_TILE) * ROW_TILE
+        qq = keys.new_zeros(1, rows, d)
+        qq[0, :length * heads] = q.reshape(length * heads, d).float()
+        masked = torch.ones(rows, width, dtype=torch.bool, device=q.device)
+        masked[:length * heads] = ~allowed.repeat_interleave(heads, dim=0)
+        sinks = self.sinks.float().repeat(length)
+        sinks = torch.cat((sinks, sinks.new_zeros(rows - sinks.shape[0])))
+        out = attend_split(qq, keys[None], keys[None], masked[None], self.head_dim ** -0.5,
+                           sinks=sinks.view(1, rows, 1))
+        return out[0, :length * heads].view(length, heads, d).to(window.dtype)

@@ -1,4 +1,5 @@
-"""Small pieces DeepSeek-V4 uses everywhere: its RMS norms and its interleaved RoPE.
+"""Small pieces DeepSeek-V4 uses everywhere: its RMS norms, its interleaved RoPE, and
+the matrix product of its batch-invariant mode.
 
 Shapes: ``T`` tokens, ``R`` rotated channels (``qk_rope_head_dim``).
 """
@@ -8,9 +9,28 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from formcast.engine.config import RopeSpec
+from formcast.engine.kernels.invariant_matmul import invariant_linear
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """``x W^T`` for ``x`` [..., K] and ``weight`` [N, K]; with ``invariant`` each row by
+    a GEMM whose result does not depend on the number of rows (CPU float32 row tiles,
+    the fixed-tile Triton GEMM for CUDA half types; others as ``F.linear``)."""
+    if not invariant:
+        return F.linear(x, weight)
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.is_cuda and flat.dtype in (torch.bfloat16, torch.float16) and \
+            weight.dtype == flat.dtype and flat.shape[0]:
+        from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+
+        y = invariant_linear_triton(flat, weight)
+    else:
+        y = invariant_linear(flat, weight)
+    return y.view(*x.shape[:-1], weight.shape[0])
 
 
 class V4RMSNorm(nn.Module):

@@ -12,7 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from formcast.engine.config import DeepseekV4Config
+from formcast.engine.kernels.invariant_pointwise import pointwise
 from formcast.engine.kernels.moe import clamped_swiglu, grouped_expert_mlp
+from formcast.engine.layers.linear import Linear
+from formcast.engine.models.deepseek_v4_common import dense
 
 
 class Router(nn.Module):
@@ -24,6 +27,8 @@ class Router(nn.Module):
     scores are normalized to sum to one (when ``norm_topk_prob``) and multiplied by
     ``routed_scaling_factor``.
     """
+
+    batch_invariant: bool = False  # (row-invariant router product; set by the runner)
 
     def __init__(self, config: DeepseekV4Config, *, hashed: bool) -> None:
         super().__init__()
@@ -41,11 +46,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x ``[T, E]``, token_ids ``[T]`` -> expert ids ``[T, K]``, weights ``[T, K]``."""
-        logits = F.linear(x, self.weight)
+        logits = dense(x, self.weight, self.batch_invariant)
         if self.scoring_func == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
+            scores = pointwise(F.softplus, logits, self.batch_invariant).sqrt()
         elif self.scoring_func == "sigmoid":
-            scores = logits.sigmoid()
+            scores = pointwise(torch.sigmoid, logits, self.batch_invariant)
         else:
             scores = logits.softmax(dim=-1)
         if self.hashed:
@@ -61,20 +66,25 @@ class Router(nn.Module):
 class SharedExpert(nn.Module):
     """The always-on expert: a dense clamped-SwiGLU MLP."""
 
+    batch_invariant: bool = False  # (the activation by invariant_pointwise; set by the runner)
+
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
         self.limit = config.swiglu_limit
-        self.gate_proj = nn.Linear(config.hidden_size, config.moe_intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.moe_intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.moe_intermediate_size, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, config.moe_intermediate_size, bias=False)
+        self.up_proj = Linear(config.hidden_size, config.moe_intermediate_size, bias=False)
+        self.down_proj = Linear(config.moe_intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit,
+                                             self.batch_invariant))
 
 
 class Experts(nn.Module):
     """Routed experts stored stacked: ``gate_up_proj [X, 2I, E]`` (gate rows first),
     ``down_proj [X, E, I]``."""
+
+    batch_invariant: bool = False  # (fixed tiles on the Triton path; set by the runner)
 
     def __init__(self, config: DeepseekV4Config) -> None:
         super().__init__()
@@ -87,7 +97,7 @@ class Experts(nn.Module):
         """x ``[T, E]``, experts/weights ``[T, K]`` -> ``[T, E]`` (grouped GEMMs in
         Triton on CUDA, a loop over the experts with tokens elsewhere)."""
         return grouped_expert_mlp(x, self.gate_up_proj, self.down_proj, experts, weights,
-                                  self.limit)
+                                  self.limit, invariant=self.batch_invariant)
 
 
 class DeepseekV4MoE(nn.Module):

@@ -109,17 +109,24 @@ class DeepseekV4Runner:
     max_pending : int
         Streams kept per request before the MTP layer reads them without being asked
         (a long prompt, or a request that is not drafted for: bounded memory).
+    batch_invariant : bool
+        Run the model in batch-invariant mode
+        (:meth:`DeepseekV4ForCausalLM.set_batch_invariant`): a request's logits do not
+        depend on the requests, chunks or drafts it shares a step with.
     """
 
     def __init__(self, model: DeepseekV4ForCausalLM, *, max_rollback: int = 16,
                  snapshot_interval: int = 64, keep_snapshots: int = 2,
-                 keep_hidden: bool = False, max_pending: int = 256) -> None:
+                 keep_hidden: bool = False, max_pending: int = 256,
+                 batch_invariant: bool = False) -> None:
         if max_rollback < 1 or snapshot_interval < 1 or keep_snapshots < 0:
             raise ValueError(f"need max_rollback >= 1, snapshot_interval >= 1 and keep_snapshots >= 0, "
                              f"got {max_rollback}, {snapshot_interval}, {keep_snapshots}")
         if keep_hidden and not len(model.mtp):
             raise ValueError("keep_hidden serves the MTP layer, but this model has none")
         self.model = model
+        model.set_batch_invariant(batch_invariant)  # (a model's setting: the last runner decides)
+        self.batch_invariant = batch_invariant
         self.max_rollback = max_rollback
         self.snapshot_interval = snapshot_interval
         self.keep_snapshots = keep_snapshots

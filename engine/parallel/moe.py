@@ -27,6 +27,10 @@ class ExpertParallelExperts(nn.Module):
     placement (:meth:`place`, between steps) copies the experts a rank gains from
     a rank that holds them, over the group (point to point)."""
 
+    # batch-invariant mode (set with the model's): the activation by invariant_pointwise,
+    # and a token's experts added in expert order, as on one process
+    batch_invariant: bool = False
+
     def __init__(self, full_gate_up: torch.Tensor, full_down: torch.Tensor, limit: float,
                  placement: ExpertPlacement, group=None) -> None:
         super().__init__()
@@ -108,10 +112,13 @@ class ExpertParallelExperts(nn.Module):
         slots = slots.to(dev)
         y = grouped_expert_mlp(rows, self.gate_up, self.down, slots[:, None],
                                torch.ones(len(slots), 1, dtype=torch.float32, device=dev),
-                               self.limit)
+                               self.limit, invariant=self.batch_invariant)
         back = torch.empty(t * k, x.shape[1], dtype=x.dtype, device=dev)
         dist.all_to_all_single(back, y.contiguous(), send, recv, group=self.group)
         out = torch.zeros_like(x)
         w = weights.flatten()[order.to(dev)]
+        if self.batch_invariant:  # (pairs by expert, as grouped_expert_mlp adds them)
+            by_expert = torch.argsort(flat[order], stable=True).to(dev)
+            tokens, back, w = tokens[by_expert], back[by_expert], w[by_expert]
         out.index_add_(0, tokens, (back * w[:, None]).to(out.dtype))
         return out

@@ -63,6 +63,7 @@ def shard_experts(model, placements: list[ExpertPlacement], group=None) -> None:
         ex = moe.experts
         moe.experts = ExpertParallelExperts(ex.gate_up_proj.data, ex.down_proj.data, ex.limit,
                                             placement, group)
+        moe.experts.batch_invariant = ex.batch_invariant  # (the model's mode, set before)
     model.lockstep = Lockstep(model, group)
 
 

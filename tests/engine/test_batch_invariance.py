@@ -14,7 +14,11 @@ default int4 engine with prefix caching) is a test of its own.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -218,6 +222,28 @@ def test_linears_give_a_row_the_same_bits_at_any_row_count(out_f, in_f):
     assert torch.allclose(tiled_linear(x, w), x @ w.t(), atol=1e-4)
 
 
+@pytest.mark.parametrize("keys", [64, 192, 1024])
+def test_the_blas_computes_a_row_the_same_way_from_the_attention_row_tile_on(keys):
+    """What the attention's row tile rests on: a batched product's first rows are
+    the same bits at every row count that is a multiple of the tile, and in any
+    batch of matrices (scores: rows x head dim x keys; weighted values: rows x a
+    split of 64 keys x head dim)."""
+    from formcast.engine.kernels.paged_attention_invariant import KV_SPLIT, ROW_TILE
+
+    gen = torch.Generator().manual_seed(keys)
+    d = 64
+    q, k = torch.randn(3, 200, d, generator=gen), torch.randn(3, keys, d, generator=gen)
+    p, v = torch.rand(5, 200, KV_SPLIT, generator=gen), torch.randn(5, KV_SPLIT, d, generator=gen)
+    scores = torch.bmm(q[:, :ROW_TILE], k.transpose(1, 2))
+    values = torch.bmm(p[:, :ROW_TILE], v)
+    for m in range(ROW_TILE, 201, ROW_TILE):
+        assert torch.equal(torch.bmm(q[:, :m], k.transpose(1, 2))[:, :ROW_TILE], scores), m
+        assert torch.equal(torch.bmm(p[:, :m], v)[:, :ROW_TILE], values), m
+    for n in (1, 2, 4):
+        assert torch.equal(torch.bmm(q[:n, :ROW_TILE], k[:n].transpose(1, 2)), scores[:n])
+        assert torch.equal(torch.bmm(p[:n, :ROW_TILE], v[:n]), values[:n])
+
+
 @pytest.mark.parametrize(("context", "chunk", "window", "softcap"),
                          [(150, 150, None, None), (150, 37, None, None), (64, 1, None, None),
                           (65, 2, None, None), (200, 64, None, None), (150, 37, 24, None),
@@ -372,6 +398,75 @@ def test_cuda_bf16_outputs_are_the_same_in_every_arrangement(tokenizer, name):
             batch = requests[i:i + 5]
             outs += eng.generate([p for p, _ in batch], [sp for _, sp in batch])
     _check(name, outs, expected, eng)
+
+
+_TRITON_GEMM_CASES = textwrap.dedent("""
+    import torch
+    from formcast.engine.kernels.invariant_matmul_triton import gemm_plan, invariant_linear_triton
+    torch.manual_seed(0)
+    cpu = torch.device("cpu")
+    # (N, K, workspace): one split; K split in five; five splits in launches of 64 rows
+    for n, k, workspace in [(130, 128, 1 << 24), (40, 640, 1 << 24), (40, 640, 64 * 40 * 5)]:
+        splits = gemm_plan(n, k, cpu).splits
+        assert splits == (1 if n == 130 else 5), splits
+        w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(150, k)
+        alone = invariant_linear_triton(x[:1], w, b, workspace=workspace)
+        for m in (2, 65, 150):
+            rows = torch.cat([x[1:m], x[:1]])  # the row last, after m - 1 others
+            got = invariant_linear_triton(rows, w, b, workspace=workspace)
+            assert torch.equal(got[-1:], alone), (n, k, m)
+        full = invariant_linear_triton(x, w, b, workspace=workspace)
+        assert torch.allclose(full, x @ w.t() + b, atol=1e-3), (n, k)
+    print("ok")
+""")
+
+
+def test_triton_gemm_gives_a_row_the_same_bits_at_any_row_count():
+    """The CUDA linears' fixed-plan GEMM (K split by the weight's shape, never by
+    the row count; splits added in order by a second kernel), run by Triton's
+    interpreter on the CPU: a row alone equals that row among 1 to 149 others,
+    with one split, five, and five in launches of a small workspace."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", _TRITON_GEMM_CASES], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("out_f", "in_f"), [(960, 576), (576, 1536), (3072, 576),
+                                             (49152, 576)])
+def test_cuda_gemm_gives_a_row_the_same_bits_at_any_row_count(out_f, in_f):
+    """On the device, bfloat16 at a small model's projection shapes (the head's
+    too, written in float32): a row alone equals that row among up to 4095 others."""
+    from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(out_f, in_f, device=dev, generator=gen).bfloat16()
+    x = torch.randn(4096, in_f, device=dev, generator=gen).bfloat16()
+    out = torch.float32 if out_f == 49152 else None
+    alone = invariant_linear_triton(x[:1], w, out_dtype=out)
+    for m in (2, 7, 64, 65, 256, 1000, 4096):
+        rows = torch.cat([x[1:m], x[:1]])
+        assert torch.equal(invariant_linear_triton(rows, w, out_dtype=out)[-1:], alone), m
+    ref = (x.float() @ w.float().t())
+    assert torch.allclose(invariant_linear_triton(x, w, out_dtype=torch.float32), ref,
+                          atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.silu,
+                                torch.nn.functional.softplus])
+@pytest.mark.parametrize("width", [1, 3, 16, 2049])
+def test_pointwise_gives_a_row_the_same_bits_at_any_row_count(fn, width):
+    """sigmoid, silu and softplus round differently in torch's scalar tail than in
+    its vector loop; through ``pointwise`` a row's bits are the same alone or among others."""
+    from formcast.engine.kernels.invariant_pointwise import pointwise
+
+    x = torch.randn(40, width, generator=torch.Generator().manual_seed(width))
+    every = pointwise(fn, x)
+    for m in (1, 2, 5, 17, 39):
+        assert torch.equal(pointwise(fn, x[:m]), every[:m]), m
+    assert torch.allclose(every, fn(x))
 
 
 @pytest.mark.parametrize("tokens", [2, 9, 40])
