@@ -14,6 +14,7 @@ import torch
 
 from formcast.engine import Engine, EngineConfig, ParallelConfig
 from formcast.engine.speculative import SpecConfig
+from tests.engine.deepseek_v4_helpers import _one_thread  # noqa: F401  (autouse)
 from tests.engine.test_batch_invariance import (ARRANGEMENTS, CPU, _check, _result, alone,
                                                 make_requests, random_batches)
 
@@ -28,15 +29,6 @@ DEEPSEEK_ARRANGEMENTS = {
     "prompt-lookup speculation": ARRANGEMENTS["prompt-lookup speculation"],
     "MTP speculation": lambda m, t, r: random_batches(m, t, r, spec=MTP),
 }
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny DeepSeek-V4 ops on a shared 2-core machine: one thread is much faster."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -60,13 +52,13 @@ def deepseek_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(DEEPSEEK_ARRANGEMENTS))
-def test_deepseek_v4_outputs_are_the_same_in_every_arrangement(deepseek_run, one_thread, name):
+def test_deepseek_v4_outputs_are_the_same_in_every_arrangement(deepseek_run, name):
     eng, requests, expected = deepseek_run
     outs, ran = DEEPSEEK_ARRANGEMENTS[name](eng.model, eng.tokenizer, requests)
     _check(name, outs, expected, ran, exercised=False)
 
 
-def test_deepseek_v4_mode_off_is_not_batch_invariant(deepseek_run, one_thread):
+def test_deepseek_v4_mode_off_is_not_batch_invariant(deepseek_run):
     """The control: with the mode off the same requests run together differ from
     their runs alone, so the harness above can tell the mode from its absence."""
     eng, requests, _ = deepseek_run

@@ -19,21 +19,13 @@ from formcast.engine.loader import load_checkpoint
 from formcast.engine.loading import build_model
 from formcast.engine.tokenizer import Tokenizer
 from tests.engine.deepseek_v4_folders import write_tokenizer
+from tests.engine.deepseek_v4_helpers import _one_thread  # noqa: F401  (autouse)
 from tests.engine.model_families import GGUF_CASES, HF_CASES, VOCAB, WINDOW, reference, write_gguf
 
 transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 GENERATED = 32
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """(the 2-core machine runs several test processes)"""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
