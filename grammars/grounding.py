@@ -24,12 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from formcast.grammars.errors import ConstraintError
-from formcast.grammars.matcher import Matcher
 from formcast.grammars.schema_refs import lookup
-from formcast.grammars.vocab import Vocabulary
+
+if TYPE_CHECKING:   # the matcher and vocabulary pull in torch; checking a constraint must not
+    from formcast.grammars.matcher import Matcher
+    from formcast.grammars.vocab import Vocabulary
 
 MODES = ("off", "auto", "strict")
 KEYWORD = "x-grounded"
