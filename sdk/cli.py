@@ -26,8 +26,8 @@ from rich.table import Table
 from rich.text import Text
 
 import formcast
-from formcast.cli_inputs import load_schema, read_json_schema, read_text, read_texts, read_vars
-from formcast.cli_reports import (DatasetRateColumn, cache_files, model_card,
+from formcast.cli_inputs import check_task_constraints, load_schema, read_json_schema, read_text, read_texts, read_vars
+from formcast.cli_reports import (DatasetRateColumn, cache_files, model_card, parameter_count,
                                   print_dataset_summary, print_eval_summary, versions)
 from formcast.errors import (ConstraintError, FormcastError, IncompleteOutputError,
                              ModelNotFoundError, OutputValidationError, RequestError)
@@ -173,7 +173,7 @@ def info(ctx: typer.Context,
     engine, cfg, tok = llm.engine, llm.engine.model.config, llm.tokenizer
     report = {
         "model": {"name": engine.name, "source": str(source.path), "format": source.kind,
-                  "architecture": cfg.architecture, "parameters": _parameter_count(cfg),
+                  "architecture": cfg.architecture, "parameters": parameter_count(cfg),
                   "layers": cfg.num_hidden_layers, "hidden_size": cfg.hidden_size,
                   "intermediate_size": cfg.intermediate_size,
                   "attention_heads": cfg.num_attention_heads,
@@ -206,15 +206,6 @@ def info(ctx: typer.Context,
                 value, bool) else str(value))
         out.print(table)
         out.print()
-
-
-def _parameter_count(cfg: Any) -> int:
-    """Weights of a Llama decoder, from its shape (true whatever the storage format)."""
-    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
-        cfg.num_key_value_heads * cfg.head_dim
-    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size + 2 * h
-    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
-    return cfg.vocab_size * h + cfg.num_hidden_layers * layer + h + head
 
 
 # -- generate -----------------------------------------------------------------------
@@ -468,7 +459,7 @@ def eval_command(
     except (ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc), param_hint="TASK")
     with _errors_to_exit_codes():
-        _check_task_constraints(items)
+        check_task_constraints(items)
         llm = _load_llm(ctx, model, device, dtype, quantization)
         columns = (SpinnerColumn(), TextColumn("{task.description:13s}"), BarColumn(bar_width=20),
                    MofNCompleteColumn(), TimeElapsedColumn())
@@ -489,25 +480,6 @@ def eval_command(
         if plot is not None:
             plot_report(data, plot)
     print_eval_summary(Console(highlight=False), _err(), data, report, plot)
-
-
-def _check_task_constraints(items: list[Any]) -> None:
-    """Each distinct constraint of a task, checked before the model loads.
-
-    Raises
-    ------
-    ConstraintError
-        The first bad constraint, with the id of the item holding it.
-    """
-    seen: set[str] = set()
-    for item in items:
-        if item.constraint_key in seen:
-            continue
-        seen.add(item.constraint_key)
-        try:
-            output_spec(**{item.kind: item.constraint}).check()
-        except ConstraintError as exc:
-            raise ConstraintError(f"task item {item.id!r}: {exc}") from None
 
 
 def main() -> None:

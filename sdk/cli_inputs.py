@@ -15,6 +15,9 @@ from typing import Any
 
 import typer
 
+from formcast.errors import ConstraintError
+from formcast.spec import output_spec
+
 
 def read_text(path: Path, hint: str) -> str:
     try:
@@ -110,3 +113,22 @@ def read_vars(path: Path) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as exc:
         raise typer.BadParameter(f"{path} is not valid JSON: {exc}", param_hint="--vars")
+
+
+def check_task_constraints(items: list[Any]) -> None:
+    """Each distinct constraint of a task, checked before the model loads.
+
+    Raises
+    ------
+    ConstraintError
+        The first bad constraint, with the id of the item holding it.
+    """
+    seen: set[str] = set()
+    for item in items:
+        if item.constraint_key in seen:
+            continue
+        seen.add(item.constraint_key)
+        try:
+            output_spec(**{item.kind: item.constraint}).check()
+        except ConstraintError as exc:
+            raise ConstraintError(f"task item {item.id!r}: {exc}") from None

@@ -114,3 +114,12 @@ def model_card(source: Any, tokenizer: Any) -> dict[str, Any]:
     card["prompting"] = "chat (instruct)" if instruct else \
         "completion (base model: raw=True, or a plain string)"
     return card
+
+
+def parameter_count(cfg: Any) -> int:
+    """Weights of a Llama decoder, from its shape (true whatever the storage format)."""
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, \
+        cfg.num_key_value_heads * cfg.head_dim
+    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size + 2 * h
+    head = 0 if cfg.tie_word_embeddings else cfg.vocab_size * h
+    return cfg.vocab_size * h + cfg.num_hidden_layers * layer + h + head
