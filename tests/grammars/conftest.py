@@ -55,3 +55,17 @@ def allowed_ids(bitmask: torch.Tensor, row: int, vocab_size: int) -> np.ndarray:
 
 def bit_set(bitmask: torch.Tensor, row: int, token: int) -> bool:
     return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def segment_ids(vocab: Vocabulary, text: str) -> list[int]:
+    """Token ids that spell ``text`` in ``vocab`` (the text must be spellable)."""
+    ids = vocab.segment(text.encode("utf-8"))
+    assert ids is not None
+    return ids
+
+
+def matcher_mask(matcher, compiled) -> torch.Tensor:
+    """A fresh one-row bitmask filled by ``matcher``."""
+    bitmask = compiled.allocate_bitmask(1)
+    matcher.fill_bitmask(bitmask, 0)
+    return bitmask[0].clone()

@@ -10,7 +10,7 @@ from formcast.grammars import EndCheckedMatcher, JsonSchema
 from formcast.grammars.backends.xgrammar.text_masks import TextMasks
 from formcast.grammars.json_ends import end_tokens, root_is_scalar
 
-from .conftest import EOS
+from .conftest import EOS, matcher_mask, segment_ids
 
 
 @pytest.mark.parametrize(("token", "closer", "blank"), [
@@ -51,23 +51,11 @@ _CASES = [
 ]
 
 
-def _ids(vocab, text: str) -> list[int]:
-    ids = vocab.segment(text.encode("utf-8"))
-    assert ids is not None
-    return ids
-
-
-def _mask(m, compiled) -> torch.Tensor:
-    bitmask = compiled.allocate_bitmask(1)
-    m.fill_bitmask(bitmask, 0)
-    return bitmask[0].clone()
-
-
 def _same(a, b, compiled) -> None:
     assert a.is_completed() == b.is_completed()
     assert a.last_violation == b.last_violation
     assert a.rollback_hint() == b.rollback_hint()
-    assert torch.equal(_mask(a, compiled), _mask(b, compiled))
+    assert torch.equal(matcher_mask(a, compiled), matcher_mask(b, compiled))
 
 
 @pytest.mark.parametrize(("schema", "text", "back", "then"), _CASES)
@@ -80,7 +68,7 @@ def test_an_end_checked_matcher_answers_as_one_that_checks_after_every_token(
     slow = EndCheckedMatcher(compiled.grammar.matcher(), compiled.end_check,
                              tiny_vocab.token_bytes, tiny_vocab.eos_token_ids)
     _same(fast, slow, compiled)
-    for t in _ids(tiny_vocab, text):
+    for t in segment_ids(tiny_vocab, text):
         assert fast.accept(t) == slow.accept(t) is True
         _same(fast, slow, compiled)
     fork = fast.fork()
@@ -88,7 +76,7 @@ def test_an_end_checked_matcher_answers_as_one_that_checks_after_every_token(
         m.rollback(back)
     _same(fast, slow, compiled)
     _same(fork, slow, compiled)
-    for t in _ids(tiny_vocab, then):
+    for t in segment_ids(tiny_vocab, then):
         assert fast.accept(t) == slow.accept(t) == fork.accept(t)
         _same(fast, slow, compiled)
         _same(fork, slow, compiled)
@@ -103,7 +91,7 @@ def test_an_end_checked_matcher_answers_as_one_that_checks_after_every_token(
 def test_an_end_checked_matcher_ends_a_document_only_when_it_passes(schema, text, ends,
                                                                   compiler, tiny_vocab):
     m = compiler.compile(JsonSchema(schema), tiny_vocab).matcher()
-    assert all(m.accept(t) for t in _ids(tiny_vocab, text))
+    assert all(m.accept(t) for t in segment_ids(tiny_vocab, text))
     assert m.is_completed() == ends and m.accept(EOS) == ends
 
 

@@ -12,22 +12,10 @@ from formcast.engine.constraint import ops_for
 from formcast.grammars import Choice, JsonSchema, Regex, fill_bitmasks
 
 from .cases import PERSON
-from .conftest import EOS, PAD_SPECIAL, allowed_ids
+from .conftest import EOS, PAD_SPECIAL, allowed_ids, matcher_mask, segment_ids
 from .spies import FillSpy, tuned
 
 BACKENDS = ["xgrammar", "outlines-core"]
-
-
-def _ids(vocab, text: str) -> list[int]:
-    ids = vocab.segment(text.encode("utf-8"))
-    assert ids is not None
-    return ids
-
-
-def _mask(m, compiled) -> torch.Tensor:
-    bitmask = compiled.allocate_bitmask(1)
-    m.fill_bitmask(bitmask, 0)
-    return bitmask[0].clone()
 
 
 @pytest.fixture(params=BACKENDS)
@@ -40,23 +28,23 @@ def test_matcher_is_an_engine_constraint(person):
 
 
 def test_rollback_restores_the_earlier_state(person, tiny_vocab):
-    ids = _ids(tiny_vocab, '{"name":"Al","age":3')
+    ids = segment_ids(tiny_vocab, '{"name":"Al","age":3')
     m = person.matcher()
-    masks = [_mask(m, person)]
+    masks = [matcher_mask(m, person)]
     for t in ids:
         assert m.accept(t)
-        masks.append(_mask(m, person))
+        masks.append(matcher_mask(m, person))
     for k in (1, 3, len(ids) - 2):
         m.rollback(k)
-        assert torch.equal(_mask(m, person), masks[len(ids) - k])
+        assert torch.equal(matcher_mask(m, person), masks[len(ids) - k])
         for t in ids[len(ids) - k:]:
             assert m.accept(t)
-    assert torch.equal(_mask(m, person), masks[-1])
+    assert torch.equal(matcher_mask(m, person), masks[-1])
 
 
 def test_rollback_past_termination(person, tiny_vocab):
     m = person.matcher()
-    for t in _ids(tiny_vocab, '{"name":"Al"}'):
+    for t in segment_ids(tiny_vocab, '{"name":"Al"}'):
         assert m.accept(t)
     assert m.accept(EOS) and m.is_terminated()
     assert not m.accept(EOS)
@@ -68,23 +56,23 @@ def test_rollback_past_termination(person, tiny_vocab):
 def test_rollback_bounds(person, tiny_vocab):
     m = person.matcher()
     m.rollback(0)
-    assert m.accept(_ids(tiny_vocab, "{")[0])
+    assert m.accept(segment_ids(tiny_vocab, "{")[0])
     with pytest.raises(ValueError):
         m.rollback(2)
 
 
 def test_fork_is_independent(person, tiny_vocab):
     m = person.matcher()
-    for t in _ids(tiny_vocab, '{"name":"A'):
+    for t in segment_ids(tiny_vocab, '{"name":"A'):
         assert m.accept(t)
-    before = _mask(m, person)
+    before = matcher_mask(m, person)
     f = m.fork()
-    assert torch.equal(_mask(f, person), before)
-    for t in _ids(tiny_vocab, 'l","age":1}'):
+    assert torch.equal(matcher_mask(f, person), before)
+    for t in segment_ids(tiny_vocab, 'l","age":1}'):
         assert f.accept(t)
     assert f.is_completed() and not m.is_completed()
-    assert torch.equal(_mask(m, person), before)
-    for t in _ids(tiny_vocab, '"}'):
+    assert torch.equal(matcher_mask(m, person), before)
+    for t in segment_ids(tiny_vocab, '"}'):
         assert m.accept(t)
     assert m.is_completed()
 
@@ -94,34 +82,34 @@ def test_each_new_matcher_starts_at_the_grammars_start(person, tiny_vocab):
     took, finished or rolled back: each new one starts where the first did
     (xgrammar's are copies of one kept at the start)."""
     first = person.matcher()
-    start = _mask(first, person)
-    for t in _ids(tiny_vocab, '{"name":"Al","age":3}'):
+    start = matcher_mask(first, person)
+    for t in segment_ids(tiny_vocab, '{"name":"Al","age":3}'):
         assert first.accept(t)
     assert first.is_completed()
     second = person.matcher()
-    assert torch.equal(_mask(second, person), start) and not second.is_completed()
-    for t in _ids(tiny_vocab, '{"name":"B'):
+    assert torch.equal(matcher_mask(second, person), start) and not second.is_completed()
+    for t in segment_ids(tiny_vocab, '{"name":"B'):
         assert second.accept(t)
     second.rollback(1)
     third = person.matcher()
-    assert torch.equal(_mask(third, person), start)
-    assert not third.accept(_ids(tiny_vocab, '"')[0])  # (an object opens first)
-    for t in _ids(tiny_vocab, '{"name":"C","age":5}'):
+    assert torch.equal(matcher_mask(third, person), start)
+    assert not third.accept(segment_ids(tiny_vocab, '"')[0])  # (an object opens first)
+    for t in segment_ids(tiny_vocab, '{"name":"C","age":5}'):
         assert third.accept(t)
     assert third.is_completed() and first.is_completed() and not second.is_completed()
 
 
 def test_valid_prefix_leaves_state_unchanged(person, tiny_vocab):
     m = person.matcher()
-    good = _ids(tiny_vocab, '{"name":"Al"}')
-    before = _mask(m, person)
+    good = segment_ids(tiny_vocab, '{"name":"Al"}')
+    before = matcher_mask(m, person)
     assert m.valid_prefix(good) == len(good)
     assert m.valid_prefix(good + [EOS, EOS]) == len(good) + 1   # nothing after a stop
-    bad = _ids(tiny_vocab, '{"name":7}')
-    assert m.valid_prefix(bad) == bad.index(_ids(tiny_vocab, "7")[0])
+    bad = segment_ids(tiny_vocab, '{"name":7}')
+    assert m.valid_prefix(bad) == bad.index(segment_ids(tiny_vocab, "7")[0])
     assert m.valid_prefix([EOS]) == 0
     assert m.valid_prefix([]) == 0
-    assert torch.equal(_mask(m, person), before) and not m.is_terminated()
+    assert torch.equal(matcher_mask(m, person), before) and not m.is_terminated()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -161,18 +149,18 @@ def test_taking_forced_tokens_leaves_the_state_accepting_them_does(backend, cons
     by_hand = compiled.matcher()
     forced = by_hand.forced_tokens()
     assert forced and all(by_hand.accept(t) for t in forced)
-    opened = _mask(by_hand, compiled)
+    opened = matcher_mask(by_hand, compiled)
     taken, other = compiled.matcher(), compiled.matcher()
     assert taken.take_forced_tokens(100) == forced
     assert taken.forced_tokens() == [] and other.forced_tokens() == forced
-    assert torch.equal(_mask(taken, compiled), opened)
-    assert not torch.equal(_mask(other, compiled), opened)
-    for t in _ids(tiny_vocab, rest):
+    assert torch.equal(matcher_mask(taken, compiled), opened)
+    assert not torch.equal(matcher_mask(other, compiled), opened)
+    for t in segment_ids(tiny_vocab, rest):
         assert taken.accept(t) and by_hand.accept(t)
     assert taken.is_completed() and taken.accept(EOS) and taken.is_terminated()
     again = compiled.matcher()  # (xgrammar: the grammar's opening is found once)
     assert again.take_forced_tokens(len(forced)) == forced
-    assert torch.equal(_mask(again, compiled), opened)
+    assert torch.equal(matcher_mask(again, compiled), opened)
     if len(forced) > 1:
         short = compiled.matcher()
         assert short.take_forced_tokens(1) == forced[:1]
@@ -190,11 +178,11 @@ def test_an_end_checked_matcher_keeps_the_text_of_the_forced_tokens_it_takes(com
     m = compiled.matcher()
     opening = b"".join(tiny_vocab.token_bytes[t] for t in m.take_forced_tokens(100))
     assert opening.startswith(b'{"tags"') and b'{"tags":['.startswith(opening)
-    for t in _ids(tiny_vocab, '{"tags":[1,1]}'[len(opening):]):
+    for t in segment_ids(tiny_vocab, '{"tags":[1,1]}'[len(opening):]):
         assert m.accept(t)
     assert not m.accept(EOS) and "non-unique" in (m.last_violation or "")
     m.rollback(3)  # back to '{"tags":[1,'
-    assert all(m.accept(t) for t in _ids(tiny_vocab, "2]}")) and m.accept(EOS)
+    assert all(m.accept(t) for t in segment_ids(tiny_vocab, "2]}")) and m.accept(EOS)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -206,7 +194,7 @@ def test_accept_text_is_one_step(backend, compiler, tiny_vocab):
     assert m.accept_text("c") and m.is_completed()
     m.rollback(1)                           # undoes "c" only
     assert not m.is_completed()
-    assert m.accept(_ids(tiny_vocab, "c")[0]) and m.accept(EOS) and m.is_terminated()
+    assert m.accept(segment_ids(tiny_vocab, "c")[0]) and m.accept(EOS) and m.is_terminated()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -217,7 +205,7 @@ def test_special_padded_and_early_stop_tokens_are_refused(backend, compiler, tin
     assert not m.accept(PAD_SPECIAL)
     assert not m.accept(tiny_vocab.vocab_size - 1)   # a padded id
     assert not m.accept(-1)
-    assert m.accept(_ids(tiny_vocab, "a")[0]) and m.accept(EOS)
+    assert m.accept(segment_ids(tiny_vocab, "a")[0]) and m.accept(EOS)
 
 
 def test_end_checked_matcher_refuses_stop_until_valid(compiler, tiny_vocab):
@@ -225,15 +213,15 @@ def test_end_checked_matcher_refuses_stop_until_valid(compiler, tiny_vocab):
     compiled = compiler.compile(JsonSchema(schema), tiny_vocab)
     assert compiled.end_check is not None
     m = compiled.matcher()
-    for t in _ids(tiny_vocab, "[1,1]"):
+    for t in segment_ids(tiny_vocab, "[1,1]"):
         assert m.accept(t)
-    mask = _mask(m, compiled)
+    mask = matcher_mask(m, compiled)
     assert not (int(mask[EOS >> 5]) >> (EOS & 31)) & 1    # stop masked out: a dead end here
     assert not m.accept(EOS) and not m.is_completed()
     assert "non-unique" in (m.last_violation or "")
     f = m.fork()
     f.rollback(2)                                        # back to "[1,"
-    assert f.accept(_ids(tiny_vocab, "2")[0]) and f.accept(_ids(tiny_vocab, "]")[0])
+    assert f.accept(segment_ids(tiny_vocab, "2")[0]) and f.accept(segment_ids(tiny_vocab, "]")[0])
     assert f.is_completed() and f.accept(EOS) and f.is_terminated()
     assert not m.is_terminated()
 
@@ -243,10 +231,10 @@ def test_end_check_violation_is_known_without_a_mask_fill(compiler, tiny_vocab):
     # to say why the request's own matcher refuses to end
     schema = {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2, "uniqueItems": True}
     m = compiler.compile(JsonSchema(schema), tiny_vocab).matcher()
-    for t in _ids(tiny_vocab, "[1,"):
+    for t in segment_ids(tiny_vocab, "[1,"):
         assert m.accept(t)
     assert m.last_violation is None                      # incomplete: nothing to judge
-    for t in _ids(tiny_vocab, "1]"):
+    for t in segment_ids(tiny_vocab, "1]"):
         assert m.accept(t)
     assert "non-unique" in (m.last_violation or "")
     m.rollback(2)
@@ -258,7 +246,7 @@ def test_batch_fill_matches_row_by_row(compiler, tiny_vocab):
                 (JsonSchema(PERSON), Regex(r"[0-9]+"), Choice(["x", "y"]))]
     grammars.append(compiler.compile(Regex(r"a+"), tiny_vocab, backend="outlines-core"))
     matchers = [g.matcher() for g in grammars]
-    matchers[0].accept(_ids(tiny_vocab, "{")[0])
+    matchers[0].accept(segment_ids(tiny_vocab, "{")[0])
     batch = grammars[0].allocate_bitmask(6)
     fill_bitmasks(matchers, batch, rows=[5, 0, 2, 3])
     for m, row in zip(matchers, [5, 0, 2, 3]):
@@ -289,7 +277,7 @@ def test_fill_plan_spreads_costly_batches_and_measures_on_one_thread(compiler, t
     compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab)
     matchers = [compiled.matcher() for _ in range(5)]
     for m, text in zip(matchers, ["", "{", '{"name"', '{"name":"A', '{"name":"Al","age":3']):
-        for t in _ids(tiny_vocab, text):
+        for t in segment_ids(tiny_vocab, text):
             assert m.accept(t)
     expected = compiled.allocate_bitmask(5)
     for i, m in enumerate(matchers):
@@ -350,7 +338,7 @@ def test_matchers_that_took_the_same_text_share_one_fill(compiler, tiny_vocab):
 
     def matchers_of(person, digits) -> list:
         text = '{"name"'
-        merged, single = _ids(tiny_vocab, text), [byte(c) for c in text]
+        merged, single = segment_ids(tiny_vocab, text), [byte(c) for c in text]
         assert merged != single
         split, whole, offered, fresh, back, longer, fresh2 = (person.matcher() for _ in range(7))
         for t in merged:
@@ -456,7 +444,7 @@ def test_rollback_hint_points_at_the_offending_value(schema, text, redo, fix, co
     m = compiled.matcher()
     assert m.rollback_hint() == 0
     for ch in text:                                      # one step per character
-        assert m.accept(_ids(tiny_vocab, ch)[0])
+        assert m.accept(segment_ids(tiny_vocab, ch)[0])
     assert not m.is_completed()
     hint = m.rollback_hint()
     assert hint == len(redo)
@@ -534,7 +522,7 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, way, monkeyp
         monkeypatch.setattr(ffi, "STRINGIFY", None)
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
-    brace, one = _ids(tiny_vocab, "{")[0], _ids(tiny_vocab, "1")[0]
+    brace, one = segment_ids(tiny_vocab, "{")[0], segment_ids(tiny_vocab, "1")[0]
     cases = [(person, [], brace, 1), (person, [], one, 0), (digits, [one], EOS, 2),
              (digits, [], EOS, 0), (digits, [], PAD_SPECIAL, 0),
              (digits, [], tiny_vocab.vocab_size - 1, 0), (digits, [], -1, 0),
@@ -553,7 +541,7 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, way, monkeyp
         assert p.accept(t) == bool(want)
         assert h.is_terminated() == p.is_terminated() == (want == 2)
         if want != 2:
-            assert torch.equal(_mask(h, person), _mask(p, person))
+            assert torch.equal(matcher_mask(h, person), matcher_mask(p, person))
     # a batch of ordinary tokens only (no stop, special or outside token) takes
     # the one-pass way: the same verdicts and states
     ordinary = [(person, brace, 1), (person, one, 0), (digits, one, 1), (digits, brace, 0)]
@@ -563,13 +551,13 @@ def test_batch_accept_hook_matches_row_by_row(compiler, tiny_vocab, way, monkeyp
     assert type(hooked[0]).accept_tokens(hooked, tokens) == [want for _, _, want in ordinary]
     for h, p, t in zip(hooked, plain, tokens):
         p.accept(t)
-        assert torch.equal(_mask(h, person), _mask(p, person))
+        assert torch.equal(matcher_mask(h, person), matcher_mask(p, person))
         with pytest.raises(TypeError, match="only a fresh matcher"):  # (it moved)
             pickle.dumps(h)
     # every row taken (the usual batch, told by one containment test)
     fresh = [person.matcher() for _ in range(5)]
     assert type(fresh[0]).accept_tokens(fresh, [brace] * 5) == [1] * 5
-    assert all(torch.equal(_mask(m, person), _mask(hooked[0], person)) for m in fresh)
+    assert all(torch.equal(matcher_mask(m, person), matcher_mask(hooked[0], person)) for m in fresh)
 
 
 def test_a_batch_accept_keeps_each_rows_text_as_accepting_alone_does(compiler, tiny_vocab):
@@ -615,7 +603,7 @@ def test_a_prepared_acceptors_subsets_accept_as_their_rows_alone_do(compiler, ti
         monkeypatch.setattr(ffi, "BATCH_ACCEPT", None)
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
-    one, two, brace, x = (_ids(tiny_vocab, c)[0] for c in "12{x")
+    one, two, brace, x = (segment_ids(tiny_vocab, c)[0] for c in "12{x")
     grammars = [digits, person, digits, digits, person]
     batch = [g.matcher() for g in grammars]
     alone = [g.matcher() for g in grammars]
@@ -630,7 +618,7 @@ def test_a_prepared_acceptors_subsets_accept_as_their_rows_alone_do(compiler, ti
         assert got == [int(alone[i].accept(t)) for i, t in zip(rows, tokens)]
         for b, a in zip(batch, alone):
             assert b.kept_text == a.kept_text
-            assert torch.equal(_mask(b, person), _mask(a, person))
+            assert torch.equal(matcher_mask(b, person), matcher_mask(a, person))
     with pytest.raises(ValueError, match="2 tokens for 1 matchers"):
         accept.subset([0])([one, one])
 
@@ -655,7 +643,7 @@ def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, 
         assert tvm_ffi.get_global_func("ffi.ArrayContains").release_gil
     digits = compiler.compile(Regex(r"[0-9]+"), tiny_vocab, backend="xgrammar")
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
-    one, two, brace = (_ids(tiny_vocab, c)[0] for c in "12{")
+    one, two, brace = (segment_ids(tiny_vocab, c)[0] for c in "12{")
     grammars = [digits, digits, person, digits]
     prepared_for = [g.matcher() for g in grammars]
     plain = [g.matcher() for g in grammars]
@@ -675,11 +663,11 @@ def test_a_prepared_batch_acceptor_matches_row_by_row_step_after_step(compiler, 
             assert p.accept(t) == bool(verdict)
             assert h.is_terminated() == p.is_terminated() == (verdict == 2)
             if not h.is_terminated():
-                assert torch.equal(_mask(h, g), _mask(p, g))
+                assert torch.equal(matcher_mask(h, g), matcher_mask(p, g))
     with pytest.raises(ValueError, match="3 tokens for 4 matchers"):
         accept([one, one, one])
     for h, p, g in zip(prepared_for, plain, grammars):
-        assert h.is_terminated() or torch.equal(_mask(h, g), _mask(p, g))
+        assert h.is_terminated() or torch.equal(matcher_mask(h, g), matcher_mask(p, g))
     assert type(prepared_for[0]).batch_acceptor([])([]) == []
 
 
@@ -693,13 +681,13 @@ def test_narrow_choice_says_where_the_grammar_allows_few_tokens(compiler, tiny_v
     check answers as the one it wraps."""
     compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     text = '{"name":"Al","age":12'
-    ids = _ids(tiny_vocab, text)
+    ids = segment_ids(tiny_vocab, text)
     walkers = [compiled.matcher() for _ in range(3)]
     assert walkers[2].accept(ids[0])
     walkers[2].rollback(1)  # (keeps no text since: fills a mask every time)
     seen = []
     for k, token in enumerate(ids):
-        allowed = len(allowed_ids(_mask(walkers[0], compiled)[None], 0, tiny_vocab.vocab_size))
+        allowed = len(allowed_ids(matcher_mask(walkers[0], compiled)[None], 0, tiny_vocab.vocab_size))
         answers = {m.narrow_choice() for m in walkers}
         assert answers == {2 * allowed < tiny_vocab.tokenizer_size}, (k, allowed)
         seen.append((tiny_vocab.token_bytes[token], answers.pop()))
@@ -723,7 +711,7 @@ def test_forces_text_says_where_the_grammar_fixes_the_next_text(compiler, tiny_v
     a value): xgrammar's jump-forward string, found once for matchers that
     took the same kept text and found afresh once a matcher keeps none."""
     compiled = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
-    ids = _ids(tiny_vocab, '{"name":"Al"')
+    ids = segment_ids(tiny_vocab, '{"name":"Al"')
     walkers = [compiled.matcher() for _ in range(3)]
     assert walkers[2].accept(ids[0])
     walkers[2].rollback(1)  # (keeps no text since: asks xgrammar every time)
@@ -744,7 +732,7 @@ def test_forces_text_says_where_the_grammar_fixes_the_next_text(compiler, tiny_v
                                tiny_vocab, backend="xgrammar")
     m = checked.matcher()
     assert checked.end_check is not None and m.forces_text() is True  # (the opening bracket)
-    assert m.accept(_ids(tiny_vocab, "[")[0]) and m.forces_text() is False  # (1 or 2)
+    assert m.accept(segment_ids(tiny_vocab, "[")[0]) and m.forces_text() is False  # (1 or 2)
 
 
 def test_xgrammar_matchers_fork_their_start_when_first_used(compiler, tiny_vocab):
@@ -758,25 +746,25 @@ def test_xgrammar_matchers_fork_their_start_when_first_used(compiler, tiny_vocab
     used, prepared = person.matcher(), person.matcher()
     assert isinstance(used, XGrammarMatcher)
     assert not used.forked and not prepared.forked
-    start = _mask(used, person)  # (a known mask of the start may serve without a fork)
+    start = matcher_mask(used, person)  # (a known mask of the start may serve without a fork)
     assert not used.is_completed()  # (reads xgrammar's state: forks it)
     assert used.forked and not prepared.forked
     XGrammarMatcher.prepare([used, prepared])
     assert prepared.forked and prepared.xgrammar_matcher is not used.xgrammar_matcher
-    assert torch.equal(_mask(prepared, person), start)
+    assert torch.equal(matcher_mask(prepared, person), start)
     lazy = person.matcher().fork()
     assert not lazy.forked
     for m in (used, prepared, lazy):
-        for t in _ids(tiny_vocab, '{"name":"Al","age":3}'):
+        for t in segment_ids(tiny_vocab, '{"name":"Al","age":3}'):
             assert m.accept(t)
         assert m.is_completed()
     assert lazy.forked
     # a fork of a matcher that moved copies its state, not the start
     moving = person.matcher()
-    for t in _ids(tiny_vocab, '{"name":"B'):
+    for t in segment_ids(tiny_vocab, '{"name":"B'):
         assert moving.accept(t)
     copy = moving.fork()
-    assert copy.forked and torch.equal(_mask(copy, person), _mask(moving, person))
+    assert copy.forked and torch.equal(matcher_mask(copy, person), matcher_mask(moving, person))
     with pytest.raises(ValueError, match="start to fork"):
         XGrammarMatcher(None, frozenset(), 1, frozenset())
 
@@ -800,12 +788,12 @@ def test_an_xgrammar_matcher_answers_alike_through_native_or_public_calls(
     person = compiler.compile(JsonSchema(PERSON), tiny_vocab, backend="xgrammar")
     m = person.matcher()
     ref = xgr.GrammarMatcher(person.grammar.compiled)
-    for t in _ids(tiny_vocab, text):
+    for t in segment_ids(tiny_vocab, text):
         assert m.accept(t) and ref.accept_token(t)
     got, want = person.allocate_bitmask(1), person.allocate_bitmask(1)
     m.fill_bitmask(got, 0)
     ref.fill_next_token_bitmask(want, 0)
     assert torch.equal(got, want)
-    t = _ids(tiny_vocab, token)[0]
+    t = segment_ids(tiny_vocab, token)[0]
     assert m.accept(t) == ref.accept_token(t) == taken
     assert m.is_completed() == ref.is_completed() == (token == "}" and taken)
