@@ -52,3 +52,12 @@ def llm(smollm2_engine):
     from formcast.llm import LLM
 
     return LLM(smollm2_engine)
+
+
+@pytest.fixture(scope="session")
+def gemma_llm():
+    """formcast.load of the catalogue's Gemma 3 270M by name (real weights, fetched on
+    first use); loaded once, as loading requantizes its K-quant blocks."""
+    import formcast
+
+    return formcast.load("gemma3-270m", device="cpu")

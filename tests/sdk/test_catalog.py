@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import formcast
 from formcast.catalog import catalog, catalog_model
 from formcast.cli import app
 
@@ -71,8 +70,8 @@ def test_pull_gemma_prints_the_verified_cached_file(gemma_gguf: Path) -> None:
 
 
 @pytest.mark.slow
-def test_load_gemma_by_name_prompts_completion_style(gemma_gguf: Path) -> None:
-    llm = formcast.load("gemma3-270m", device="cpu")
+def test_load_gemma_by_name_prompts_completion_style(gemma_llm) -> None:
+    llm = gemma_llm  # the session fixture is formcast.load("gemma3-270m") by name
     assert llm.engine.name == "gemma3-270m"
     prompt = "The capital of France is"
     assert llm.prompt_ids(prompt) == llm.prompt_ids(prompt, raw=True) == \

@@ -53,8 +53,8 @@ CHOICES = ["Paris", "London", "Berlin", "Madrid"]
 
 
 @pytest.fixture(scope="module")
-def gemma() -> formcast.LLM:
-    return formcast.load("gemma3-270m", device="cpu")
+def gemma(gemma_llm) -> formcast.LLM:
+    return gemma_llm
 
 
 def _json_schema_valid(text: str) -> bool:
