@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	# one worker per core (at most 4: each holds its own models)
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadgroup tests
 
 demo: $(STAMP)
 	$(BIN)/python examples/extract.py

@@ -139,7 +139,10 @@ else:
     llm = Llama(model_path={path!r}, n_ctx=4096, n_batch=512,
                 n_threads={threads}, n_threads_batch={threads}, verbose=False, seed=0)
     llm.create_completion({story!r}, max_tokens=32, temperature=0.0)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child of
+# this (large) benchmark process would report the parent's peak
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]
+print(int(hwm[0].split()[1]) / 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 
 

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core: a worker that also spread torch over every
+    # core would have its OpenMP threads spin against the other worker's.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# Test files that share an expensive session fixture run in one xdist worker.
+_SHARED_WORKER = {"test_catalog.py": "gemma", "test_catalog_gemma.py": "gemma"}
 
 
 @pytest.fixture(scope="session")
@@ -21,6 +32,9 @@ def smollm2_gguf(smollm2_source):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # with --dist loadgroup: a file's tests stay in one worker
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(_SHARED_WORKER.get(name, str(item.path))))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none is available on this machine")
