@@ -344,7 +344,8 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
                                  context_lens: torch.Tensor, scale: float, *,
                                  scale_by: torch.Tensor | None = None, eps: float = 0.0,
                                  config: tuple[int, int, int] | None = None,
-                                 window: int | None = None) -> torch.Tensor:
+                                 window: int | None = None, invariant: bool = False
+                                 ) -> torch.Tensor:
     """Decode rows' attention from their fused projection's output ``qkv``
     ``[B, (H + 2 Hkv) * D]`` (queries, keys, values; rows contiguous), each at
     ``positions`` with the new token's key and value written to ``slots`` of
@@ -354,7 +355,9 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
     token. Returns ``[B, H, D]``; ``qkv`` is left as it is. ``config`` (keys a
     tile, warps, stages) replaces :func:`decode_config`'s choice (for
     benchmarks/decode_attention_configs.py). ``scale_by`` [B, E], ``eps``: see
-    :func:`formcast.engine.kernels.paged_attention.rope_decode_attention`."""
+    :func:`formcast.engine.kernels.paged_attention.rope_decode_attention`.
+    ``invariant``: one program a (row, kv head) over its whole context and
+    :data:`INVARIANT_CONFIG`, whatever the batch (batch-invariant mode)."""
     b = qkv.shape[0]
     d = k_cache.shape[3]
     h, hkv = num_heads, num_kv_heads
@@ -365,7 +368,9 @@ def rope_decode_attention_triton(qkv: torch.Tensor, num_heads: int, num_kv_heads
     if k_cache.dtype != qkv.dtype or v_cache.dtype != qkv.dtype:
         raise ValueError(f"rope decode attention: caches of {k_cache.dtype} for activations "
                          f"of {qkv.dtype}")
-    splits = decode_splits(b, k_cache, block_tables)
+    splits = 1 if invariant else decode_splits(b, k_cache, block_tables)
+    if invariant:
+        config = INVARIANT_CONFIG
     if splits == 1:
         part = lse = torch.empty(b, h, d, dtype=qkv.dtype, device=qkv.device)
     else:

@@ -214,3 +214,54 @@ def _invariant_rows(meta: AttentionMetadata, device: torch.device
 def _pad_tables(tables: torch.Tensor, width: int) -> torch.Tensor:
     """Block tables [B, NB] padded with block 0 to ``width`` columns."""
     return torch.nn.functional.pad(tables, (0, width - tables.shape[1]))
+
+
+def invariant_rope_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: int,
+                             positions: torch.Tensor, rotary, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                             window: int | None) -> torch.Tensor:
+    """Batch-invariant mode on CUDA for a layer whose heads the fused rope-and-attend
+    kernel takes: every row, prompt rows included, through that one kernel as a
+    decode row at its position (its cached context in tiles from the first key,
+    then its own key), with one configuration and no split for every batch, so a
+    token gets the same bits in a prompt chunk, a decode step or a verification
+    step. ``qkv`` [T, (H + 2 Hkv) D] unrotated; ``rotary`` the layer's
+    :class:`~formcast.engine.layers.rotary.RotaryEmbedding`. A step of one new
+    token a sequence is that kernel alone; any other step first stores every
+    row's rotated key and value (rows of a sequence attend to each other's),
+    rotating a copy. Returns [T, H, D]."""
+    from formcast.engine.kernels.paged_attention_triton import rope_decode_attention_triton
+
+    t = qkv.shape[0]
+    d = k_cache.shape[3]
+    if meta.one_token_rows and not meta.prefills and meta.num_decodes == t:
+        meta.rely_on_one_token_rows()
+        tables, lens = meta.decode_block_tables, meta.decode_lens
+    else:
+        qk = qkv[:, :(num_heads + num_kv_heads) * d].clone().view(t, num_heads + num_kv_heads, d)
+        v = qkv[:, (num_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
+        rotary.rotate_and_store(positions, qk, v, k_cache, v_cache, meta.slot_mapping)
+        tables, lens = _flat_rows(meta, qkv.device)
+    cos, sin = rotary.tables(qkv.device)
+    return rope_decode_attention_triton(qkv, num_heads, num_kv_heads, positions, cos, sin,
+                                        k_cache, v_cache, meta.slot_mapping, tables, lens,
+                                        scale, window=window, invariant=True)
+
+
+def _flat_rows(meta: AttentionMetadata, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row's block table and context length (position + 1), in the step's row
+    order; made once a step, not once a layer."""
+    cached = meta.__dict__.get("_invariant_flat")
+    if cached is not None:
+        return cached
+    rows, tables, lens = _invariant_rows(meta, device) if meta.prefills else \
+        (meta.decode_rows, meta.decode_block_tables, meta.decode_lens)
+    t = int(meta.slot_mapping.shape[0])
+    flat_tables = tables.new_zeros(t, tables.shape[1])
+    flat_lens = lens.new_ones(t)
+    flat_tables[rows] = tables
+    flat_lens[rows] = lens
+    cached = (flat_tables, flat_lens)
+    object.__setattr__(meta, "_invariant_flat", cached)
+    return cached

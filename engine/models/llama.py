@@ -18,7 +18,8 @@ from formcast.engine.config import LlamaConfig
 from formcast.engine.kernels import triton_available
 from formcast.engine.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from formcast.engine.kernels.paged_attention import SPLIT_BELOW, rope_decode_attention
-from formcast.engine.layers.attention import AttentionMetadata, paged_attention
+from formcast.engine.layers.attention import (AttentionMetadata, invariant_rope_attention,
+                                              paged_attention)
 from formcast.engine.layers.linear import Linear
 from formcast.engine.layers.norm import RMSNorm
 from formcast.engine.layers.rotary import RotaryEmbedding
@@ -192,6 +193,8 @@ class LlamaDecoderLayer(nn.Module):
         # _folded_decode.)
         if self.folded and self.self_attn.decodes_fused(x, meta):
             return self._folded_decode(x, pending, positions, rotary, kv_cache, meta)
+        if self.folded and meta.batch_invariant and x.is_cuda:
+            return self._invariant_step(x, pending, positions, rotary, kv_cache, meta)
         if pending is None:
             h = self.input_layernorm.forward(x)
         else:
@@ -222,6 +225,41 @@ class LlamaDecoderLayer(nn.Module):
                            eps=self.post_attention_layernorm.eps)
         x.addmm_(act, mlp.down_proj.weight.t())
         return x, None
+
+
+    def _invariant_step(self, x: torch.Tensor, pending: torch.Tensor | None,
+                        positions: torch.Tensor, rotary: RotaryEmbedding,
+                        kv_cache: torch.Tensor, meta: AttentionMetadata
+                        ) -> tuple[torch.Tensor, None]:
+        """A folded layer in batch-invariant mode on CUDA, for every step (prompt
+        and decode rows alike): the fixed-plan GEMMs of
+        :mod:`formcast.engine.kernels.invariant_matmul_triton` carry the norms'
+        row scales, the gate and the residual adds, so a layer is six kernels
+        whose rows never depend on each other. Returns the stream (nothing pending)."""
+        from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+
+        attn, mlp = self.self_attn, self.mlp
+        if pending is not None:
+            x = x + pending
+        t = x.shape[0]
+        qkv = invariant_linear_triton(x, attn.qkv_proj.weight, scale_eps=self.input_layernorm.eps)
+        if attn.fused_decode and attn.head_dim <= 64 and attn.softcap is None:
+            o = invariant_rope_attention(qkv, attn.num_heads, attn.num_kv_heads, positions,
+                                         rotary, kv_cache[0], kv_cache[1], meta, attn.scale,
+                                         attn.window)
+        else:
+            qk, v = qkv.split([attn.q_size + attn.kv_size, attn.kv_size], dim=-1)
+            v = v.view(t, attn.num_kv_heads, attn.head_dim)
+            qk, stored = rotary.rotate_and_store(
+                positions, qk.view(t, attn.num_heads + attn.num_kv_heads, attn.head_dim), v,
+                kv_cache[0], kv_cache[1], meta.slot_mapping)
+            q, k = qk.split([attn.num_heads, attn.num_kv_heads], dim=1)
+            o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale,
+                                stored=stored, window=attn.window, softcap=attn.softcap)
+        x = invariant_linear_triton(o.reshape(t, attn.q_size), attn.o_proj.weight, residual=x)
+        act = invariant_linear_triton(x, mlp.gate_up_proj.weight, gated=True,
+                                      scale_eps=self.post_attention_layernorm.eps)
+        return invariant_linear_triton(act, mlp.down_proj.weight, residual=x), None
 
 
 class LlamaModel(nn.Module):

@@ -14,11 +14,7 @@ default int4 engine with prefix caching) is a test of its own.
 from __future__ import annotations
 
 import dataclasses
-import os
 import random
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -359,99 +355,6 @@ def test_smollm2_outputs_are_the_same_in_every_arrangement(smollm2_run, name):
     eng, requests, expected = smollm2_run
     outs, ran = SMOLLM2_ARRANGEMENTS[name](eng.model, eng.tokenizer, requests)
     _check(name, outs, expected, ran)
-
-
-# -- CUDA (bfloat16, the mode opted into) -----------------------------------------------
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("name", ["together, prefix caching on", "every prefill chunked",
-                                  "prompt-lookup speculation"])
-def test_cuda_bf16_outputs_are_the_same_in_every_arrangement(tokenizer, name):
-    """The harness on CUDA in bfloat16 with ``batch_invariant=True`` (off by default
-    there): the fixed-tile GEMM, the one attention kernel for every row, keyed draws."""
-    from formcast.engine.loading import build_model
-    from formcast.engine.models.shapes import SHAPES, random_llama_weights
-
-    cuda = torch.device("cuda")
-    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=4)
-    model = build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5), device=cuda,
-                        dtype=torch.bfloat16)
-    requests = make_requests(24, seed=11, vocab=(200, 20000), shared=40, longest=120,
-                             max_tokens=(3, 12))
-
-    def on_cuda(**config) -> Engine:
-        config.setdefault("spec", "none")
-        config.setdefault("num_kv_blocks", 512)
-        return Engine(model, tokenizer, config=EngineConfig(batch_invariant=True, **config),
-                      device=cuda)
-
-    ref = on_cuda(enable_prefix_caching=False)
-    expected = _result([ref.generate([p], sp)[0] for p, sp in requests])
-    if name.startswith("together"):
-        eng = on_cuda(max_num_seqs=len(requests))
-        outs = eng.generate([p for p, _ in requests], [sp for _, sp in requests])
-    else:
-        extra = {"max_num_batched_tokens": 16} if "chunked" in name else {"spec": LOOKUP}
-        eng = on_cuda(**extra)
-        outs = []
-        for i in range(0, len(requests), 5):
-            batch = requests[i:i + 5]
-            outs += eng.generate([p for p, _ in batch], [sp for _, sp in batch])
-    _check(name, outs, expected, eng)
-
-
-_TRITON_GEMM_CASES = textwrap.dedent("""
-    import torch
-    from formcast.engine.kernels.invariant_matmul_triton import gemm_plan, invariant_linear_triton
-    torch.manual_seed(0)
-    cpu = torch.device("cpu")
-    # (N, K, workspace): one split; K split in five; five splits in launches of 64 rows
-    for n, k, workspace in [(130, 128, 1 << 24), (40, 640, 1 << 24), (40, 640, 64 * 40 * 5)]:
-        splits = gemm_plan(n, k, cpu).splits
-        assert splits == (1 if n == 130 else 5), splits
-        w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(150, k)
-        alone = invariant_linear_triton(x[:1], w, b, workspace=workspace)
-        for m in (2, 65, 150):
-            rows = torch.cat([x[1:m], x[:1]])  # the row last, after m - 1 others
-            got = invariant_linear_triton(rows, w, b, workspace=workspace)
-            assert torch.equal(got[-1:], alone), (n, k, m)
-        full = invariant_linear_triton(x, w, b, workspace=workspace)
-        assert torch.allclose(full, x @ w.t() + b, atol=1e-3), (n, k)
-    print("ok")
-""")
-
-
-def test_triton_gemm_gives_a_row_the_same_bits_at_any_row_count():
-    """The CUDA linears' fixed-plan GEMM (K split by the weight's shape, never by
-    the row count; splits added in order by a second kernel), run by Triton's
-    interpreter on the CPU: a row alone equals that row among 1 to 149 others,
-    with one split, five, and five in launches of a small workspace."""
-    pytest.importorskip("triton")
-    run = subprocess.run([sys.executable, "-c", _TRITON_GEMM_CASES], capture_output=True,
-                         text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize(("out_f", "in_f"), [(960, 576), (576, 1536), (3072, 576),
-                                             (49152, 576)])
-def test_cuda_gemm_gives_a_row_the_same_bits_at_any_row_count(out_f, in_f):
-    """On the device, bfloat16 at a small model's projection shapes (the head's
-    too, written in float32): a row alone equals that row among up to 4095 others."""
-    from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    w = torch.randn(out_f, in_f, device=dev, generator=gen).bfloat16()
-    x = torch.randn(4096, in_f, device=dev, generator=gen).bfloat16()
-    out = torch.float32 if out_f == 49152 else None
-    alone = invariant_linear_triton(x[:1], w, out_dtype=out)
-    for m in (2, 7, 64, 65, 256, 1000, 4096):
-        rows = torch.cat([x[1:m], x[:1]])
-        assert torch.equal(invariant_linear_triton(rows, w, out_dtype=out)[-1:], alone), m
-    ref = (x.float() @ w.float().t())
-    assert torch.allclose(invariant_linear_triton(x, w, out_dtype=torch.float32), ref,
-                          atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.silu,

@@ -1,0 +1,185 @@
+"""Batch-invariant mode on CUDA (bfloat16, opted into): the harness's arrangements
+on the device, and the fixed-plan GEMM (on the device, and under Triton's
+interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from formcast.engine import Engine, EngineConfig
+from tests.engine.test_batch_invariance import LOOKUP, _check, _result, make_requests
+from tests.engine.test_batch_invariance import tokenizer  # noqa: F401  (fixture)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["together, prefix caching on", "every prefill chunked",
+                                  "prompt-lookup speculation"])
+def test_cuda_bf16_outputs_are_the_same_in_every_arrangement(tokenizer, name):
+    """The harness on CUDA in bfloat16 with ``batch_invariant=True`` (off by default
+    there): the fixed-tile GEMM, the one attention kernel for every row, keyed draws."""
+    from formcast.engine.loading import build_model
+    from formcast.engine.models.shapes import SHAPES, random_llama_weights
+
+    cuda = torch.device("cuda")
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=4)
+    model = build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5), device=cuda,
+                        dtype=torch.bfloat16)
+    requests = make_requests(24, seed=11, vocab=(200, 20000), shared=40, longest=120,
+                             max_tokens=(3, 12))
+
+    def on_cuda(**config) -> Engine:
+        config.setdefault("spec", "none")
+        config.setdefault("num_kv_blocks", 512)
+        return Engine(model, tokenizer, config=EngineConfig(batch_invariant=True, **config),
+                      device=cuda)
+
+    ref = on_cuda(enable_prefix_caching=False)
+    expected = _result([ref.generate([p], sp)[0] for p, sp in requests])
+    if name.startswith("together"):
+        eng = on_cuda(max_num_seqs=len(requests))
+        outs = eng.generate([p for p, _ in requests], [sp for _, sp in requests])
+    else:
+        extra = {"max_num_batched_tokens": 16} if "chunked" in name else {"spec": LOOKUP}
+        eng = on_cuda(**extra)
+        outs = []
+        for i in range(0, len(requests), 5):
+            batch = requests[i:i + 5]
+            outs += eng.generate([p for p, _ in batch], [sp for _, sp in batch])
+    _check(name, outs, expected, eng)
+
+
+_TRITON_GEMM_CASES = textwrap.dedent("""
+    import torch
+    from torch.nn import functional as F
+    from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+    torch.manual_seed(0)
+    # (N, K, options, reference): plain with a bias; the norm's row scale; the gate
+    # on a [2I, K] weight; the residual add. Ragged N and K: the tiles' edges
+    for n, k, opts in [(130, 200, {}), (40, 96, {"scale_eps": 1e-5}),
+                       (80, 70, {"gated": True, "scale_eps": 1e-6}), (40, 128, {"res": 1})]:
+        w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(150, k)
+        width = n // 2 if opts.get("gated") else n
+        res = torch.randn(150, width)
+
+        def run(rows, r=res):
+            kw = {key: v for key, v in opts.items() if key != "res"}
+            return invariant_linear_triton(rows, w, b, residual=r if "res" in opts else None,
+                                           **kw)
+
+        want = x @ w.t()
+        if "scale_eps" in opts:
+            want = want / torch.sqrt((x * x).mean(1, keepdim=True) + opts["scale_eps"])
+        want = want + b
+        if opts.get("gated"):
+            gate, up = want.chunk(2, dim=-1)
+            want = F.silu(gate) * up
+        if "res" in opts:
+            want = want + res
+        assert torch.allclose(run(x), want, atol=1e-3, rtol=1e-4), (n, k, opts)
+        alone = run(x[:1], res[:1])
+        for m in (2, 65, 150):
+            rows = torch.cat([x[1:m], x[:1]])  # the row last, after m - 1 others
+            got = run(rows, torch.cat([res[1:m], res[:1]]))
+            assert torch.equal(got[-1:], alone), (n, k, opts, m)
+    print("ok")
+""")
+
+
+def test_triton_gemm_gives_a_row_the_same_bits_at_any_row_count():
+    """The CUDA linears' fixed-plan GEMM (tiles chosen by the weight's shape, never
+    by the row count; the whole K in one program), run by Triton's interpreter on
+    the CPU: right, and a row alone equals that row among 1 to 149 others, plain
+    and with each step the GEMM can carry (the norm's row scale, the gate, the
+    residual add)."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", _TRITON_GEMM_CASES], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("out_f", "in_f", "opts"), [
+    (960, 576, {"scale_eps": 1e-5}), (576, 576, {"res": 1}),
+    (3072, 576, {"gated": True, "scale_eps": 1e-5}), (576, 1536, {"res": 1}),
+    (49152, 576, {"out_dtype": torch.float32})])
+def test_cuda_gemm_gives_a_row_the_same_bits_at_any_row_count(out_f, in_f, opts):
+    """On the device, bfloat16 at a small model's projection shapes, each with
+    the step a decoder layer has it carry (the head written in float32): a row
+    alone equals that row among up to 4095 others, and the product is right."""
+    from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w = (torch.randn(out_f, in_f, device=dev, generator=gen) * in_f ** -0.5).bfloat16()
+    x = torch.randn(4096, in_f, device=dev, generator=gen).bfloat16()
+    width = out_f // 2 if opts.get("gated") else out_f
+    res = torch.randn(4096, width, device=dev, generator=gen).bfloat16()
+    kw = {key: v for key, v in opts.items() if key != "res"}
+
+    def run(rows, r):
+        return invariant_linear_triton(rows, w, residual=r if "res" in opts else None, **kw)
+
+    alone = run(x[:1], res[:1])
+    for m in (2, 7, 64, 65, 256, 1000, 4096):
+        assert torch.equal(run(torch.cat([x[1:m], x[:1]]), torch.cat([res[1:m], res[:1]]))[-1:],
+                           alone), m
+    want = x.float() @ w.float().t()
+    if "scale_eps" in opts:
+        want = want / torch.sqrt((x.float() ** 2).mean(1, keepdim=True) + opts["scale_eps"])
+    if opts.get("gated"):
+        gate, up = want.chunk(2, dim=-1)
+        want = torch.nn.functional.silu(gate) * up
+    if "res" in opts:
+        want = want + res.float()
+    got = run(x, res).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+
+
+
+
+_FUSED_ATTENTION_CASES = textwrap.dedent("""
+    import torch
+    from formcast.engine.kernels.paged_attention_triton import rope_decode_attention_triton
+    from formcast.engine.kernels.rope_triton import apply_rope_and_store_kv_triton_
+    from formcast.engine.layers.rotary import RotaryEmbedding
+    torch.manual_seed(0)
+    H, HKV, D, BS, L, NB = 6, 2, 32, 16, 40, 4
+    cos, sin = RotaryEmbedding(D, 512, 10000.0, None).tables(torch.device("cpu"))
+    for window in (None, 24):
+        qkv = torch.randn(L, (H + 2 * HKV) * D)
+        kc, vc = torch.zeros(NB + 1, BS, HKV, D), torch.zeros(NB + 1, BS, HKV, D)
+        pos, table = torch.arange(L), torch.arange(NB).view(1, NB)
+        # a prompt of L rows: every key stored (rotating a copy), then every row attends
+        qk = qkv[:, :(H + HKV) * D].clone().view(L, H + HKV, D)
+        apply_rope_and_store_kv_triton_(qk, qkv[:, (H + HKV) * D:].view(L, HKV, D), pos, cos,
+                                        sin, kc, vc, pos)
+        stored = kc.clone()
+        prompt = rope_decode_attention_triton(qkv, H, HKV, pos, cos, sin, kc, vc, pos,
+                                              table.expand(L, NB), pos + 1, 0.125,
+                                              window=window, invariant=True)
+        assert torch.equal(kc, stored)  # (the kernel stores the bits the rotation stored)
+        for p in (1, 17, L - 1):  # the same token as a lone decode row
+            k2, v2 = stored.clone(), vc.clone()
+            one = rope_decode_attention_triton(qkv[p:p + 1], H, HKV, pos[p:p + 1], cos, sin,
+                                               k2, v2, pos[p:p + 1], table, pos[p:p + 1] + 1,
+                                               0.125, window=window, invariant=True)
+            assert torch.equal(one, prompt[p:p + 1]), (window, p)
+    print("ok")
+""")
+
+
+def test_fused_attention_gives_a_token_the_same_bits_in_a_prompt_and_a_decode_step():
+    """The mode's attention on CUDA (fused rotation and attention, one configuration,
+    no split), run by Triton's interpreter: a prompt's rows, their keys stored
+    first, get the bits each token gets as a lone decode row."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", _FUSED_ATTENTION_CASES], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
