@@ -9,8 +9,9 @@
    each layer's weight its own (weights stream from memory, as in a step), the
    median of the replays. Also checks each plan's bits: a row alone equals the
    row among the others.
-2. With ``--engine``: one decode graph replay's GPU time, mode off and on, at each
-   of ``--rows``, and the kernel table of a replay at the first.
+2. With ``--engine``: one decode graph replay's GPU time, mode off, on, and on
+   with its attention unfused, at each of ``--rows``, and the kernel table of a
+   replay at the first.
 
     python benchmarks/invariant_gemm_configs.py [--rows 64,256] [--engine --tokenizer-dir DIR]
 """
@@ -28,12 +29,14 @@ from formcast.engine.models.shapes import SHAPES
 
 PLANS = [GemmPlan(bm, bn, bk) for bm, bn, bk in
          [(64, 32, 64), (64, 64, 64), (64, 32, 128), (64, 128, 64), (16, 32, 64), (16, 64, 64)]] \
+    + [GemmPlan(64, 32, bk, 1, 4, 4) for bk in (64, 128)] \
     + [GemmPlan(bm, bn, 64, s) for bm, bn, s in [(64, 32, 2), (64, 64, 4), (16, 32, 4)]]
 HEAD_PLANS = [GemmPlan(64, 128, 64), GemmPlan(64, 64, 64), GemmPlan(64, 128, 64, 1, 8)]
 
 
 def label(plan: GemmPlan) -> str:
-    return f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.splits} w{plan.num_warps}"
+    return f"{plan.block_m}x{plan.block_n}x{plan.block_k} s{plan.splits} w{plan.num_warps} " \
+        f"st{plan.num_stages}"
 
 
 def graph_us(launch, layers: int, reps: int = 20) -> float:

@@ -125,7 +125,7 @@ def _invariant_mm_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, part_ptr, count_ptr,
     k_end = tl.minimum(k_begin + k_per_split, K)
     for k0 in range(k_begin, k_end, BLOCK_K):
         kk = k0 + rk
-        live_k = kk < k_end
+        live_k = kk < K  # (a split's tiles never cross into the next: it holds whole tiles)
         x = tl.load(x_ptr + rm[:, None] * sxm + kk[None, :],
                     mask=live_m[:, None] & live_k[None, :], other=0.0)
         w = tl.load(w_ptr + rn[:, None] * swn + kk[None, :],

@@ -23,7 +23,7 @@ from formcast.engine.kernels.paged_attention_invariant import (decode_masked_key
                                                                invariant_decode_attention,
                                                                invariant_prefill_attention_,
                                                                prefill_masked_keys)
-from formcast.engine.kernels.rope import store_kv_
+from formcast.engine.kernels.rope import apply_rope_and_store_kv_, store_kv_
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,7 +226,8 @@ def invariant_rope_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: in
     then its own key), with one configuration and no split for every batch, so a
     token gets the same bits in a prompt chunk, a decode step or a verification
     step. ``qkv`` [T, (H + 2 Hkv) D] unrotated; ``rotary`` the layer's
-    :class:`~formcast.engine.layers.rotary.RotaryEmbedding`. A step of one new
+    :class:`~formcast.engine.layers.rotary.RotaryEmbedding` (its tables). Triton
+    only (CUDA, or its interpreter on the CPU). A step of one new
     token a sequence is that kernel alone; any other step first stores every
     row's rotated key and value (rows of a sequence attend to each other's),
     rotating a copy. Returns [T, H, D]."""
@@ -234,15 +235,16 @@ def invariant_rope_attention(qkv: torch.Tensor, num_heads: int, num_kv_heads: in
 
     t = qkv.shape[0]
     d = k_cache.shape[3]
+    cos, sin = rotary.tables(qkv.device)
     if meta.one_token_rows and not meta.prefills and meta.num_decodes == t:
         meta.rely_on_one_token_rows()
         tables, lens = meta.decode_block_tables, meta.decode_lens
     else:
         qk = qkv[:, :(num_heads + num_kv_heads) * d].clone().view(t, num_heads + num_kv_heads, d)
         v = qkv[:, (num_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
-        rotary.rotate_and_store(positions, qk, v, k_cache, v_cache, meta.slot_mapping)
+        apply_rope_and_store_kv_(qk, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
+                                 backend="triton")
         tables, lens = _flat_rows(meta, qkv.device)
-    cos, sin = rotary.tables(qkv.device)
     return rope_decode_attention_triton(qkv, num_heads, num_kv_heads, positions, cos, sin,
                                         k_cache, v_cache, meta.slot_mapping, tables, lens,
                                         scale, window=window, invariant=True)

@@ -194,7 +194,7 @@ class LlamaDecoderLayer(nn.Module):
         if self.folded and self.self_attn.decodes_fused(x, meta):
             return self._folded_decode(x, pending, positions, rotary, kv_cache, meta)
         if self.folded and meta.batch_invariant and x.is_cuda:
-            return self._invariant_step(x, pending, positions, rotary, kv_cache, meta)
+            return self.invariant_step(x, pending, positions, rotary, kv_cache, meta)
         if pending is None:
             h = self.input_layernorm.forward(x)
         else:
@@ -226,16 +226,20 @@ class LlamaDecoderLayer(nn.Module):
         x.addmm_(act, mlp.down_proj.weight.t())
         return x, None
 
-
-    def _invariant_step(self, x: torch.Tensor, pending: torch.Tensor | None,
-                        positions: torch.Tensor, rotary: RotaryEmbedding,
-                        kv_cache: torch.Tensor, meta: AttentionMetadata
-                        ) -> tuple[torch.Tensor, None]:
-        """A folded layer in batch-invariant mode on CUDA, for every step (prompt
-        and decode rows alike): the fixed-plan GEMMs of
+    def invariant_step(self, x: torch.Tensor, pending: torch.Tensor | None,
+                       positions: torch.Tensor, rotary: RotaryEmbedding,
+                       kv_cache: torch.Tensor, meta: AttentionMetadata
+                       ) -> tuple[torch.Tensor, None]:
+        """The layer in batch-invariant mode on CUDA (:meth:`forward` takes it for a
+        folded layer, see :meth:`fold_norms`), for every step, prompt and decode
+        rows alike: the fixed-plan GEMMs of
         :mod:`formcast.engine.kernels.invariant_matmul_triton` carry the norms'
-        row scales, the gate and the residual adds, so a layer is six kernels
-        whose rows never depend on each other. Returns the stream (nothing pending)."""
+        row scales, the gate and the residual adds, and the attention is
+        :func:`~formcast.engine.layers.attention.invariant_rope_attention` where
+        the heads allow it; a decode step is then five kernels a layer, and no
+        row's bits depend on another's. Arguments as :meth:`forward`; runs
+        wherever Triton does (its interpreter too). Returns the stream (nothing
+        pending)."""
         from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
 
         attn, mlp = self.self_attn, self.mlp

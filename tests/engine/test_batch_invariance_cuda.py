@@ -58,12 +58,16 @@ def test_cuda_bf16_outputs_are_the_same_in_every_arrangement(tokenizer, name):
 _TRITON_GEMM_CASES = textwrap.dedent("""
     import torch
     from torch.nn import functional as F
-    from formcast.engine.kernels.invariant_matmul_triton import invariant_linear_triton
+    from formcast.engine.kernels.invariant_matmul_triton import GemmPlan, invariant_linear_triton
     torch.manual_seed(0)
-    # (N, K, options, reference): plain with a bias; the norm's row scale; the gate
-    # on a [2I, K] weight; the residual add. Ragged N and K: the tiles' edges
+    split = GemmPlan(block_m=16, block_n=32, block_k=64, splits=3)  # K = 640: 4, 4, 2 tiles
+    # (N, K, options): plain with a bias; the norm's row scale; the gate on a [2I, K]
+    # weight; the residual add; K split three ways. Ragged N and K: the tiles' edges
     for n, k, opts in [(130, 200, {}), (40, 96, {"scale_eps": 1e-5}),
-                       (80, 70, {"gated": True, "scale_eps": 1e-6}), (40, 128, {"res": 1})]:
+                       (80, 70, {"gated": True, "scale_eps": 1e-6}), (40, 128, {"res": 1}),
+                       (40, 640, {"plan": split}),
+                       (80, 640, {"plan": split, "gated": True, "scale_eps": 1e-5}),
+                       (40, 650, {"plan": split, "res": 1})]:
         w, b, x = torch.randn(n, k), torch.randn(n), torch.randn(150, k)
         width = n // 2 if opts.get("gated") else n
         res = torch.randn(150, width)
@@ -94,10 +98,10 @@ _TRITON_GEMM_CASES = textwrap.dedent("""
 
 def test_triton_gemm_gives_a_row_the_same_bits_at_any_row_count():
     """The CUDA linears' fixed-plan GEMM (tiles chosen by the weight's shape, never
-    by the row count; the whole K in one program), run by Triton's interpreter on
-    the CPU: right, and a row alone equals that row among 1 to 149 others, plain
-    and with each step the GEMM can carry (the norm's row scale, the gate, the
-    residual add)."""
+    by the row count), run by Triton's interpreter on the CPU: right, and a row
+    alone equals that row among 1 to 149 others, plain and with each step the
+    GEMM can carry (the norm's row scale, the gate, the residual add), with the
+    whole K in one program and with K split (partials added in split order)."""
     pytest.importorskip("triton")
     run = subprocess.run([sys.executable, "-c", _TRITON_GEMM_CASES], capture_output=True,
                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -181,5 +185,84 @@ def test_fused_attention_gives_a_token_the_same_bits_in_a_prompt_and_a_decode_st
     first, get the bits each token gets as a lone decode row."""
     pytest.importorskip("triton")
     run = subprocess.run([sys.executable, "-c", _FUSED_ATTENTION_CASES], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
+
+
+_LAYER_CASES = textwrap.dedent("""
+    import copy, dataclasses, torch
+    from formcast.engine.layers.attention import AttentionMetadata, PrefillSpan
+    from formcast.engine.loading import build_model
+    from formcast.engine.models.shapes import SHAPES, random_llama_weights
+    cfg = dataclasses.replace(SHAPES["smollm2-135m"], num_hidden_layers=2, hidden_size=64,
+                              intermediate_size=128, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=32, vocab_size=512)
+    model = build_model(cfg, random_llama_weights(cfg, seed=0, head_std=0.5),
+                        device=torch.device("cpu"), dtype=torch.float32)
+    folded = copy.deepcopy(model)
+    assert folded.fold_norms()
+    BS, NB = 16, 8
+
+    def meta(rows, invariant=True):  # rows: (positions, block table, a decode row?)
+        slots, dec, spans, t = [], ([], [], []), [], 0
+        for pos, table, decode in rows:
+            slots += [table[p // BS] * BS + p % BS for p in pos]
+            if decode:
+                dec[0].append(t), dec[1].append(table), dec[2].append(pos[0] + 1)
+            else:
+                spans.append(PrefillSpan(start=t, length=len(pos), context_len=pos[-1] + 1,
+                                         block_table=torch.tensor(table)))
+            t += len(pos)
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots), decode_rows=torch.tensor(dec[0], dtype=torch.long),
+            decode_block_tables=torch.tensor(dec[1], dtype=torch.long).view(-1, NB),
+            decode_lens=torch.tensor(dec[2], dtype=torch.long), prefills=tuple(spans),
+            one_token_rows=not spans, batch_invariant=invariant)
+
+    def run(m, tokens, positions, kv, rows, step=True):
+        x, pos, pending = m.model.embed(torch.tensor(tokens)), torch.tensor(positions), None
+        md = meta(rows, invariant=step)
+        for layer, cache in zip(m.model.layers, kv):
+            go = layer.invariant_step if step else layer.forward
+            x, pending = go(x, pending, pos, m.model.rotary, cache, md)
+        return x if pending is None else x + pending
+
+    def caches():
+        return [torch.zeros(2, NB + 1, BS, 2, 32) for _ in range(2)]
+
+    torch.manual_seed(0)
+    a, b = torch.randint(0, 512, (24,)).tolist(), torch.randint(0, 512, (9,)).tolist()
+    ta, tb = list(range(NB)), [4, 5, 6, 7, 0, 1, 2, 3]
+    r = lambda lo, hi: list(range(lo, hi))
+    full = run(folded, a, r(0, 24), caches(), [(r(0, 24), ta, False)])
+    ref = run(model, a, r(0, 24), caches(), [(r(0, 24), ta, False)], step=False)
+    assert torch.allclose(full, ref, atol=2e-4, rtol=1e-3), (full - ref).abs().max()
+    kv = caches()  # chunks of 10 and 9, then decode steps
+    assert torch.equal(run(folded, a[:10], r(0, 10), kv, [(r(0, 10), ta, False)]), full[:10])
+    assert torch.equal(run(folded, a[10:19], r(10, 19), kv, [(r(10, 19), ta, False)]),
+                       full[10:19])
+    for p in range(19, 22):
+        assert torch.equal(run(folded, [a[p]], [p], kv, [([p], ta, True)]), full[p:p + 1]), p
+    kv = caches()  # a decode row of a beside b's prompt in one step
+    run(folded, a[:23], r(0, 23), kv, [(r(0, 23), ta, False)])
+    mixed = run(folded, [a[23]] + b, [23] + r(0, 9), kv, [([23], ta, True), (r(0, 9), tb, False)])
+    assert torch.equal(mixed[:1], full[23:]), "a decode row beside a prompt"
+    assert torch.equal(mixed[1:], run(folded, b, r(0, 9), caches(), [(r(0, 9), tb, False)]))
+    kv = caches()  # four rows of one sequence in a step (verification)
+    run(folded, a[:20], r(0, 20), kv, [(r(0, 20), ta, False)])
+    assert torch.equal(run(folded, a[20:], r(20, 24), kv, [(r(20, 24), ta, False)]), full[20:])
+    print("ok")
+""")
+
+
+def test_folded_layer_step_gives_a_token_the_same_bits_in_every_arrangement():
+    """A folded Llama layer's step in the mode (``LlamaDecoderLayer.invariant_step``:
+    the GEMMs carrying the norms, gate and residual adds, every row through the
+    fused rope-and-attend kernel), run by Triton's interpreter on a tiny model:
+    close to the ordinary layers, and a token's hidden state has the same bits in
+    one prompt, in chunks, as a decode step, beside another sequence's prompt and
+    among verification rows."""
+    pytest.importorskip("triton")
+    run = subprocess.run([sys.executable, "-c", _LAYER_CASES], capture_output=True,
                          text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-3000:]
