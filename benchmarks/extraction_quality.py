@@ -84,6 +84,7 @@ class Outcome:
     tokens: int
     error: str | None = None
     runaway: bool = False
+    confidence: dict[str, float] | None = None   # formcast's mean token log-prob per field
 
 
 Runner = Callable[[list[Item], type[BaseModel], int], list[Outcome]]
@@ -134,7 +135,8 @@ def _formcast_outcome(llm: Any, result: Any, read: Callable[[Any], dict]) -> Out
         return Outcome(value=None, text=result.text, tokens=tokens, error="cut at max_tokens",
                        runaway=True)
     try:
-        return Outcome(value=read(result), text=result.text, tokens=tokens)
+        return Outcome(value=read(result), text=result.text, tokens=tokens,
+                       confidence=getattr(result, "field_confidence", None))
     except (ValueError, ValidationError) as exc:
         return Outcome(value=None, text=result.text, tokens=tokens,
                        error=f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
@@ -424,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                         {"method": name, "schema": schema, "seconds": elapsed, "text": it.text,
                          "gold": it.gold, "value": outcome.value, "output": outcome.text,
                          "tokens": outcome.tokens, "error": outcome.error,
-                         "runaway": outcome.runaway, "credit": credit, "fields": fields},
+                         "runaway": outcome.runaway, "credit": credit, "fields": fields,
+                         "confidence": outcome.confidence},
                         ensure_ascii=False) + "\n")
                     records.flush()
                 if args.show_errors:

@@ -21,10 +21,12 @@ import numpy as np
 import torch
 
 from formcast.engine.constraint import ops_for
-from formcast.grammars.grounding import GroundingPlan
+from formcast.grammars.grounding import ANY_INDEX, GroundingPlan
+from formcast.grammars.grounding_source import clause_breaks
 from formcast.grammars.grounding_text import GroundingText, Sensitivity, token_index
-from formcast.grammars.json_tracker import (GROUNDED_NUMBER, GROUNDED_STRING, KEY, NUMBER,
-                                            PLAIN, STRING, JsonTracker, Refusal, Repeat)
+from formcast.grammars.json_tracker import (ARRAY, GROUNDED_NUMBER, GROUNDED_STRING, KEY,
+                                            NUMBER, PLAIN, STRING, JsonTracker, Refusal,
+                                            Repeat)
 from formcast.grammars.matcher import Matcher
 from formcast.grammars.vocab import Vocabulary
 
@@ -114,18 +116,27 @@ class GroundedMatcher(Matcher):
 
     __slots__ = ("_inner", "_inner_fill", "_text", "_plan", "_vocab", "_distinct", "_active",
                  "_tracker", "_history", "_violations", "_token_bytes", "_eos", "_version",
-                 "_free_version", "_stop_loops")
+                 "_free_version", "_stop_loops", "_items")
 
     def __init__(self, inner: Matcher, text: str | GroundingText, plan: GroundingPlan,
                  vocab: Vocabulary, *, distinct_items: bool = False,
-                 stop_loops: bool = False) -> None:
+                 stop_loops: bool = False, items: GroundingText | None = None) -> None:
         self._inner = inner
         self._inner_fill = inner.fill_bitmask           # bound once: the hot path
         if not isinstance(text, GroundingText):
-            text = token_index(vocab).grounding_text(
-                text, strings=bool(plan.strings), numbers=bool(plan.numbers),
-                distinct=distinct_items, words=plan.words, capitalise=plan.capitalise)
+            source = text
+
+            def tables(breaks: frozenset[int]) -> GroundingText:
+                return token_index(vocab).grounding_text(
+                    source, strings=bool(plan.strings), numbers=bool(plan.numbers),
+                    distinct=distinct_items, words=plan.words, capitalise=plan.capitalise,
+                    breaks=breaks)
+            text = tables(clause_breaks(source) if plan.clauses else frozenset())
+            # (a list item also ends at "and"/"or": its own tables, where it has any)
+            if plan.clauses and any(p and p[-1] == ANY_INDEX for p in plan.strings):
+                items = tables(clause_breaks(source, items=True))
         self._text = text
+        self._items = text if items is None else items
         self._plan = plan
         self._vocab = vocab
         self._distinct = distinct_items
@@ -173,14 +184,19 @@ class GroundedMatcher(Matcher):
         """Whether grounding takes token ``tid`` here (state unchanged)."""
         tracker = self._tracker
         snap = tracker.snapshot()
-        refusal = tracker.feed(self._token_bytes[tid], self._text)
+        refusal = tracker.feed(self._token_bytes[tid], self._here())
         tracker.restore(snap)
         return refusal is None
+
+    def _here(self) -> GroundingText:
+        """The tables of the value written here: a list item's, or any other's."""
+        stack = self._tracker.stack
+        return self._items if stack and stack[-1][0] == ARRAY else self._text
 
     def _restrict(self, row: np.ndarray) -> bool:
         """AND grounding into the grammar's mask ``row`` (int32 words, in place); False
         (``row`` unchanged) when that would leave no token."""
-        tracker, text = self._tracker, self._text
+        tracker, text = self._tracker, self._here()
         if tracker.done:
             return True
         # (a "," can end a repeated item only inside an array)
@@ -312,7 +328,7 @@ class GroundedMatcher(Matcher):
             if not self._grounding_empty():
                 return False
         elif self._active:
-            refusal = tracker.feed(data, self._text)
+            refusal = tracker.feed(data, self._here())
             if refusal is not None:
                 tracker.restore(snap[0])
                 if not self._grounding_empty():
@@ -331,7 +347,7 @@ class GroundedMatcher(Matcher):
 
     def accept(self, token_id: int) -> bool:
         if token_id in self._eos:
-            refusal = self._tracker.finish(self._text) if self._active else None
+            refusal = self._tracker.finish(self._here()) if self._active else None
             if refusal is not None and not self._grounding_empty():
                 return False
             if not self._inner.accept(token_id):
@@ -380,7 +396,7 @@ class GroundedMatcher(Matcher):
         kept: list[int] = []
         for tid in forced:
             data = self._token_bytes[tid] if 0 <= tid < len(self._token_bytes) else b""
-            if not data or tracker.feed(data, self._text) is not None:
+            if not data or tracker.feed(data, self._here()) is not None:
                 break
             kept.append(tid)
         tracker.restore(snap)
@@ -396,7 +412,7 @@ class GroundedMatcher(Matcher):
         for k, tid in enumerate(taken):
             snap = (tracker.snapshot(), self._violations)
             data = self._token_bytes[tid] if 0 <= tid < len(self._token_bytes) else b""
-            if not data or (self._active and tracker.feed(data, self._text) is not None):
+            if not data or (self._active and tracker.feed(data, self._here()) is not None):
                 tracker.restore(snap[0])
                 self._inner.rollback(len(taken) - k)
                 taken = taken[:k]
@@ -407,7 +423,8 @@ class GroundedMatcher(Matcher):
 
     def fork(self) -> GroundedMatcher:
         other = GroundedMatcher(self._inner.fork(), self._text, self._plan, self._vocab,
-                                distinct_items=self._distinct, stop_loops=self._stop_loops)
+                                distinct_items=self._distinct, stop_loops=self._stop_loops,
+                                items=self._items)
         other._tracker = self._tracker.copy()
         other._history = list(self._history)
         other._violations = self._violations

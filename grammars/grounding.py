@@ -102,12 +102,17 @@ class GroundingPlan:
     capitalise : bool
         A grounded string may also be a span of the text with each word's first
         letter upper-cased ("Nurse" from "a nurse").
+    clauses : bool
+        A grounded string crosses no clause break of the text (", ", "; ", a line
+        break, a sentence end), and a list item (a string in an array) no "and", "or"
+        or "&" either (:mod:`~formcast.grammars.grounding_source`).
     """
 
     strings: frozenset[tuple[str, ...]] = frozenset()
     numbers: frozenset[tuple[str, ...]] = frozenset()
     words: bool = False
     capitalise: bool = False
+    clauses: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.strings or self.numbers)
@@ -126,7 +131,7 @@ class GroundingPlan:
 
 
 def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
-                   capitalise: bool = False) -> GroundingPlan:
+                   capitalise: bool = False, clauses: bool = False) -> GroundingPlan:
     """Find the grounded values of documents of ``schema``. Does not change ``schema``.
 
     The schema is walked through ``properties``, ``items``/``prefixItems`` (any
@@ -146,7 +151,7 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
         and every value marked ``"x-grounded": true`` (numbers too; a mark on an
         object or array holds for everything inside it). "strict": "auto" plus
         every number and integer.
-    words, capitalise : bool
+    words, capitalise, clauses : bool
         How grounded strings match the text (see :class:`GroundingPlan`).
 
     Returns
@@ -161,7 +166,7 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
     if mode not in MODES:
         raise ConstraintError(f"grounding mode must be one of {MODES}, got {mode!r}")
     if mode == "off" or not isinstance(schema, (dict, bool)):
-        return GroundingPlan(words=words, capitalise=capitalise)
+        return GroundingPlan(words=words, capitalise=capitalise, clauses=clauses)
     strings: set[tuple[str, ...]] = set()
     numbers: set[tuple[str, ...]] = set()
 
@@ -211,7 +216,7 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
 
     walk(schema, (), None, ())
     return GroundingPlan(strings=frozenset(strings), numbers=frozenset(numbers), words=words,
-                         capitalise=capitalise)
+                         capitalise=capitalise, clauses=clauses)
 
 
 def ground(matcher: Matcher, text: str, plan: GroundingPlan, vocabulary: Vocabulary, *,

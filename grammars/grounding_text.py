@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import bisect
 import functools
-import json
 import re
 import threading
 from collections.abc import Sequence
 
 import numpy as np
 
+from formcast.grammars.grounding_source import source_tables
 from formcast.grammars.vocab import Vocabulary
 
 _NUMBER_CHARS = b"0123456789.eE+-"
@@ -32,7 +32,6 @@ _RUN = re.compile(r"(?<![0-9])(-?)([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(\.[0-9]+)?")
 _DECIMAL_COMMA = re.compile(r"(?<![0-9,.])([0-9]+),([0-9]{1,2})(?![0-9])")
 _CACHE_LIMIT = 4096     # entries of a per-text cache before it is cleared
 _TEXTS_KEPT = 16        # texts whose tables a TokenIndex keeps
-_WORD_START = re.compile(r"(?<!\S)\w")
 
 
 def _last_of(tokens: Sequence[bytes], chars: bytes, *, final: bool = True) -> np.ndarray:
@@ -160,15 +159,17 @@ class TokenIndex:
         return found
 
     def grounding_text(self, text: str, *, strings: bool, numbers: bool, distinct: bool,
-                       words: bool = False, capitalise: bool = False) -> GroundingText:
+                       words: bool = False, capitalise: bool = False,
+                       breaks: frozenset[int] = frozenset()) -> GroundingText:
         """The :class:`GroundingText` of ``text`` (the last few are kept: a request
         repeated, or several schemas over one text, share its tables)."""
-        key = (text, (strings, numbers, distinct, words, capitalise))
+        key = (text, (strings, numbers, distinct, words, capitalise, breaks))
         with self._lock:
             found = self._texts.get(key)
         if found is None:
             found = GroundingText(text, self, strings=strings, numbers=numbers,
-                                  distinct=distinct, words=words, capitalise=capitalise)
+                                  distinct=distinct, words=words, capitalise=capitalise,
+                                  breaks=breaks)
             with self._lock:
                 if len(self._texts) >= _TEXTS_KEPT:
                     self._texts.pop(next(iter(self._texts)))
@@ -223,53 +224,6 @@ class Sensitivity:
 def token_index(vocab: Vocabulary) -> TokenIndex:
     """The :class:`TokenIndex` of ``vocab`` (built once, kept for the last few)."""
     return TokenIndex(vocab)
-
-
-def _in_word(ch: str) -> bool:
-    """Whether ``ch`` belongs to a word (letters and digits of scripts written with
-    spaces: ideographs and kana are words of one character each)."""
-    return ch.isalnum() and ch < "\u2e80"
-
-
-def escape_text(text: str, *, words: bool = False) -> tuple[bytes, bytes]:
-    """``text`` as a JSON string body (UTF-8) and its boundaries: ``1`` at each offset
-    where a character or escape starts, and at the end; with ``words``, only at those
-    not inside a word (between two letters or digits)."""
-    body = json.dumps(text, ensure_ascii=False)[1:-1].encode("utf-8", "surrogatepass")
-    marks = bytearray(len(body) + 1)
-    widths: dict[str, int] = {}
-    pos = 0
-    before = False                  # whether the character before is in a word
-    for ch in text:
-        width = widths.get(ch)
-        if width is None:
-            width = widths[ch] = len(json.dumps(ch, ensure_ascii=False)[1:-1].encode(
-                "utf-8", "surrogatepass"))
-        inside = words and _in_word(ch)
-        marks[pos] = not (before and inside)
-        before = inside
-        pos += width
-    marks[pos] = 1
-    return body, bytes(marks)
-
-
-def capitalised(text: str) -> str:
-    """``text`` with the first letter of each word (after whitespace) upper-cased."""
-    return _WORD_START.sub(lambda m: m.group(0).upper(), text)
-
-
-def source_tables(text: str, *, words: bool = False, capitalise: bool = False
-                  ) -> tuple[bytes, bytes]:
-    """What grounded strings are spans of, escaped, with its boundaries
-    (:func:`escape_text`); with ``capitalise``, the text then (if it differs) its
-    :func:`capitalised` copy, joined by a NUL byte that no JSON string body holds, so
-    no span crosses from one to the other."""
-    body, marks = escape_text(text, words=words)
-    titled = capitalised(text) if capitalise else text
-    if titled == text:
-        return body, marks
-    body2, marks2 = escape_text(titled, words=words)
-    return body + b"\x00" + body2, marks + marks2
 
 
 def text_numbers(text: str) -> frozenset[bytes]:
@@ -328,6 +282,8 @@ class GroundingText:
     words, capitalise : bool
         Whether a grounded string starts and ends only at word edges, and whether it
         may also be a span of the :func:`capitalised` text (:func:`source_tables`).
+    breaks : frozenset of int
+        Offsets of characters no grounded string holds.
 
     Attributes
     ----------
@@ -337,12 +293,14 @@ class GroundingText:
     """
 
     def __init__(self, text: str, index: TokenIndex, *, strings: bool, numbers: bool,
-                 distinct: bool, words: bool = False, capitalise: bool = False) -> None:
+                 distinct: bool, words: bool = False, capitalise: bool = False,
+                 breaks: frozenset[int] = frozenset()) -> None:
         self.text = text
         self.index = index
         self.sensitivities = (index.sensitivity(strings, numbers, False),
                               index.sensitivity(strings, numbers, distinct))
-        self.escaped, self.boundary = source_tables(text, words=words, capitalise=capitalise)
+        self.escaped, self.boundary = source_tables(text, words=words, capitalise=capitalise,
+                                                    breaks=breaks)
         self.numbers = text_numbers(text)
         self.number_prefixes = frozenset(n[:k] for n in self.numbers for k in range(1, len(n) + 1))
         self._ends: dict[bytes, tuple[int, ...]] = {}

@@ -116,8 +116,9 @@ class Extraction:
         gen = self.spec.constraint.schema
         # (spans of whole words, capitalised words too: a small model writes "Nurse"
         # for "a nurse", and left free to stop mid-word it writes "Plu" for "plumber")
+        # (and no span runs past a clause of the text, nor a list item past its "and")
         self.plan = grounding_plan(gen, "strict" if grounding == "auto" else grounding,
-                                   words=True, capitalise=True)
+                                   words=True, capitalise=True, clauses=True)
         # under "auto" a number keeps to the text's numbers when it has one, and is
         # the model's own otherwise (no GroundingError): "Five stars" gives 5
         self.soft_numbers = self.plan.numbers - grounding_plan(gen, grounding).numbers

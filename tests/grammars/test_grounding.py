@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from formcast.grammars import (ConstraintError, Grounded, GroundingPlan, JsonSchema, NotGrounded,
                                ground, grounding_plan)
 from formcast.grammars import compile as compile_constraint
-from formcast.grammars.grounding_text import (capitalised, escape_text, source_tables,
-                                              text_numbers)
+from formcast.grammars.grounding_source import capitalised, escape_text, source_tables
+from formcast.grammars.grounding_text import text_numbers
 
 from .conftest import EOS, allowed_ids
 
