@@ -8,6 +8,9 @@ that the text does not give a value:
   are capped at :data:`MAX_FREE_STRING` characters, unless grounded: a span of the
   text ends where the text does, and a cap could cut it inside a word, where a
   grounded string may not end;
+- a required list without ``minItems`` is written with at least one item: a small
+  model otherwise closes every list at once (``"skills": []`` for "Must have: Go,
+  PostgreSQL, Kafka"); a schema that allows an empty list says ``minItems: 0``;
 - lists without ``maxItems`` are capped at :data:`MAX_LIST_ITEMS` items, and their
   items are distinct unless the schema says ``uniqueItems: false`` (or asks for at
   least two items without saying): the matcher ends a list at its first repeated
@@ -47,6 +50,7 @@ def generation_schema(schema: dict, *, max_string: int = MAX_FREE_STRING,
     """
     gen = copy.deepcopy(schema)
     _walk(gen, lambda node: _cap_string(node, max_string, grounded))
+    _walk(gen, _required_lists)
     _walk(gen, lambda node: _bound_list(node, max_items))
     _walk(gen, _nullable_optionals)
     return gen
@@ -100,6 +104,17 @@ def _bound_list(node: dict, limit: int) -> None:
     # uniqueItems itself is checked only when the document ends, and the rollbacks
     # it takes there let a small model loop instead)
     node[DISTINCT] = distinct
+
+
+def _required_lists(node: dict) -> None:
+    props = node.get("properties")
+    if not isinstance(props, dict):
+        return
+    for name in node.get("required", []):
+        prop = props.get(name)
+        if isinstance(prop, dict) and prop.get("type") == "array" and "minItems" not in prop \
+                and "prefixItems" not in prop:
+            prop["minItems"] = 1
 
 
 def lists_distinct(gen: dict) -> bool:

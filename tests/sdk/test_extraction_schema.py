@@ -36,6 +36,18 @@ def test_lists_are_capped_and_distinct_in_the_generation_schema(keywords, max_it
     assert schema == _array(**keywords)  # the caller's schema is untouched
 
 
+@pytest.mark.parametrize(("schema", "min_items"), [
+    (_array(), 1),                                    # required: at least one item
+    (_array(minItems=0), 0),                          # the schema allows an empty list
+    (_array(minItems=3), 3),
+    ({**_array(), "required": []}, None),             # optional: may be null instead
+])
+def test_required_lists_get_one_item(schema, min_items):
+    xs = generation_schema(schema)["properties"]["xs"]
+    found = next((o for o in xs.get("anyOf", [xs]) if o.get("type") == "array"), xs)
+    assert found.get("minItems") == min_items
+
+
 def test_tuples_are_neither_capped_nor_distinct():
     schema = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "integer"}]}
     gen = generation_schema(schema)
