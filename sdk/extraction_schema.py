@@ -37,6 +37,8 @@ MAX_LIST_ITEMS = 20  # items of a list without maxItems, for generation only
 _NULL_ADDED = "x-formcast-null-added"
 DISTINCT = "x-formcast-distinct"
 # keywords whose value maps names to schemas (the names are not schema keywords)
+# string keywords a stripped value could break
+_SHAPED = ("enum", "const", "pattern", "format", "minLength")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
@@ -168,7 +170,8 @@ def tidy_then(parse: Callable[[str], Any], gen: dict) -> Callable[[str], Any]:
 
 def tidy(value: Any, gen: dict) -> Any:
     """``value`` generated under ``gen`` (:func:`generation_schema`), with repeated items
-    of its distinct lists and the nulls it added to optional fields taken out."""
+    of its distinct lists and the nulls it added to optional fields taken out, and its
+    plain strings stripped of surrounding whitespace."""
     return _tidy(value, gen, gen.get("$defs", {}))
 
 
@@ -195,6 +198,9 @@ def _tidy(value: Any, node: Any, defs: dict) -> Any:
                 if option.get(DISTINCT) is True:
                     value = _distinct(value)
                 break
+    elif isinstance(value, str) and value.strip() and any(
+            "string" in _types(o) and not any(k in o for k in _SHAPED) for o in options):
+        value = value.strip()  # (a span of the text may end at a space: "ARM ")
     return value
 
 

@@ -58,6 +58,7 @@ def test_tuples_are_neither_capped_nor_distinct():
     ({"xs": ["a", "b", "a"]}, {"xs": ["a", "b"]}),    # the repeat that ended the list
     ({"xs": ["a", "a", "b", "b"]}, {"xs": ["a", "b"]}),
     ({"xs": []}, {"xs": []}),
+    ({"xs": ["ARM", "ARM ", " C"]}, {"xs": ["ARM", "C"]}),   # stripped, then distinct
 ])
 def test_tidy_drops_repeated_items_of_distinct_lists(value, expected):
     assert tidy(value, generation_schema(_array())) == expected
