@@ -115,16 +115,19 @@ class Engine:
             "auto" (CUDA when available), "cpu" or "cuda[:N]".
         dtype : torch.dtype | None
             Weights and KV dtype; default float32 on CPU, bfloat16 on CUDA.
-        quantization : {"auto", "int4", "int8"} | None
-            CPU only: keep linear weights in 4 bits (groups of 32) or 8 bits (per
-            channel) and run them with bfloat16 activations; the output head is held
-            in bfloat16. Several times faster decode; logits move slightly. "int4" on
-            a GGUF whose linears are stored Q4_0/Q4_1 takes the file's own blocks
-            (codes exact; scales in bfloat16); other weights are quantized from float
-            (min/max per group). "auto" (the default), on the CPU: "int4" for such a
-            GGUF, "int8" for a GGUF whose matrices are stored in other quantized
-            blocks (K-quants, Q5, Q8: dequantized, then quantized per channel),
-            None otherwise. None: float weights in ``dtype``.
+        quantization : {"auto", "gguf", "int4", "int8"} | None
+            CPU only. "gguf": a Llama GGUF's weights kept in the file's own blocks
+            (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), each layer's step one native call
+            (int8 activation codes; needs the C++ extension). "int4"/"int8": linear
+            weights in 4 bits (groups of 32) or 8 bits (per channel) run with
+            bfloat16 activations, the head in bfloat16; logits move slightly. "int4"
+            on a GGUF stored Q4_0/Q4_1 takes the file's blocks (codes exact; scales
+            in bfloat16); other weights are quantized from float (min/max per group).
+            "auto" (the default), on the CPU: "gguf" for a plain Llama GGUF in those
+            blocks when the native kernels build (not under ``FORMCAST_NATIVE=0``),
+            else "int4" for a Q4_0/Q4_1 GGUF, "int8" for a GGUF in other quantized
+            blocks (dequantized, then quantized per channel), None otherwise. None:
+            float weights in ``dtype``.
         **config
             Fields of :class:`EngineConfig` (block_size, num_kv_blocks, max_num_seqs, ...).
         parallel : formcast.engine.ParallelConfig | None

@@ -16,11 +16,13 @@ from formcast.engine.block_manager import BlockManager
 from formcast.engine.config import DeepseekV4Config, EngineConfig, LlamaConfig
 from formcast.engine.kv_groups import GroupedBlockManager, KVGroup, group_layers, size_groups
 from formcast.engine.errors import UnsupportedModelError
+from formcast.engine.kernels import native
 from formcast.engine.kernels.native import BLOCK_TYPES
 from formcast.engine.layers.quant import (QUANTIZATIONS, GGUFEmbedding, GGUFLinear,
                                           quantize_linears)
-from formcast.engine.loader.gguf_blocks import Blocks, read_gguf_blocks
-from formcast.engine.loader.gguf import Int4Blocks, open_gguf, read_int4_blocks, stores_quantized
+from formcast.engine.loader.gguf_blocks import Blocks, native_blocks, read_gguf_blocks
+from formcast.engine.loader.gguf import (Int4Blocks, config_from_reader, open_gguf,
+                                         read_int4_blocks, stores_quantized)
 from formcast.engine.models.deepseek_v4 import DeepseekV4ForCausalLM
 from formcast.engine.models.deepseek_v4_runner import (state_bytes_per_sequence,
                                                         state_bytes_per_token)
@@ -47,23 +49,25 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
     if quantization not in (None, "auto", "gguf") + QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose 'auto', 'gguf', "
                          f"{', '.join(map(repr, QUANTIZATIONS))} or None")
-    # (opt-in while the native step is slower than int4's: "auto" stays int4)
+    # "auto": a plain Llama GGUF in block types the native kernels run goes on them as
+    # stored (faster than int4 and closer to float32's tokens); int4/int8 otherwise
+    reader = None
     if source.kind == "gguf" and dev.type == "cpu" and dtype == torch.float32 and \
-            quantization == "gguf":
-        config, weights = read_gguf_blocks(source.path, fuse=gguf_fusions)
-        if type(config) is LlamaConfig and \
-                all(isinstance(w, Blocks) or w.dim() < 2 for w in weights.values()):
+            quantization in ("auto", "gguf"):
+        reader = open_gguf(source.path)  # (parsed once: a large vocabulary takes seconds)
+        config = config_from_reader(reader, source.path)
+        if native_blocks(reader, config) and (quantization == "gguf" or native.available()):
+            config, weights = read_gguf_blocks(source.path, fuse=gguf_fusions, reader=reader)
             # the file's own blocks on the native kernels: no float32 weights at all
             return (build_gguf_model(config, weights, source.path), tokenizer, dev,
                     source.name, "gguf")
-        del weights
     if quantization == "gguf":
         raise ValueError("quantization='gguf' runs a Llama-architecture GGUF whose weights "
                          f"are all in {', '.join(BLOCK_TYPES)} blocks, in float32 on the CPU")
     ckpt = load_checkpoint(source)
     blocks, quantized = {}, False
     if source.kind == "gguf" and dev.type == "cpu" and quantization in ("auto", "int4"):
-        reader = open_gguf(source.path)  # (parsed once: a large vocabulary takes seconds)
+        reader = reader or open_gguf(source.path)
         blocks = fuse_int4_blocks(read_int4_blocks(source.path, reader=reader))
         quantized = stores_quantized(reader)
     if quantization == "auto":

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from gguf import ReaderTensor
+from gguf import GGUFReader, ReaderTensor
 
 from formcast.engine.config import LlamaConfig
 from formcast.engine.errors import CorruptModelError
@@ -37,7 +37,8 @@ class Blocks:
 
 
 def read_gguf_blocks(path: str | os.PathLike[str], *,
-                     fuse: Callable[[LlamaConfig], Mapping[str, Sequence[str]]] | None = None
+                     fuse: Callable[[LlamaConfig], Mapping[str, Sequence[str]]] | None = None,
+                     reader: GGUFReader | None = None
                      ) -> tuple[LlamaConfig, dict[str, Blocks | torch.Tensor]]:
     """The config and weights of a Llama GGUF, by transformers name: 2-D weights in a
     block type of :data:`BLOCK_TYPES` as :class:`Blocks` (read from the file), the
@@ -45,7 +46,8 @@ def read_gguf_blocks(path: str | os.PathLike[str], *,
 
     ``fuse(config)`` maps a new name to weights whose rows it stacks (a fused q|k|v): when
     all are blocks of one type and width, they are read straight into one buffer
-    and come back under the new name only (no copy made and dropped).
+    and come back under the new name only (no copy made and dropped). ``reader``: the
+    file already parsed by :func:`open_gguf` (a large vocabulary takes seconds).
 
     Raises
     ------
@@ -54,7 +56,7 @@ def read_gguf_blocks(path: str | os.PathLike[str], *,
         tensors and data past the end of the file.
     """
     path = Path(path)
-    reader = open_gguf(path)
+    reader = reader or open_gguf(path)
     config = config_from_reader(reader, path)
     shapes = expected_shapes(config)
     file_size = path.stat().st_size
@@ -104,6 +106,14 @@ def read_gguf_blocks(path: str | os.PathLike[str], *,
             order = _rope_order(config, name, shape[0])
             out[name] = weight if order is None else weight[order].contiguous()
     return config, out
+
+
+def native_blocks(reader: GGUFReader, config: LlamaConfig) -> bool:
+    """Whether the file is a plain Llama (no biases) whose 2-D weights are all in
+    block types of :data:`BLOCK_TYPES`: what the native decoder step runs as stored."""
+    return type(config) is LlamaConfig and config.architecture == "llama" and \
+        not config.attention_bias and not config.mlp_bias and \
+        all(t.tensor_type.name in BLOCK_TYPES for t in reader.tensors if len(t.shape) >= 2)
 
 
 def _is_blocks(t: ReaderTensor, shape: tuple[int, ...]) -> bool:
