@@ -8,7 +8,7 @@ caching on; speculative verification on) and compares every token id and every
 logprob bit for bit with the requests run alone: on a tiny random Llama (float32
 and int4) for most arrangements, and on the real SmolLM2 for a smaller set. The
 issue's reproduction (three chat prompts together, then each alone, on the
-default int4 engine with prefix caching) is a test of its own.
+default engine with prefix caching) is a test of its own.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from formcast.engine import Engine, EngineConfig, SamplingParams
+from formcast.engine.kernels import native
 from formcast.engine.kernels.invariant_matmul import onednn_linear, tiled_linear
 from formcast.engine.kernels.paged_attention_invariant import (invariant_decode_attention,
                                                                invariant_prefill_attention_)
@@ -297,8 +298,9 @@ def test_a_bad_batch_invariant_value_is_refused():
 # -- the real SmolLM2 -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def smollm2_int4(smollm2_source):
-    """The default CPU engine: int4 linears (the GGUF's own blocks), prefix caching on."""
+def smollm2_default(smollm2_source):
+    """The default CPU engine: the native step on the GGUF's own blocks (int4 linears
+    without the extension), prefix caching on."""
     return Engine.from_pretrained(str(smollm2_source.path), device="cpu")
 
 
@@ -311,12 +313,13 @@ def _chat(eng: Engine, text: str) -> list[int]:
                                                   add_generation_prompt=True, tokenize=True))
 
 
-def test_issue_reproduction_three_prompts_together_then_alone(smollm2_int4):
+def test_issue_reproduction_three_prompts_together_then_alone(smollm2_default):
     """The issue's reproduction: the three prompts together, then each alone, greedy,
-    32 tokens, on the default engine (int4, prefix caching on, so the prompts
-    alone read the prefix blocks the batched run wrote)."""
-    eng = smollm2_int4
-    assert eng.config.batch_invariant_on("cpu") and eng.quantization == "int4"
+    32 tokens, on the default engine (prefix caching on, so the prompts alone read
+    the prefix blocks the batched run wrote)."""
+    eng = smollm2_default
+    assert eng.config.batch_invariant_on("cpu")
+    assert eng.quantization == ("gguf" if native.available() else "int4")
     prompts = [_chat(eng, t) for t in ISSUE_PROMPTS]
     greedy = SamplingParams(max_tokens=32, temperature=0.0, logprobs=0)
     batched = _result(eng.generate(prompts, greedy))
@@ -336,9 +339,9 @@ SMOLLM2_ARRANGEMENTS = {
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(smollm2_int4):
+def smollm2_run(smollm2_default):
     """The default engine's requests run alone (float32 is the tiny model's part)."""
-    eng = smollm2_int4
+    eng = smollm2_default
     topics = ["the sea", "prime numbers", "a city", "the moon", "bread", "rivers"]
     requests = []
     for i, topic in enumerate(topics):

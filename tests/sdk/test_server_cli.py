@@ -106,11 +106,15 @@ def test_info_reports_the_quantization_the_engine_uses(llm, quantization, expect
 
 @pytest.mark.slow
 def test_info_reports_the_quantization_a_default_load_chose():
-    # (the embedded GGUF is Q4_1: "auto", the default, packs its linears as int4; one
-    # real load, as the other quantizations load through the same path)
+    # (the embedded GGUF is a Llama in Q4_1: "auto", the default, runs its blocks on the
+    # native kernels, or packs its linears as int4 without them; one real load, as the
+    # other quantizations load through the same path)
+    from formcast.engine.kernels import native
+
     result = RUNNER.invoke(app, ["info", "--json", "--device", "cpu"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["runtime"]["quantization"] == "int4"
+    assert json.loads(result.stdout)["runtime"]["quantization"] == (
+        "gguf" if native.available() else "int4")
 
 
 def test_the_package_is_typed():
