@@ -1,9 +1,9 @@
 """Quality of the quantized CPU path against the float32 path, on real prompts.
 
 "gguf": the file's own blocks on the native kernels, prompt rows included (int4 runs
-prompts on float32 weights); each projection's input as int8 codes plus the codes of
-their rounding error, and, for comparison, as one set of codes (llama.cpp's Q8
-activations). For each prompt the float32 engine (the GGUF dequantized) generates ``--tokens``
+prompts on float32 weights); each projection's input with more than 8 bits (16-bit
+codes on Q4_0/Q4_1 weights, else int8 codes plus the codes of their rounding error),
+and, for comparison, as one set of int8 codes (llama.cpp's Q8 activations). For each prompt the float32 engine (the GGUF dequantized) generates ``--tokens``
 greedy tokens; each quantized engine then scores that same sequence in one pass
 (teacher forcing). Reported per format: the max and mean absolute logit difference
 over all generated positions, the greedy agreement (share of positions where both

@@ -28,9 +28,9 @@ class GGUFDecoderLayer(LlamaDecoderLayer):
     """A Llama layer whose step is one native call (module doc), where it can be."""
 
     _native: tuple[list[torch.Tensor], list[int], list[int]] | None = None
-    # the projections (bits: q|k|v, o, gate|up, down) whose inputs go in as int8
-    # codes plus the codes of their rounding error (native.decoder_layer's
-    # two_level): closer to float32's greedy tokens, slower at many rows
+    # the projections (bits: q|k|v, o, gate|up, down) whose inputs go in with more
+    # than 8 bits (16-bit codes, or int8 codes plus those of their rounding error:
+    # native.decoder_layer's two_level): closer to float32's greedy tokens
     two_level_activations = 0b1111
 
     def native_weights(self) -> tuple[list[torch.Tensor], list[int], list[int]] | None:

@@ -201,9 +201,11 @@ def decoder_layer(x: torch.Tensor, pending: torch.Tensor | None, norms: tuple[to
     given), the output projection, then RMSNorm, gate|up, SwiGLU and down, each added
     to the stream. ``weights``: the four projections' block parts in order, ``counts``
     parts each, ``qtypes`` their ggml type ids. ``two_level``: bit i set (projections in
-    the order above), projection i's input goes in as its int8 codes and the int8
-    codes of their rounding error (about 14 bits: float32 activations' greedy
-    tokens), else as one set of codes (llama.cpp's Q8 activations). Needs :func:`available`."""
+    the order above), projection i's input goes in with more than 8 bits (float32
+    activations' greedy tokens): as 16-bit codes where its parts are all Q4_0/Q4_1,
+    else as its int8 codes and the int8 codes of their rounding error (about 14
+    bits); bit clear, as one set of int8 codes (llama.cpp's Q8 activations). Needs
+    :func:`available`."""
     torch.ops.formcast_native.decoder_layer(x, pending, norms[0], norms[1], eps, weights, qtypes,
                                             counts, positions, cos, sin, kv_cache, slots, tables,
                                             limits, heads, kv_heads, scale, window or 0,
