@@ -180,8 +180,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2",
                     help="a catalogue name (formcast models) or a GGUF path, for both sides")
     ap.add_argument("--quantization", default="auto",
-                    help="formcast's quantization: auto (int4 where the file allows), gguf "
-                    "(the file's own blocks), int4, int8, none")
+                    help="formcast's quantization: auto (a Llama GGUF's own blocks on the native "
+                    "kernels, else int4/int8 where the file allows), gguf, int4, int8, none")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: "
                     "decode,prefill,extraction,concurrent,mask,rss")
     args = ap.parse_args()
