@@ -257,7 +257,8 @@ def main() -> None:
                           add_special_tokens=False)[:args.prefill_tokens - 1]
         fc, lc = [], []
         for r in range(4):
-            ids = [tok.encode(f" {r}", add_special_tokens=False)[0]] + body
+            # (the digit's token: " 0" .. " 3" all start with the space token)
+            ids = [tok.encode(f" {r}", add_special_tokens=False)[-1]] + body
             fc.append(formcast_prefill(engine, ids))
             lcpp.reset()
             lc.append(llamacpp_prefill(lcpp, ids))
