@@ -97,7 +97,17 @@ class Phase:
                 "p50_s": pick(0.50), "p99_s": pick(0.99),
                 "errors": self.errors, "cut": self.cut, "invalid": self.invalid,
                 "peak_rss_mb": max((b for _, b in self.rss), default=0) / 2**20,
-                "rss_first_mb": first / 2**20, "rss_last_mb": last / 2**20}
+                "rss_first_mb": first / 2**20, "rss_last_mb": last / 2**20,
+                "rss_trace_mb": _trace(self.rss, 5.0)}
+
+
+def _trace(samples: list[tuple[float, int]], every: float) -> list[tuple[float, float]]:
+    """(seconds, MB) every ``every`` seconds of the samples: the shape of RSS over the phase."""
+    trace: list[tuple[float, float]] = []
+    for t, b in samples:
+        if not trace or t >= trace[-1][0] + every:
+            trace.append((round(t, 1), round(b / 2**20, 1)))
+    return trace
 
 
 def _window_means(samples: list[tuple[float, int]], window: float) -> tuple[float, float]:
@@ -431,6 +441,8 @@ def report(results: dict[str, list[Phase]], clients: list[int], *, soak: bool,
     verdict = "PASS" if abs(drift) <= RSS_TOLERANCE else "FAIL"
     print(f"RSS first vs last 10 s at {max(clients)} clients: {drift:+.1%} "
           f"(target within {RSS_TOLERANCE:.0%}: {verdict})")
+    shape = [f"{t:.0f} s {mb:.0f}" for t, mb in top["rss_trace_mb"][::6]]  # (every 30 s)
+    print(f"RSS over the phase (MB): {', '.join(shape)}")
     return 0 if ok else 1
 
 
