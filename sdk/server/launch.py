@@ -69,9 +69,12 @@ def commit_kv_cache(engine: Any) -> int:
     Returns
     -------
     int
-        Bytes committed (0 on CUDA, or for a model without a paged cache).
+        Bytes committed (0 on CUDA, for a model without a paged cache, or for a
+        multi-process engine).
     """
-    caches = [t for t in getattr(engine.runner, "kv_caches", ()) if t.device.type == "cpu"]
+    # (a model without a paged cache, or ranks in other processes: nothing here to commit)
+    runner = getattr(engine, "runner", None)
+    caches = [t for t in getattr(runner, "kv_caches", ()) if t.device.type == "cpu"]
     for cache in caches:
         cache.zero_()
     return sum(t.numel() * t.element_size() for t in caches)

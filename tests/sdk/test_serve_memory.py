@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -55,3 +56,11 @@ def test_commit_makes_every_page_of_the_cache_resident_and_keeps_outputs(fresh_e
     resident, total = _resident_pages(fresh_engine.runner.kv_caches)
     assert resident == total
     assert _greedy(fresh_engine) == before
+
+
+@pytest.mark.parametrize("engine", [
+    SimpleNamespace(),                                      # ranks in other processes
+    SimpleNamespace(runner=SimpleNamespace()),              # no paged cache
+])
+def test_commit_is_a_no_op_without_a_local_paged_cache(engine):
+    assert commit_kv_cache(engine) == 0
