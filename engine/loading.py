@@ -58,6 +58,7 @@ def load(name_or_path: str, *, device: str | torch.device, dtype: torch.dtype | 
         config = config_from_reader(reader, source.path)
         if native_blocks(reader, config) and (quantization == "gguf" or native.available()):
             config, weights = read_gguf_blocks(source.path, fuse=gguf_fusions, reader=reader)
+            reader = None  # its parsed metadata (the vocabulary) is not held while building
             # the file's own blocks on the native kernels: no float32 weights at all
             return (build_gguf_model(config, weights, source.path), tokenizer, dev,
                     source.name, "gguf")
