@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from formcast.engine import SamplingParams, Tokenizer
-from gpu_throughput import SCHEMA, make_engine, prompts, timed_generate
+from gpu_throughput import SCHEMA, make_engine, prompts, replayable_graph, timed_generate
 
 CONTEXT = 150
 
@@ -29,12 +29,7 @@ def replay_times(eng, sizes: list[int]) -> None:
     g = eng.runner.graphs
     print(f"graph sizes {g.sizes}")
     for b in sizes:
-        nb = CONTEXT // 16 + 1
-        tables = [[(i * nb + j) % 4000 for j in range(nb)] for i in range(b)]
-        g.run([5] * b, [CONTEXT] * b, [t[-1] * 16 + CONTEXT % 16 for t in tables], tables,
-              [CONTEXT + 1] * b)
-        torch.cuda.synchronize()
-        graph = g._graphs[g.size_for(b)][0]  # (each size is captured twice; one copy)
+        graph = replayable_graph(eng, b, CONTEXT)
         t = time.perf_counter()
         for _ in range(50):
             graph.replay()

@@ -134,6 +134,19 @@ def config_changes(specs: list[str]) -> dict:
     return changes
 
 
+def replayable_graph(eng, rows: int, context: int):
+    """The CUDA graph that decodes ``rows`` sequences of ``context`` cached tokens,
+    run once through the engine's graph runner (captured, inputs staged) so that
+    ``replay()`` times a decode step alone."""
+    g = eng.runner.graphs
+    nb = context // 16 + 1
+    tables = [[(i * nb + j) % 4000 for j in range(nb)] for i in range(rows)]
+    g.run([5] * rows, [context] * rows, [t[-1] * 16 + context % 16 for t in tables], tables,
+          [context + 1] * rows)
+    torch.cuda.synchronize()
+    return g._graphs[g.size_for(rows)][0]  # (each size is captured twice; one copy)
+
+
 def make_engine(shape: str, tok: Tokenizer, max_batch: int, **config) -> Engine:
     if shape in DEEPSEEK_V4_SHAPES:
         model_config = DeepseekV4Config.from_dict(DEEPSEEK_V4_SHAPES[shape])

@@ -132,7 +132,7 @@ def part_engine(shape: str, rows: list[int], tokenizer_dir: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from formcast.engine import Tokenizer
-    from gpu_throughput import make_engine
+    from gpu_throughput import make_engine, replayable_graph
 
     tok = Tokenizer.from_hf_dir(tokenizer_dir)
     context = 150
@@ -142,14 +142,8 @@ def part_engine(shape: str, rows: list[int], tokenizer_dir: str) -> None:
     for on, fused in ((False, True), (True, True), (True, False)):
         LlamaAttention.fused_decode = fused  # (the mode's fused rope-and-attend kernel or not)
         eng = make_engine(shape, tok, max(rows), batch_invariant=on)
-        g = eng.runner.graphs
         for b in rows:
-            nb = context // 16 + 1
-            tables = [[(i * nb + j) % 4000 for j in range(nb)] for i in range(b)]
-            g.run([5] * b, [context] * b, [t[-1] * 16 + context % 16 for t in tables], tables,
-                  [context + 1] * b)
-            torch.cuda.synchronize()
-            graph = g._graphs[g.size_for(b)][0]
+            graph = replayable_graph(eng, b, context)
             a, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             for _ in range(50):
@@ -165,7 +159,7 @@ def part_engine(shape: str, rows: list[int], tokenizer_dir: str) -> None:
                     torch.cuda.synchronize()
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                                 max_name_column_width=60))
-        del eng, g
+        del eng, graph
         torch.cuda.empty_cache()
     LlamaAttention.fused_decode = True
 
