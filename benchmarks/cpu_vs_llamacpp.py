@@ -125,7 +125,6 @@ def llamacpp_prefill(llm, ids: list[int]) -> float:
 
 
 _RSS_PROBE = """
-import resource
 if {side!r} == "formcast":
     import torch
     torch.set_num_threads({threads})
@@ -141,8 +140,7 @@ else:
     llm.create_completion({story!r}, max_tokens=32, temperature=0.0)
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss over fork and exec, so a child of
 # this (large) benchmark process would report the parent's peak
-hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]
-print(int(hwm[0].split()[1]) / 1024 if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024)
 """
 
 
