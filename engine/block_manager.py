@@ -107,6 +107,19 @@ class BlockManager:
         seq.num_computed_tokens = len(seq.block_table) * bs
         return seq.num_computed_tokens
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached content of every free block (blocks in use keep theirs),
+        so later prompts are computed afresh; returns the number of blocks forgotten."""
+        forgotten = 0
+        for block_id in self._free:
+            block = self.blocks[block_id]
+            if block.hash is not None:
+                if self._by_hash.get(block.hash) == block_id:
+                    del self._by_hash[block.hash]
+                block.hash, block.token_ids = None, ()
+                forgotten += 1
+        return forgotten
+
     # -- growth and release -------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Fresh blocks ``seq`` needs to compute ``num_new_tokens`` more tokens."""

@@ -205,6 +205,12 @@ class Engine:
         self._aborted.append(seq)
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prompt prefix not in use (e.g. between the arms of a
+        benchmark, so none is timed on another's prefill); returns the blocks freed
+        of their content. Requests in flight keep theirs."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 

@@ -240,6 +240,10 @@ class GroupedBlockManager:
     def open_early(self, seqs: list[Sequence], rows: int, ahead: int = 1) -> bool:
         return False  # (blocks open when the step needs them)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached content of every group's free blocks."""
+        return sum(m.reset_prefix_cache() for m in self.managers)
+
     def forget_rows(self) -> None:
         """Nothing kept between batches."""
 

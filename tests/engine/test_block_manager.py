@@ -87,6 +87,22 @@ def test_prefix_sharing_stops_at_first_differing_block():
     assert bm.allocate_prefix(b) == 4
 
 
+def test_reset_prefix_cache_forgets_free_blocks_and_keeps_those_in_use():
+    bm = BlockManager(8, 2)
+    a = make_seq([1, 2, 3, 4, 5], rid="a")
+    b = make_seq([7, 8, 9, 10, 11], rid="b")
+    for seq in (a, b):
+        bm.grow(seq, 5)
+        seq.num_computed_tokens = 5
+        bm.commit(seq)
+    bm.free(a)                                   # a's blocks are free but still hashed
+    assert bm.reset_prefix_cache() == 2          # its two full blocks are forgotten
+    assert bm.allocate_prefix(make_seq([1, 2, 3, 4, 5], rid="a2")) == 0
+    c = make_seq([7, 8, 9, 10, 11], rid="c")     # b still runs: its prefix is still shared
+    assert bm.allocate_prefix(c) == 4
+    assert c.block_table == b.block_table[:2]
+
+
 def test_freed_hashed_blocks_are_revived_then_evicted_lru():
     bm = BlockManager(4, 2)
     a = make_seq([1, 2, 3, 4, 5], rid="a")
