@@ -11,7 +11,7 @@ whole enumeration ("Go, PostgreSQL, Kafka"). With ``GroundingPlan(clauses=True)`
 no grounded string crosses a *clause break* of the text:
 
 - ``,`` ``;`` followed by a space or the end (not ``37,980``), line breaks and tabs,
-  brackets ``( ) [ ]``, ``|`` and bullets;
+  brackets ``( ) [ ]``, ``|``, bullets and a dash between spaces (``Salad - 4 servings``);
 - a sentence end: ``.`` ``!`` ``?`` followed by a space or the end, unless the ``.``
   ends an initial or a title ("David L. Lawrence", "Dr. Reyes", "J.R.R. Tolkien").
 
@@ -30,7 +30,7 @@ import re
 # (a "." that ends one of these words is an abbreviation, not a sentence end)
 _TITLES = frozenset({"mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "mt", "no", "vs",
                      "etc", "inc", "ltd", "co", "corp", "dept", "approx", "e.g", "i.e"})
-_CLAUSE = re.compile(r"[,;](?=\s|$)|[\n\r\t()\[\]|•·]|[!?](?=\s|$)")
+_CLAUSE = re.compile(r"[,;](?=\s|$)|[\n\r\t()\[\]|•·]|[!?](?=\s|$)|(?<=\s)[-–—](?=\s)")
 _SENTENCE_DOT = re.compile(r"(\S*)\.(?=\s|$)")
 _WORD_START = re.compile(r"(?<!\S)\w")
 _ITEM = re.compile(r"(?<=\s)(?:and|or|&)(?=\s)", re.IGNORECASE)

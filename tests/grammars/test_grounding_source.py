@@ -27,6 +27,7 @@ def _blanked(text: str, items: bool) -> str:
     ("C and C++ or Rust & Go", True, "C ### C++ ## Rust # Go"),
     ("Brandon sells sand", True, "Brandon sells sand"),                  # words, not parts
     ("Title\nBody (draft) [v2] | x", False, "Title#Body #draft# #v2# # x"),
+    ("Greek Salad - 4 servings – easy — 5-6", False, "Greek Salad # 4 servings # easy # 5-6"),
 ])
 def test_clause_breaks(text, items, blanked):
     assert _blanked(text, items) == blanked
