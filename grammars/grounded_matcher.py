@@ -214,7 +214,7 @@ class GroundedMatcher(Matcher):
         if mode == STRING and tracker.vkind == GROUNDED_STRING:
             new = self._inside(row, *text.string_mask(tracker.buf, sens))
         elif mode == NUMBER and tracker.vkind == GROUNDED_NUMBER:
-            new = self._inside(row, *text.number_mask(tracker.buf, sens))
+            new = self._inside(row, *text.number_mask(tracker.buf, sens, tracker.integer))
         else:
             new = self._outside(row, sens)
             if new is None:
@@ -253,7 +253,7 @@ class GroundedMatcher(Matcher):
             return new
         # a grounded number starts here: its first token is judged as its next one
         opening = self._text.index.number_opening_words
-        starts = self._inside(row & opening, *self._text.number_mask(b"", sens))
+        starts = self._inside(row & opening, *self._text.number_mask(b"", sens, node.integer))
         view = opening.view(np.uint32)
         ids = ids[(view[ids >> 5] >> (ids & 31).astype(np.uint32)) & 1 == 0]
         new = row & ~opening

@@ -67,14 +67,16 @@ NotGrounded = GroundingMarker(False)
 
 class PlanNode:
     """One path of a :class:`GroundingPlan`'s tree: its children by key (``"*"``:
-    any array index) and whether a string or number there is grounded."""
+    any array index) and whether a string or number there is grounded (``integer``:
+    the number is an integer, so only the text's whole numbers may be it)."""
 
-    __slots__ = ("children", "string", "number")
+    __slots__ = ("children", "string", "number", "integer")
 
     def __init__(self) -> None:
         self.children: dict[str, PlanNode] = {}
         self.string = False
         self.number = False
+        self.integer = False
 
     def at(self, path: tuple[str, ...]) -> PlanNode:
         node = self
@@ -96,6 +98,8 @@ class GroundingPlan:
         Paths whose string values are grounded.
     numbers : frozenset of tuple of str
         Paths whose number values are grounded.
+    integers : frozenset of tuple of str
+        The paths of ``numbers`` whose schema allows integers only.
     words : bool
         A grounded string starts and ends at word edges only (never between two
         letters or digits of the text): "Plu" is no value of "plumber".
@@ -110,6 +114,7 @@ class GroundingPlan:
 
     strings: frozenset[tuple[str, ...]] = frozenset()
     numbers: frozenset[tuple[str, ...]] = frozenset()
+    integers: frozenset[tuple[str, ...]] = frozenset()
     words: bool = False
     capitalise: bool = False
     clauses: bool = False
@@ -127,6 +132,8 @@ class GroundingPlan:
             root.at(path).string = True
         for path in self.numbers:
             root.at(path).number = True
+        for path in self.integers & self.numbers:
+            root.at(path).integer = True
         return root
 
 
@@ -169,6 +176,7 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
         return GroundingPlan(words=words, capitalise=capitalise, clauses=clauses)
     strings: set[tuple[str, ...]] = set()
     numbers: set[tuple[str, ...]] = set()
+    fractional: set[tuple[str, ...]] = set()   # (paths some schema there lets be a non-integer)
 
     def walk(node: Any, path: tuple[str, ...], mark: bool | None, refs: tuple[str, ...]) -> None:
         if not isinstance(node, dict):
@@ -200,6 +208,8 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
         if types & {"number", "integer"} and not fixed and (
                 mark is True or (mark is None and mode == "strict")):
             numbers.add(path)
+            if "number" in types:
+                fractional.add(path)
         props = node.get("properties")
         if isinstance(props, dict):
             for name, sub in props.items():
@@ -215,7 +225,8 @@ def grounding_plan(schema: dict, mode: str = "auto", *, words: bool = False,
             walk(sub, path + (ANY_INDEX,), mark, refs)
 
     walk(schema, (), None, ())
-    return GroundingPlan(strings=frozenset(strings), numbers=frozenset(numbers), words=words,
+    return GroundingPlan(strings=frozenset(strings), numbers=frozenset(numbers),
+                         integers=frozenset(numbers - fractional), words=words,
                          capitalise=capitalise, clauses=clauses)
 
 

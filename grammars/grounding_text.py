@@ -30,6 +30,14 @@ _NUMBER_CHARS = b"0123456789.eE+-"
 _NUMBER_SET = frozenset(_NUMBER_CHARS)
 _RUN = re.compile(r"(?<![0-9])(-?)([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(\.[0-9]+)?")
 _DECIMAL_COMMA = re.compile(r"(?<![0-9,.])([0-9]+),([0-9]{1,2})(?![0-9])")
+_MONTH_NAME = (r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?"
+               r"|sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)\.?")
+_DATE_PARTS = [re.compile(p, re.IGNORECASE) for p in (   # (groups: the day and month digits)
+    r"(?<![0-9])[0-9]{4}([-/.])([0-9]{1,2})\1([0-9]{1,2})(?![0-9])",
+    r"(?<![0-9.])([0-9]{1,2})([-/.])([0-9]{1,2})\2[0-9]{4}(?![0-9])",
+    r"(?<![0-9A-Za-z])([0-9]{1,2})(?:st|nd|rd|th)?(?:\s+of)?\s+" + _MONTH_NAME + r"(?![A-Za-z])",
+    r"(?<![A-Za-z])" + _MONTH_NAME + r"\s+([0-9]{1,2})(?:st|nd|rd|th)?(?![0-9])",
+)]
 _CACHE_LIMIT = 4096     # entries of a per-text cache before it is cleared
 _TEXTS_KEPT = 16        # texts whose tables a TokenIndex keeps
 
@@ -232,19 +240,21 @@ def text_numbers(text: str) -> frozenset[bytes]:
     Each run of digits, with thousands separators (``1,299``) and a decimal part
     (``.50``), gives: the number without its separators (``1299.00``); without
     leading zeros (JSON allows none: ``08`` gives ``8``); if it has a decimal part,
-    without its trailing zeros (``1299.0``, ``1299``), and its integer part alone;
+    without its trailing zeros (``1299.0``, ``1299``; but ``89.99`` never gives
+    ``89``, a number the text does not write);
     the negative of each when a ``-`` stands right before the digits and after no
     letter or digit (``-5`` in "-5 C", not in "35-year-old"). A decimal comma
     (``4,95``: one or two digits after it) also gives the number with a point
     (``4.95``). Digits right after a capital letter name a model, not a quantity
-    ("Galaxy S24", "V15"): they give nothing.
+    ("Galaxy S24", "V15"): they give nothing; nor do the day and month of a date
+    ("13" of "2026-06-13", "14" of "14 May 2026"; its year stays a number).
     """
     found: set[bytes] = set()
 
     def add(digits: str, negative: bool) -> None:
         whole, _, frac = digits.partition(".")
         whole = whole.lstrip("0") or "0"
-        forms = [whole]
+        forms = [] if frac else [whole]
         if frac:
             forms.append(f"{whole}.{frac}")
             stripped = frac.rstrip("0")
@@ -255,10 +265,11 @@ def text_numbers(text: str) -> frozenset[bytes]:
             if negative and form.strip("0.") != "":
                 found.add(b"-" + form.encode())
 
+    in_dates = _date_parts(text)
     for m in _RUN.finditer(text):
         sign, whole, frac = m.group(1), m.group(2), m.group(3) or ""
         start = m.start()
-        if not sign and start and text[start - 1].isupper():
+        if (not sign and start and text[start - 1].isupper()) or m.start(2) in in_dates:
             continue
         negative = bool(sign) and (start == 0 or not text[start - 1].isalnum())
         add(whole.replace(",", "") + frac, negative)
@@ -266,6 +277,13 @@ def text_numbers(text: str) -> frozenset[bytes]:
         if not (m.start() and text[m.start() - 1].isupper()):
             add(f"{m.group(1)}.{m.group(2)}", False)
     return frozenset(found)
+
+
+def _date_parts(text: str) -> frozenset[int]:
+    """Where the day and month numbers of ``text``'s dates start."""
+    return frozenset(m.start(g) for form in _DATE_PARTS for m in form.finditer(text)
+                     for g in range(1, (form.groups or 0) + 1)
+                     if m.group(g) is not None and m.group(g).isdigit())
 
 
 class GroundingText:
@@ -303,6 +321,9 @@ class GroundingText:
                                                     breaks=breaks)
         self.numbers = text_numbers(text)
         self.number_prefixes = frozenset(n[:k] for n in self.numbers for k in range(1, len(n) + 1))
+        self.integers = frozenset(n for n in self.numbers if n.lstrip(b"-").isdigit())
+        self.integer_prefixes = frozenset(n[:k] for n in self.integers
+                                          for k in range(1, len(n) + 1))
         self._ends: dict[bytes, tuple[int, ...]] = {}
         self._spelled_cache: dict[bytes, tuple[np.ndarray, tuple]] = {}
         self._string_masks: dict[tuple, tuple[np.ndarray, np.ndarray | None]] = {}
@@ -343,11 +364,11 @@ class GroundingText:
         boundary = self.boundary
         return any(boundary[e] for e in self.ends(content))
 
-    def has_number_prefix(self, written: bytes) -> bool:
-        return written in self.number_prefixes
+    def has_number_prefix(self, written: bytes, integer: bool = False) -> bool:
+        return written in (self.integer_prefixes if integer else self.number_prefixes)
 
-    def has_number(self, written: bytes) -> bool:
-        return written in self.numbers
+    def has_number(self, written: bytes, integer: bool = False) -> bool:
+        return written in (self.integers if integer else self.numbers)
 
     # -- masks ------------------------------------------------------------------------
 
@@ -414,12 +435,13 @@ class GroundingText:
         self._string_masks[key] = found
         return found
 
-    def number_mask(self, written: bytes, sens: Sensitivity
+    def number_mask(self, written: bytes, sens: Sensitivity, integer: bool = False
                     ) -> tuple[np.ndarray, np.ndarray | None]:
         """As :meth:`string_mask`, for a grounded number written so far as ``written``:
-        the tokens that keep it a prefix of one of the text's numbers, and those that
-        end it where it is whole (to check one by one when they go on)."""
-        key = (written, sens.key)
+        the tokens that keep it a prefix of one of the text's numbers (its whole
+        numbers, for an ``integer``), and those that end it where it is whole (to check
+        one by one when they go on)."""
+        key = (written, sens.key, integer)
         found = self._number_masks.get(key)
         if found is not None:
             return found
@@ -427,7 +449,7 @@ class GroundingText:
         allowed: list[int] = []
         check: list[int] = []
         whole = False
-        for number in self.numbers:
+        for number in self.integers if integer else self.numbers:
             if not number.startswith(written):
                 continue
             rest = number[len(written):]

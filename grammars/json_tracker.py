@@ -77,9 +77,16 @@ def _frame(kind: int, node: PlanNode | None) -> tuple:
     return (kind, node, OPENED, None if kind == OBJECT else 0, -1, frozenset())
 
 
+def _number(text: str) -> int | float:
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
 def _canonical(raw: bytes) -> str:
+    # (numbers by value, as uniqueItems compares them: 1299, 1299.0 and 1299.00 are one)
     try:
-        return json.dumps(json.loads(raw), separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(json.loads(raw, parse_float=_number), separators=(",", ":"),
+                          ensure_ascii=False)
     except ValueError:
         return raw.strip().decode("utf-8", "replace")
 
@@ -95,8 +102,8 @@ class JsonTracker:
         Refuse a ``,`` that ends an array item equal to an earlier sibling.
     """
 
-    __slots__ = ("root", "distinct", "stack", "mode", "esc", "buf", "vkind", "doc", "done",
-                 "repeats")
+    __slots__ = ("root", "distinct", "stack", "mode", "esc", "buf", "vkind", "integer", "doc",
+                 "done", "repeats")
 
     def __init__(self, root: PlanNode | None, distinct: bool) -> None:
         self.root = root
@@ -106,6 +113,7 @@ class JsonTracker:
         self.esc = 0                    # 0; 1 after a backslash; 2..5: \u hex digits left + 1
         self.buf = b""                  # string content / key / number written so far
         self.vkind = PLAIN              # how the value being written is checked
+        self.integer = False            # a grounded number: whether it is an integer
         self.doc = bytearray()          # every byte taken (array items are compared from it)
         self.done = False
         self.repeats: tuple[Repeat, ...] = ()
@@ -114,12 +122,12 @@ class JsonTracker:
 
     def snapshot(self) -> tuple:
         """The state as immutable values (for :meth:`restore`)."""
-        return (self.stack, self.mode, self.esc, self.buf, self.vkind, len(self.doc), self.done,
-                self.repeats)
+        return (self.stack, self.mode, self.esc, self.buf, self.vkind, self.integer,
+                len(self.doc), self.done, self.repeats)
 
     def restore(self, snap: tuple) -> None:
         """Go back to a :meth:`snapshot` of this tracker (taken no later than now)."""
-        (self.stack, self.mode, self.esc, self.buf, self.vkind, size, self.done,
+        (self.stack, self.mode, self.esc, self.buf, self.vkind, self.integer, size, self.done,
          self.repeats) = snap
         del self.doc[size:]
 
@@ -263,7 +271,7 @@ class JsonTracker:
                     i += 1
                     continue
                 if text is not None and self.vkind == GROUNDED_NUMBER \
-                        and not text.has_number(self.buf):
+                        and not text.has_number(self.buf, self.integer):
                     return Refusal("ungrounded", self.pointer(), self.buf.decode())
                 self.mode, self.buf = STRUCT, b""
                 self._end_value()
@@ -291,6 +299,7 @@ class JsonTracker:
                 elif c in _NUMBER_START:
                     self.mode, self.buf = NUMBER, bytes((c,))
                     self.vkind = GROUNDED_NUMBER if node is not None and node.number else PLAIN
+                    self.integer = node is not None and node.integer
                 else:
                     self.mode = LITERAL
                 continue
@@ -339,13 +348,13 @@ class JsonTracker:
             if not text.has_string_prefix(self.buf):
                 return Refusal("ungrounded", self.pointer(), self.buf.decode("utf-8", "replace"))
         elif self.mode == NUMBER and self.vkind == GROUNDED_NUMBER:
-            if not text.has_number_prefix(self.buf):
+            if not text.has_number_prefix(self.buf, self.integer):
                 return Refusal("ungrounded", self.pointer(), self.buf.decode())
         return None
 
     def finish(self, text: GroundingText | None) -> Refusal | None:
         """The document ends here (a stop token): a grounded number left open must be whole."""
         if text is not None and self.mode == NUMBER and self.vkind == GROUNDED_NUMBER \
-                and not text.has_number(self.buf):
+                and not text.has_number(self.buf, self.integer):
             return Refusal("ungrounded", self.pointer(), self.buf.decode())
         return None

@@ -75,9 +75,10 @@ PERSON_SCHEMA["properties"]["kind"] = {"type": "string", "enum": ["a", "b"]}
 ])
 def test_plan_walks_refs_unions_and_markers(mode, strings, numbers):
     plan = grounding_plan(PERSON_SCHEMA, mode)
-    assert plan == GroundingPlan(frozenset(strings), frozenset(numbers))
+    want = GroundingPlan(frozenset(strings), frozenset(numbers), frozenset(numbers & {("age",)}))
+    assert plan == want                   # (the integer age takes whole numbers only)
     assert bool(plan) == (mode != "off")
-    assert hash(plan) == hash(GroundingPlan(frozenset(strings), frozenset(numbers)))
+    assert hash(plan) == hash(want)
 
 
 @pytest.mark.parametrize("schema, strings", [
@@ -110,14 +111,16 @@ def test_bad_mode_is_a_constraint_error(mode):
 # -- the text -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, present, absent", [
-    ("costs $89.99 today", {b"89.99", b"89"}, {b"99", b"89.9", b"1.99", b"8999", b"-89.99"}),
+    ("costs $89.99 today", {b"89.99"}, {b"89", b"99", b"89.9", b"1.99", b"8999", b"-89.99"}),
     ("a 35-year-old pilot", {b"35"}, {b"-35", b"3"}),
     ("total 1,299.00 EUR", {b"1299.00", b"1299.0", b"1299"}, {b"1,299", b"12", b"1", b"299"}),
     ("price 4,95 EUR", {b"4.95", b"4", b"95"}, {b"495"}),
     ("Galaxy S24 for 799", {b"799"}, {b"24"}),
-    ("on 2025-03-08", {b"2025", b"3", b"8"}, {b"03", b"-3", b"-8"}),
+    ("on 2025-03-08", {b"2025"}, {b"03", b"3", b"8", b"-3", b"-8"}),    # a date's day, month
+    ("14 May 2026: 2 copies; June 3rd, 2026", {b"2026", b"2"}, {b"14", b"3"}),
+    ("06.04.2025 or 3/4/2025, 12 Mayfield Rd", {b"2025", b"12"}, {b"6", b"4", b"3"}),
     ("it was -5 C, then - 4", {b"-5", b"5", b"4"}, {b"-4"}),
-    ("version 2.50", {b"2.50", b"2.5", b"2"}, {b"50", b"2.500"}),
+    ("version 2.50", {b"2.50", b"2.5"}, {b"2", b"50", b"2.500"}),
     ("no numbers here", set(), {b"0"}),
 ])
 def test_text_numbers(text, present, absent):
@@ -255,18 +258,42 @@ _NUMBER = re.compile(rb"-?[0-9.eE+]+|-")
 def _numbers_ok(doc: bytes, numbers: frozenset[bytes], distinct: bool) -> bool:
     """Whether every number of the (partial) array document ``doc`` is one of
     ``numbers`` (the last, if nothing follows it yet, a prefix of one), and with
-    ``distinct`` no ``,`` follows an item equal to an earlier one."""
-    seen: list[bytes] = []
+    ``distinct`` no ``,`` follows an item equal in value to an earlier one (1299.00
+    repeats 1299.0)."""
+    seen: list[float] = []
     for m in _NUMBER.finditer(doc):
         written = m.group()
         if m.end() == len(doc):
             return any(n.startswith(written) for n in numbers)
         if written not in numbers:
             return False
-        if distinct and doc[m.end():m.end() + 1] == b"," and written in seen:
+        if distinct and doc[m.end():m.end() + 1] == b"," and float(written) in seen:
             return False
-        seen.append(written)
+        seen.append(float(written))
     return True
+
+
+@pytest.mark.parametrize("document, taken", [
+    (b"[23.5]", False),         # an integer field takes the text's whole numbers only
+    (b"[23]", False),           # and never a decimal's integer part
+    (b"[2026,3]", True),
+    (b"[12]", True),            # 12.00 is whole
+])
+def test_integer_fields_take_whole_numbers(compiler, tiny_vocab, document, taken):
+    schema = {"type": "array", "items": {"type": "integer"}, "maxItems": 3}
+    plan = grounding_plan(schema, "strict")
+    assert plan.integers == {("*",)}
+    m = ground(compiler.compile(JsonSchema(schema), tiny_vocab).matcher(),
+               "Paid 23.50 on 2026-06-13 for 3 jars, 12.00 each", plan, tiny_vocab)
+    ids = tiny_vocab.segment(document)
+    assert (m.valid_prefix(ids) == len(ids)) is taken, document
+    if taken:
+        assert all(m.accept(t) for t in ids) and m.accept(EOS)
+
+
+def test_a_number_or_integer_field_takes_decimals():
+    schema = {"anyOf": [{"type": "integer"}, {"type": "number"}]}
+    assert grounding_plan(schema, "strict").integers == frozenset()
 
 
 @pytest.mark.parametrize("distinct", [False, True])
