@@ -15,7 +15,7 @@ import torch
 
 from formcast.engine import Engine, EngineConfig
 from tests.engine.test_batch_invariance import LOOKUP, _check, _result, make_requests
-from tests.engine.test_batch_invariance import tokenizer  # noqa: F401  (fixture)
+from tests.engine.test_engine_cuda import tokenizer  # noqa: F401  (fixture: the carried one)
 
 
 @pytest.mark.cuda
