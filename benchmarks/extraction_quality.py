@@ -329,6 +329,14 @@ def print_report(totals: dict[str, Tally], per_schema: dict[str, dict[str, Tally
         g, u = totals["grounded"], totals["ungrounded"]
         console.print(f"grounded / ungrounded tok/s: "
                       f"{(g.tokens / g.seconds) / (u.tokens / u.seconds):.2f}x")
+        # (a runaway's repeated tokens are cheap: speculation takes several a step)
+        calm = [t for t in per_schema.values() if not (t["grounded"].runaway
+                                                        or t["ungrounded"].runaway)]
+        if calm:
+            rate = [sum(t[m].tokens for t in calm) / sum(t[m].seconds for t in calm)
+                    for m in ("grounded", "ungrounded")]
+            console.print(f"  on the {len(calm)} schemas where neither ran away: "
+                          f"{rate[0] / rate[1]:.2f}x")
     for note in notes:
         console.print(f"note: {note}")
 
