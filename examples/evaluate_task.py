@@ -24,7 +24,7 @@ TASK = Path(__file__).with_name("eval_task.jsonl")
 def main() -> None:
     folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp(prefix="formcast-"))
     folder.mkdir(parents=True, exist_ok=True)
-    llm = formcast.load("smollm2", device="cpu", quantization="int4")
+    llm = formcast.load("smollm2", device="cpu")
     report = formcast.evaluate(llm, TASK)
 
     print(f"{report.num_items} items from {TASK.name}")
