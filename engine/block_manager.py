@@ -114,11 +114,15 @@ class BlockManager:
         for block_id in self._free:
             block = self.blocks[block_id]
             if block.hash is not None:
-                if self._by_hash.get(block.hash) == block_id:
-                    del self._by_hash[block.hash]
-                block.hash, block.token_ids = None, ()
+                self._forget(block)
                 forgotten += 1
         return forgotten
+
+    def _forget(self, block: Block) -> None:
+        """Drop ``block``'s cached content (its hash, and the index entry that is its)."""
+        if self._by_hash.get(block.hash) == block.block_id:
+            del self._by_hash[block.hash]
+        block.hash, block.token_ids = None, ()
 
     # -- growth and release -------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
@@ -203,15 +207,13 @@ class BlockManager:
         """``n`` blocks from the head of the free list (least recently freed),
         their cached content evicted, each now held once (the caller checked
         that that many are free)."""
-        take, blocks, by_hash = self._free.popitem, self.blocks, self._by_hash
+        take, blocks = self._free.popitem, self.blocks
         ids = []
         for _ in range(n):
             block_id = take(last=False)[0]  # (ref count 0: it leaves the free list)
             block = blocks[block_id]
             if block.hash is not None:  # evict the cached content
-                if by_hash.get(block.hash) == block_id:
-                    del by_hash[block.hash]
-                block.hash, block.token_ids = None, ()
+                self._forget(block)
             block.ref_count = 1
             ids.append(block_id)
         return ids
@@ -318,9 +320,7 @@ class BlockManager:
             if block.hash is not None:
                 if block.ref_count > 1:
                     raise RuntimeError(f"cannot truncate into shared block {block.block_id}")
-                if self._by_hash.get(block.hash) == block.block_id:
-                    del self._by_hash[block.hash]
-                block.hash, block.token_ids = None, ()
+                self._forget(block)
 
     # -- sliding windows ----------------------------------------------------------
     def first_needed_block(self, num_tokens: int, margin: int = 0) -> int:

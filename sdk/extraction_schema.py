@@ -36,9 +36,9 @@ MAX_LIST_ITEMS = 20  # items of a list without maxItems, for generation only
 # and whether a list's items are kept distinct
 _NULL_ADDED = "x-formcast-null-added"
 DISTINCT = "x-formcast-distinct"
-# keywords whose value maps names to schemas (the names are not schema keywords)
 # string keywords a stripped value could break
 _SHAPED = ("enum", "const", "pattern", "format", "minLength")
+# keywords whose value maps names to schemas (the names are not schema keywords)
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 
 
