@@ -28,8 +28,11 @@ from formcast.engine.kernels.invariant_matmul_triton import (GemmPlan, gemm_plan
 from formcast.engine.models.shapes import SHAPES
 
 PLANS = [GemmPlan(bm, bn, bk) for bm, bn, bk in
-         [(64, 32, 64), (64, 64, 64), (64, 32, 128), (64, 128, 64), (16, 32, 64), (16, 64, 64)]] \
+         [(64, 32, 64), (64, 64, 64), (64, 32, 128), (64, 128, 64), (16, 32, 64), (16, 64, 64),
+          (16, 32, 128), (16, 16, 128), (32, 32, 64), (32, 32, 128), (16, 64, 128)]] \
     + [GemmPlan(64, 32, bk, 1, 4, 4) for bk in (64, 128)] \
+    + [GemmPlan(16, 32, 128, 1, w, st) for w, st in ((2, 3), (4, 2), (8, 3))] \
+    + [GemmPlan(16, 32, 256, 1, 4, 2), GemmPlan(32, 64, 128, 1, 4, 3)] \
     + [GemmPlan(bm, bn, 64, s) for bm, bn, s in [(64, 32, 2), (64, 64, 4), (16, 32, 4)]]
 HEAD_PLANS = [GemmPlan(64, 128, 64), GemmPlan(64, 64, 64), GemmPlan(64, 128, 64, 1, 8)]
 

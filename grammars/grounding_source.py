@@ -33,6 +33,7 @@ _TITLES = frozenset({"mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "mt", "n
 _CLAUSE = re.compile(r"[,;](?=\s|$)|[\n\r\t()\[\]|•·]|[!?](?=\s|$)|(?<=\s)[-–—](?=\s)")
 _SENTENCE_DOT = re.compile(r"(\S*)\.(?=\s|$)")
 _WORD_START = re.compile(r"(?<!\S)\w")
+START, STOP = 1, 2  # a boundary's bits: a grounded value may start there, may end there
 _ITEM = re.compile(r"(?<=\s)(?:and|or|&)(?=\s)", re.IGNORECASE)
 
 
@@ -73,9 +74,12 @@ def _in_word(ch: str) -> bool:
 
 def escape_text(text: str, *, words: bool = False, breaks: frozenset[int] = frozenset()
                 ) -> tuple[bytes, bytes]:
-    """``text`` as a JSON string body (UTF-8) and its boundaries: ``1`` at each offset
-    where a character or escape starts, and at the end; with ``words``, only at those
-    not inside a word (between two letters or digits). The characters at offsets
+    """``text`` as a JSON string body (UTF-8) and its boundaries: per offset of the body
+    (and its end), :data:`START` if a value may start there and :data:`STOP` if one may
+    end there. Values start and end where a character or escape starts, and at the
+    end; with ``words``, only where that is not inside a word (between two letters or
+    digits), and never next to whitespace inside the value (no " Lots" or "Lots ":
+    a value that stops at a space stops mid-phrase). The characters at offsets
     ``breaks`` are NUL bytes, which no JSON string body holds: no span crosses them."""
     body = bytearray(json.dumps(text, ensure_ascii=False)[1:-1].encode("utf-8",
                                                                          "surrogatepass"))
@@ -83,18 +87,21 @@ def escape_text(text: str, *, words: bool = False, breaks: frozenset[int] = froz
     widths: dict[str, int] = {}
     pos = 0
     before = False                  # whether the character before is in a word
+    spaced = False                  # whether it is whitespace (in words mode)
     for k, ch in enumerate(text):
         width = widths.get(ch)
         if width is None:
             width = widths[ch] = len(json.dumps(ch, ensure_ascii=False)[1:-1].encode(
                 "utf-8", "surrogatepass"))
         inside = words and _in_word(ch)
-        marks[pos] = not (before and inside)
+        space = words and ch.isspace()
+        if not (before and inside):
+            marks[pos] = (0 if space else START) | (0 if spaced else STOP)
         if k in breaks:
             body[pos:pos + width] = bytes(width)
-        before = inside
+        before, spaced = inside, space
         pos += width
-    marks[pos] = 1
+    marks[pos] = START | (0 if spaced else STOP)
     return bytes(body), bytes(marks)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from formcast.grammars.grounding_source import source_tables
+from formcast.grammars.grounding_source import START, STOP, source_tables
 from formcast.grammars.vocab import Vocabulary
 
 _NUMBER_CHARS = b"0123456789.eE+-"
@@ -226,6 +226,17 @@ def token_index(vocab: Vocabulary) -> TokenIndex:
     return TokenIndex(vocab)
 
 
+def _live(escaped: bytes, boundary: bytes) -> bytes:
+    """Per offset of ``escaped``, whether a value whose content ends there can still
+    end: a stop lies at or after it before the next NUL (no token leads a grounded
+    string where it can only run into a break)."""
+    live = bytearray(len(escaped) + 1)
+    live[-1] = bool(boundary[-1] & STOP)
+    for k in range(len(escaped) - 1, -1, -1):
+        live[k] = bool(boundary[k] & STOP) or (escaped[k] != 0 and live[k + 1])
+    return bytes(live)
+
+
 def text_numbers(text: str) -> frozenset[bytes]:
     """The numbers a grounded number may be, as JSON writes them, from ``text``.
 
@@ -302,6 +313,7 @@ class GroundingText:
                               index.sensitivity(strings, numbers, distinct))
         self.escaped, self.boundary = source_tables(text, words=words, capitalise=capitalise,
                                                     breaks=breaks)
+        self.live = _live(self.escaped, self.boundary)
         self.numbers = text_numbers(text)
         self.number_prefixes = frozenset(n[:k] for n in self.numbers for k in range(1, len(n) + 1))
         self.integers = frozenset(n for n in self.numbers if n.lstrip(b"-").isdigit())
@@ -324,12 +336,12 @@ class GroundingText:
             return found
         E, boundary = self.escaped, self.boundary
         if not content:
-            found = tuple(k for k in range(len(E) + 1) if boundary[k])
+            found = tuple(k for k in range(len(E) + 1) if boundary[k] & START)
         else:
             out = []
             start = E.find(content)
             while start >= 0:
-                if boundary[start]:
+                if boundary[start] & START:
                     out.append(start + len(content))
                 start = E.find(content, start + 1)
             found = tuple(out)
@@ -339,13 +351,15 @@ class GroundingText:
         return found
 
     def has_string_prefix(self, content: bytes) -> bool:
-        """Whether ``content`` (escaped) occurs in the text from a boundary."""
-        return bool(self.ends(content))
+        """Whether ``content`` (escaped) occurs in the text from a boundary, where it can
+        still end."""
+        live = self.live
+        return any(live[e] for e in self.ends(content))
 
     def has_string(self, content: bytes) -> bool:
         """Whether ``content`` is a whole value: it occurs from a boundary to a boundary."""
         boundary = self.boundary
-        return any(boundary[e] for e in self.ends(content))
+        return any(boundary[e] & STOP for e in self.ends(content))
 
     def has_number_prefix(self, written: bytes, integer: bool = False) -> bool:
         return written in (self.integer_prefixes if integer else self.number_prefixes)
@@ -362,14 +376,14 @@ class GroundingText:
         found = self._spelled_cache.get(content)
         if found is not None:
             return found
-        idx, E, boundary = self.index, self.escaped, self.boundary
+        idx, E, boundary, live = self.index, self.escaped, self.boundary, self.live
         nodes, info, longest, size = idx.nodes, idx.node_info, idx.longest, len(E)
         ids: list[int] = []
         closes: set[tuple[int, int, int]] = set()
         more, close = ids.extend, closes.add
         root = (*idx.root_close, 0)
         for p in self.ends(content):
-            if boundary[p]:
+            if boundary[p] & STOP:
                 close(root)
             stop = min(size, p + longest)
             k = p + 1
@@ -379,9 +393,9 @@ class GroundingText:
                     break
                 if node:
                     spelled, closing = info[node]
-                    if spelled:
+                    if spelled and live[k]:
                         more(spelled)
-                    if closing is not None and boundary[k]:
+                    if closing is not None and boundary[k] & STOP:
                         close((*closing, k - p))
                 k += 1
         found = (np.asarray(ids, dtype=np.int64), tuple(closes))

@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from formcast.grammars import (ConstraintError, Grounded, GroundingPlan, JsonSchema, NotGrounded,
                                ground, grounding_plan)
 from formcast.grammars import compile as compile_constraint
-from formcast.grammars.grounding_source import capitalised, escape_text, source_tables
+from formcast.grammars.grounding_source import (START, STOP, capitalised, escape_text,
+                                                source_tables)
 from formcast.grammars.grounding_text import text_numbers
 
 from .conftest import EOS, allowed_ids
@@ -137,14 +138,22 @@ def test_escaped_text_and_boundaries(text, body, boundaries):
     assert [k for k, m in enumerate(marks) if m] == boundaries
 
 
-@pytest.mark.parametrize("text, boundaries", [
-    ("a plumber, Dublin", [0, 1, 2, 9, 10, 11, 17]),     # never inside a word
-    ("O'Connor 52", [0, 1, 2, 8, 9, 11]),
-    ("東京 tower", [0, 3, 6, 7, 12]),                      # ideographs: a word each
+@pytest.mark.parametrize("text, starts, stops", [
+    # never inside a word; a value neither starts at a space nor ends after one
+    ("a plumber, Dublin", [0, 2, 9, 11, 17], [0, 1, 9, 10, 17]),
+    ("O'Connor 52", [0, 1, 2, 9, 11], [0, 1, 2, 8, 11]),
+    ("東京 tower", [0, 3, 7, 12], [0, 3, 6, 12]),                 # ideographs: a word each
+    ("Lots  of\tit ", [0, 6, 10, 13], [0, 4, 8, 12]),
 ])
-def test_word_boundaries(text, boundaries):
+def test_word_boundaries(text, starts, stops):
     _, marks = escape_text(text, words=True)
-    assert [k for k, m in enumerate(marks) if m] == boundaries
+    assert [k for k, m in enumerate(marks) if m & START] == starts
+    assert [k for k, m in enumerate(marks) if m & STOP] == stops
+
+
+def test_characters_bound_values_on_both_sides_without_words():
+    _, marks = escape_text("a b ")
+    assert list(marks) == [START | STOP] * 5
 
 
 @pytest.mark.parametrize("text, capital, joined", [
@@ -180,11 +189,15 @@ def _ground_ok(doc: bytes, escaped: bytes, marks: bytes, distinct: bool) -> bool
             continue                                   # a key
         starts, k = [], escaped.find(content)
         while k >= 0:
-            if marks[k]:
+            if marks[k] & START:
                 starts.append(k)
             k = escaped.find(content, k + 1)
         if closed:
-            starts = [k for k in starts if marks[k + len(content)]]
+            starts = [k for k in starts if marks[k + len(content)] & STOP]
+        else:   # (open: it can still end, at a stop before the next NUL)
+            starts = [k for k in starts if any(
+                marks[j] & STOP and 0 not in escaped[k + len(content):j]
+                for j in range(k + len(content), len(marks)))]
         if not starts:
             return False
         if item and closed and distinct and doc[m.end():m.end() + 1] == b"," and \
