@@ -13,7 +13,8 @@ no grounded string crosses a *clause break* of the text:
 - ``,`` ``;`` followed by a space or the end (not ``37,980``), line breaks and tabs,
   brackets ``( ) [ ]``, ``|``, bullets and a dash between spaces (``Salad - 4 servings``);
 - a sentence end: ``.`` ``!`` ``?`` followed by a space or the end, unless the ``.``
-  ends an initial or a title ("David L. Lawrence", "Dr. Reyes", "J.R.R. Tolkien").
+  ends an initial or a title ("David L. Lawrence", "Dr. Reyes", "J.R.R. Tolkien"; a
+  digit is no initial: "Serves: 8. Time" ends a sentence).
 
 A list item (a string whose container is an array) also ends at an *item break*:
 the words ``and``, ``or`` and ``&`` between spaces ("C and C++" gives "C", "C++").
@@ -55,9 +56,9 @@ def clause_breaks(text: str, *, items: bool = False) -> frozenset[int]:
     for m in _SENTENCE_DOT.finditer(text):
         word = m.group(1).lstrip("\"'(").casefold()
         # (an initial: one letter, or letters joined by dots as in "J.R.R")
-        if re.fullmatch(r"(?:\w\.)*\w", word) and len(word.replace(".", "")) <= 1:
+        if re.fullmatch(r"(?:[^\W\d_]\.)*[^\W\d_]", word) and len(word.replace(".", "")) <= 1:
             continue
-        if word in _TITLES or re.fullmatch(r"(?:\w\.)+\w", word):
+        if word in _TITLES or re.fullmatch(r"(?:[^\W\d_]\.)+[^\W\d_]", word):
             continue
         found.add(m.end() - 1)
     if items:

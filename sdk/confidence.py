@@ -38,31 +38,31 @@ def field_confidence(text: str, token_ids: Sequence[int], logprobs: Sequence[flo
         value = json.loads(text)
     except json.JSONDecodeError:
         return {}
-    ends = _token_ends(token_ids, decode)
+    ends = token_ends(token_ids, decode)
     if len(logprobs) != len(token_ids) or not ends or ends[-1] < len(text.rstrip()):
         return {}
     scores = {}
-    for path in _leaf_paths(value, ()):
+    for path in leaf_paths(value, ()):
         start, end = value_span(text, path)
         taken = [lp for k, lp in enumerate(logprobs)
                  if (ends[k - 1] if k else 0) < end and ends[k] > start]
         if taken:
-            scores[_pointer(path)] = min(0.0, sum(taken) / len(taken))
+            scores[pointer(path)] = min(0.0, sum(taken) / len(taken))
     return scores
 
 
-def _token_ends(token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> list[int]:
+def token_ends(token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]) -> list[int]:
     """Character offset in the decoded text where each token's text ends."""
     return [len(decode(token_ids[:k + 1])) for k in range(len(token_ids))]
 
 
-def _leaf_paths(value: Any, path: tuple) -> list[tuple]:
+def leaf_paths(value: Any, path: tuple) -> list[tuple]:
     if isinstance(value, dict) and value:
-        return [p for key, item in value.items() for p in _leaf_paths(item, path + (key,))]
+        return [p for key, item in value.items() for p in leaf_paths(item, path + (key,))]
     if isinstance(value, list) and value:
-        return [p for i, item in enumerate(value) for p in _leaf_paths(item, path + (i,))]
+        return [p for i, item in enumerate(value) for p in leaf_paths(item, path + (i,))]
     return [path]
 
 
-def _pointer(path: tuple) -> str:
+def pointer(path: tuple) -> str:
     return "".join("/" + str(step).replace("~", "~0").replace("/", "~1") for step in path)

@@ -439,6 +439,9 @@ class LLM:
                            seed=seed, logprobs=0 if logprobs else None)
         results = self._run(job.ids(self.tokenizer), params, job.spec, raise_first=False,
                             matcher_for=job.matcher)
+        if temperature == 0.0:  # (greedy: grounded numbers chosen whole)
+            with self._lock:
+                results = job.rechosen(results, self.tokenizer, self.engine.continuation_logprobs)
         results = [job.checked(i, r) for i, r in enumerate(results)]
         if raise_first and isinstance(results[0], FormcastError):
             raise results[0]  # (an empty text comes back here without being generated)

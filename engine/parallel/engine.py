@@ -180,6 +180,16 @@ class ParallelEngine:
             self._send(rank, "logits", list(token_ids) if rank == 0 else None)
         return self._gather("logits")[0]
 
+    def continuation_logprobs(self, prefix: SequenceABC[int],
+                              continuations: SequenceABC[SequenceABC[int]]) -> list[list[float]]:
+        """As :meth:`Engine.continuation_logprobs`, each from a whole forward on rank 0."""
+        out = []
+        for cont in continuations:
+            logits = self.forward_logits(list(prefix) + list(cont))
+            lp = torch.log_softmax(logits[len(prefix) - 1:-1], dim=-1)
+            out.append(lp.gather(1, torch.tensor(list(cont))[:, None]).squeeze(1).tolist())
+        return out
+
     # -- expert load balancing --------------------------------------------------------
     def expert_loads(self) -> list[torch.Tensor]:
         """Tokens routed to each expert so far, per MoE layer, summed over ranks."""

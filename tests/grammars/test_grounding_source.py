@@ -22,6 +22,7 @@ def _blanked(text: str, items: bool) -> str:
     ("37,980 yen; 4.99 each", False, "37,980 yen# 4.99 each"),          # digits keep theirs
     ("David L. Lawrence Center. Next", False, "David L. Lawrence Center# Next"),
     ("J.R.R. Tolkien wrote it!", False, "J.R.R. Tolkien wrote it#"),
+    ("Serves: 8. Time: 70 min.", False, "Serves: 8# Time: 70 min#"),    # a digit is no initial
     ("Dr. Reyes and Mr. Smith", False, "Dr. Reyes and Mr. Smith"),
     ("Dr. Reyes and Mr. Smith", True, "Dr. Reyes ### Mr. Smith"),
     ("C and C++ or Rust & Go", True, "C ### C++ ## Rust # Go"),
