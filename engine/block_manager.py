@@ -302,6 +302,32 @@ class BlockManager:
         seq.block_hashes.clear()
         seq.num_computed_tokens = 0
 
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int
+             ) -> list[list[tuple[int, int]]]:
+        """Give a block-less ``child`` the KV of the first ``num_tokens`` computed tokens
+        of ``parent``: the full blocks shared, a partly filled last one copied into a
+        fresh block (what the parent holds past ``num_tokens`` there is written over
+        by the child, and never read before). Returns the (source, destination) blocks
+        to copy, in a list per KV group (one here)."""
+        if child.block_table:
+            raise ValueError(f"sequence {child.request_id} already has blocks")
+        if num_tokens > parent.num_computed_tokens:
+            raise ValueError(f"fork of {num_tokens} tokens from {parent.num_computed_tokens} "
+                             f"computed")
+        full, part = divmod(num_tokens, self.block_size)
+        if part and not self._free:
+            raise RuntimeError("out of KV blocks: need 1, 0 free")
+        for block_id in parent.block_table[:full]:
+            if not (self.window is not None and block_id == NULL_BLOCK):
+                self._take(block_id)
+            child.block_table.append(block_id)
+        copies = []
+        if part:
+            child.block_table += self._take_free(1)
+            copies.append((parent.block_table[full], child.block_table[-1]))
+        child.num_computed_tokens = num_tokens
+        return [copies]
+
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Forget the KV of every token of ``seq`` from position ``num_tokens`` on."""
         if num_tokens < 0:

@@ -34,6 +34,7 @@ from formcast.engine.pipeline import Pipeline, PipelineStats
 from formcast.engine.sampler import FilledMasks, Sampler
 from formcast.engine.sampling_params import SamplingParams
 from formcast.engine.scheduler import ScheduledSeq, Scheduler
+from formcast.engine.scoring import continuation_logprobs
 from formcast.engine.sequence import Request, RequestOutput, Sequence, SequenceStatus
 from formcast.engine.speculative.decoding import SpeculativeDecoder
 from formcast.engine.tokenizer import Tokenizer
@@ -374,63 +375,17 @@ class Engine:
             if paused:
                 gc.enable()
 
-    @torch.inference_mode()
-    def continuation_logprobs(self, prefix: SequenceABC[int],
-                              continuations: SequenceABC[SequenceABC[int]]) -> list[list[float]]:
-        """Per continuation, the log-probability of each of its tokens after ``prefix``
-        (and the continuation's tokens before it), as prompt tokens are run.
-
-        The prefix's cached blocks are reused (a finished request's prompt and output
-        are, while the prefix cache keeps them), so each continuation computes only
-        the prefix's last partial block and its own tokens; all of them in steps of
-        the step budget, outside the scheduler. Nothing is cached from them.
-        """
-        conts = [list(c) for c in continuations]
-        if not prefix or any(not c for c in conts):
-            raise RequestError("continuation_logprobs needs a prefix and non-empty continuations")
+    def continuation_logprobs(self, prefixes: SequenceABC[SequenceABC[int]],
+                              continuations: SequenceABC[SequenceABC[SequenceABC[int]]]
+                              ) -> list[list[list[float]]]:
+        """Per prefix, per continuation of it, the log-probability of each of its tokens
+        after the prefix (and the continuation's tokens before it), as generated
+        tokens are run (:func:`formcast.engine.scoring.continuation_logprobs`: each
+        prefix computed once from the prefix cache, each continuation's own tokens
+        on a fork of its KV; outside the scheduler, nothing cached from them)."""
         if self.pipeline is not None:  # the step in flight is taken; its outputs go out next
             self._aborted += self.pipeline.drain()
-        bm, budget = self.block_manager, self.config.max_num_batched_tokens
-        seqs: list[Sequence] = []
-        try:
-            for cont in conts:
-                seq = self.intake.make(list(prefix), SamplingParams(max_tokens=1), None,
-                                       self.intake.next_id("score"))
-                bm.allocate_prefix(seq)  # (blocks before the prefix's last token)
-                seq.token_ids.extend(cont)
-                seq.num_prompt_tokens = len(seq)  # (all of it runs as a prompt does)
-                seqs.append(seq)
-                if not bm.can_grow(seq, len(seq) - seq.num_computed_tokens):
-                    raise RequestError(f"not enough free KV blocks for {len(seq)} tokens now")
-                bm.grow(seq, len(seq) - seq.num_computed_tokens)
-            rows: list[list[torch.Tensor]] = [[] for _ in seqs]
-            todo = list(range(len(seqs)))
-            while todo:  # (whole sequences a step while they fit the budget; else chunks)
-                batch, used = [], 0
-                for i in todo:
-                    n = min(len(seqs[i]) - seqs[i].num_computed_tokens, budget - used)
-                    if n <= 0:
-                        break
-                    batch.append((i, ScheduledSeq(seq=seqs[i], num_tokens=n)))
-                    used += n
-                logits = self.runner.execute([b for _, b in batch], all_logits=True).cpu()
-                at = 0
-                for i, item in batch:
-                    rows[i].append(logits[at:at + item.num_tokens])
-                    at += item.num_tokens
-                    item.seq.num_computed_tokens += item.num_tokens
-                todo = [i for i in todo if seqs[i].num_computed_tokens < len(seqs[i])]
-            out = []
-            for seq, cont, chunks in zip(seqs, conts, rows):
-                first = len(seq) - len(cont) - 1  # (the row that predicts cont[0])
-                computed_from = len(seq) - sum(len(c) for c in chunks)
-                lp = torch.log_softmax(torch.cat(chunks)[first - computed_from:-1], dim=-1)
-                out.append(lp.gather(1, torch.tensor(cont)[:, None]).squeeze(1).tolist())
-            return out
-        finally:
-            for seq in seqs:
-                bm.free(seq)
-                self.runner.release(seq)
+        return continuation_logprobs(self, prefixes, continuations)
 
     @torch.inference_mode()
     def forward_logits(self, token_ids: SequenceABC[int], *, as_generated: bool = False

@@ -214,6 +214,12 @@ class GroupedBlockManager:
         seq.num_computed_tokens = hit * bs
         return seq.num_computed_tokens
 
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int
+             ) -> list[list[tuple[int, int]]]:
+        """:meth:`BlockManager.fork` in every group: the blocks to copy, per group."""
+        return [m.fork(p, c, num_tokens)[0] for m, p, c in zip(self.managers, self._of(parent),
+                                                               self._of(child))]
+
     # -- growth and release -------------------------------------------------------
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> list[int]:
         """Fresh blocks ``seq`` needs in each group for ``num_new_tokens`` more tokens."""

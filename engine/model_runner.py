@@ -171,10 +171,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], *, all_logits: bool = False,
-                prompt_float: bool = True) -> torch.Tensor:
+                prompt_float: bool = True, rows: list[int] | None = None) -> torch.Tensor:
         """Run one step. Returns float32 logits ``[N, V]``: one row per sequence whose
         chunk reaches its end, plus one per draft token after it (in batch order), or
-        every token's row if ``all_logits``.
+        every token's row if ``all_logits``, or the rows of the step's tokens ``rows``.
 
         Rows of prompt tokens run on a quantized model's float32 weights
         (:func:`formcast.engine.layers.quant.prompt_rows`) unless ``prompt_float`` is
@@ -192,7 +192,7 @@ class ModelRunner:
                                      layout.decode_tables, layout.decode_lens)
             return logits.clone() if all_logits else logits
         if self.prefill_graphs is not None and layout.prefills and not layout.decode_rows \
-                and not all_logits:
+                and not all_logits and rows is None:
             logits = self.prefill_graphs.run(layout.tokens, layout.positions, layout.slots,
                                              layout.prefills, layout.sample_rows)
             if logits is not None:
@@ -202,12 +202,16 @@ class ModelRunner:
             meta = self._layer_metas(meta, [self._layout(batch, g)
                                             for g in range(1, len(self.kv_groups))])
         is_prompt = layout.is_prompt
-        head_is_prompt = is_prompt if all_logits else [is_prompt[r] for r in layout.sample_rows]
+        if rows is not None:
+            sample_rows = to_device(rows, torch.long, token_ids.device)
+        elif not all_logits:
+            rows = layout.sample_rows
+        head_is_prompt = is_prompt if rows is None else [is_prompt[r] for r in rows]
         if not prompt_float:
             is_prompt = head_is_prompt = None
         with prompt_rows(is_prompt, self.device):
             hidden = self.model(token_ids, positions, self.kv_caches, meta)   # [T, E]
-        if not all_logits:
+        if rows is not None:
             hidden = hidden[sample_rows]
         with prompt_rows(head_is_prompt, self.device):
             return self.model.logits(hidden)
@@ -276,6 +280,14 @@ class ModelRunner:
         """The last :meth:`execute_decode`'s greedy tokens and dead-end flags ``[2, n]``
         sampled inside its graph (unmasked logits), or None when no graph ran."""
         return self.graphs.greedy(n) if self._replayed else None
+
+    def copy_blocks(self, copies: list[list[tuple[int, int]]]) -> None:
+        """Copy KV blocks: ``copies[g]`` the (source, destination) pairs of group ``g``."""
+        for layer, cache in enumerate(self.kv_caches):
+            pairs = copies[self._layer_group[layer]]
+            if pairs:
+                src, dst = (torch.tensor(ids, device=cache.device) for ids in zip(*pairs))
+                cache[:, dst] = cache[:, src]
 
     def release(self, seq: Sequence) -> None:
         """Nothing to free: a sequence's KV blocks belong to the block manager."""

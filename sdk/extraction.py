@@ -18,7 +18,6 @@ from typing import Any, is_typeddict
 from formcast.errors import (ConstraintError, FormcastError, GroundingError, OutputValidationError,
                              RequestError)
 from formcast.extraction_choices import narrowed
-from formcast.extraction_numbers import rechosen
 from formcast.extraction_prompt import ABSENT_NOTE, extraction_messages, form_lines, type_name
 from formcast.extraction_schema import (MAX_FREE_STRING, MAX_LIST_ITEMS, cap_free_strings,
                                         generation_schema, lists_distinct, tidy, tidy_then)
@@ -167,11 +166,13 @@ class Extraction:
         self._matchers[index] = matcher
         return matcher
 
-    def rechosen(self, results: list, tokenizer: Any, score: Any) -> list:
+    def rechosen(self, results: list, tokenizer: Any, engine: Any) -> list:
         """``results`` with each grounded number field the text's number the model scores
         best in its place (:func:`~formcast.extraction_numbers.rechosen`)."""
+        from formcast.extraction_numbers import rechosen  # (its tables import torch)
+
         return rechosen(results, self.ids(tokenizer), self.texts, self.plan, self.spec.parse,
-                        tokenizer, score)
+                        tokenizer, engine)
 
     def checked(self, index: int, result: Any) -> Any:
         """``result`` of text ``index``, or a :class:`GroundingError` naming the field

@@ -6,9 +6,9 @@ and the mask then leads it to 175. :func:`rechosen` scores each number the text
 writes (of the field's kind: whole numbers for an integer field) after the prompt
 and the output up to the value, by the mean log-prob of its tokens and the
 character that follows it, and keeps the best. The mean, not the sum: a sum
-favours numbers of fewer tokens ("3" over "35"). The engine reuses the cached
-prompt and output (:meth:`~formcast.engine.Engine.continuation_logprobs`), so a
-field costs a few short prefills, all its candidates in one step.
+favours numbers of fewer tokens ("3" over "35"). The engine computes the
+prompt and output once, from its prefix cache, and each number's own tokens
+after it (:meth:`~formcast.engine.Engine.continuation_logprobs`).
 
 Only fields the plan grounds to numbers, whose value is one of the text's numbers
 (not a number the model wrote for lack of one), outside arrays of numbers (whose
@@ -24,12 +24,9 @@ from typing import Any
 
 from formcast.completion import Completion
 from formcast.confidence import leaf_paths, pointer, token_ends
-from formcast.errors import FormcastError, OutputValidationError
+from formcast.errors import FormcastError, OutputValidationError, RequestError
 from formcast.grammars.grounding_text import text_numbers
 from formcast.grammars.json_spans import value_span
-
-Scorer = Callable[[Sequence[int], Sequence[Sequence[int]]], list[list[float]]]
-
 
 @dataclasses.dataclass(frozen=True)
 class NumberField:
@@ -43,7 +40,7 @@ class NumberField:
 
 def rechosen(results: list[Completion | FormcastError], prompts: Sequence[Any],
              texts: Sequence[str], plan: Any, parse: Callable[[str], Any], tokenizer: Any,
-             score: Scorer) -> list[Completion | FormcastError]:
+             engine: Any) -> list[Completion | FormcastError]:
     """``results`` with each grounded number field set to the text's number the model
     scores best in its place (:mod:`formcast.extraction_numbers`).
 
@@ -60,12 +57,13 @@ def rechosen(results: list[Completion | FormcastError], prompts: Sequence[Any],
         The spec's parser: a changed output is parsed again (kept as it was if the
         new one fails validation).
     tokenizer
-    score : callable
-        ``(prefix ids, continuations) -> per-token log-probs`` of each continuation.
+    engine : Engine
+        Its ``continuation_logprobs`` scores the choices.
     """
     if not plan.numbers:
         return results
-    out = list(results)
+    asked: list[tuple[int, NumberField]] = []       # (result, field), scored together
+    prefixes, conts = [], []
     for i, result in enumerate(results):
         if not isinstance(result, Completion) or isinstance(prompts[i], FormcastError):
             continue
@@ -74,20 +72,31 @@ def rechosen(results: list[Completion | FormcastError], prompts: Sequence[Any],
             continue
         ends = token_ends(result.token_ids,
                           lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        picks: list[tuple[NumberField, str, float]] = []
         for field in fields:
             if field.start not in ends:   # (the value starts inside a token)
                 continue
-            prefix = list(prompts[i]) + list(result.token_ids[:ends.index(field.start) + 1])
             after = result.text[field.end:field.end + 1]
-            conts = [tokenizer.encode(c + after, add_special_tokens=False) for c in field.choices]
-            means = [sum(lps) / len(lps) for lps in score(prefix, conts)]
-            best = max(range(len(means)), key=means.__getitem__)
-            current = json.loads(result.text[field.start:field.end])
-            if float(field.choices[best]) != current:
-                picks.append((field, field.choices[best], means[best]))
-        if picks:
-            out[i] = _replaced(result, picks, parse, tokenizer)
+            asked.append((i, field))
+            prefixes.append(list(prompts[i]) + list(result.token_ids[:ends.index(field.start) + 1]))
+            conts.append([tokenizer.encode(c + after, add_special_tokens=False)
+                          for c in field.choices])
+    if not asked:
+        return results
+    try:
+        scores = engine.continuation_logprobs(prefixes, conts)
+    except RequestError:  # (no room to score them now: the values decoded stand)
+        return results
+    picks: dict[int, list[tuple[NumberField, str, float]]] = {}
+    for (i, field), lps in zip(asked, scores):
+        current = float(json.loads(results[i].text[field.start:field.end]))
+        means = [sum(lp) / len(lp) for lp in lps]
+        best = max(range(len(means)), key=lambda k: (means[k],
+                                                     float(field.choices[k]) == current))
+        if float(field.choices[best]) != current:
+            picks.setdefault(i, []).append((field, field.choices[best], means[best]))
+    out = list(results)
+    for i, chosen in picks.items():
+        out[i] = _replaced(results[i], chosen, parse, tokenizer)
     return out
 
 

@@ -441,7 +441,7 @@ class LLM:
                             matcher_for=job.matcher)
         if temperature == 0.0:  # (greedy: grounded numbers chosen whole)
             with self._lock:
-                results = job.rechosen(results, self.tokenizer, self.engine.continuation_logprobs)
+                results = job.rechosen(results, self.tokenizer, self.engine)
         results = [job.checked(i, r) for i, r in enumerate(results)]
         if raise_first and isinstance(results[0], FormcastError):
             raise results[0]  # (an empty text comes back here without being generated)

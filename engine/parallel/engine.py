@@ -180,14 +180,17 @@ class ParallelEngine:
             self._send(rank, "logits", list(token_ids) if rank == 0 else None)
         return self._gather("logits")[0]
 
-    def continuation_logprobs(self, prefix: SequenceABC[int],
-                              continuations: SequenceABC[SequenceABC[int]]) -> list[list[float]]:
+    def continuation_logprobs(self, prefixes: SequenceABC[SequenceABC[int]],
+                              continuations: SequenceABC[SequenceABC[SequenceABC[int]]]
+                              ) -> list[list[list[float]]]:
         """As :meth:`Engine.continuation_logprobs`, each from a whole forward on rank 0."""
         out = []
-        for cont in continuations:
-            logits = self.forward_logits(list(prefix) + list(cont))
-            lp = torch.log_softmax(logits[len(prefix) - 1:-1], dim=-1)
-            out.append(lp.gather(1, torch.tensor(list(cont))[:, None]).squeeze(1).tolist())
+        for prefix, conts in zip(prefixes, continuations):
+            out.append([])
+            for cont in conts:
+                logits = self.forward_logits(list(prefix) + list(cont))
+                lp = torch.log_softmax(logits[len(prefix) - 1:-1], dim=-1)
+                out[-1].append(lp.gather(1, torch.tensor(list(cont))[:, None]).squeeze(1).tolist())
         return out
 
     # -- expert load balancing --------------------------------------------------------

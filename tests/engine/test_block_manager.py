@@ -271,3 +271,29 @@ def test_forget_rows_lets_go_of_the_rows_open_early_went_over():
     bm.forget_rows()
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.parametrize("upto, copied", [(20, True), (16, False), (3, True)])
+def test_fork_shares_full_blocks_and_copies_a_partial_one(upto, copied):
+    bm = BlockManager(num_blocks=10, block_size=8)
+    parent = make_seq(list(range(22)))
+    bm.grow(parent, 22)
+    parent.num_computed_tokens = 22
+    free = bm.num_free_blocks
+    child = make_seq(list(range(upto)))
+    copies = bm.fork(parent, child, upto)
+    full = upto // 8
+    assert child.block_table[:full] == parent.block_table[:full]
+    assert child.num_computed_tokens == upto
+    if copied:
+        assert copies == [[(parent.block_table[full], child.block_table[-1])]]
+        assert child.block_table[-1] not in parent.block_table
+    else:
+        assert copies == [[]] and len(child.block_table) == full
+    assert bm.num_free_blocks == free - copied
+    bm.free(child)          # (the shared blocks stay the parent's)
+    assert bm.num_free_blocks == free
+    bm.free(parent)
+    assert bm.num_free_blocks == 10
+    with pytest.raises(ValueError, match="computed"):
+        bm.fork(make_seq([1]), make_seq([1]), 5)

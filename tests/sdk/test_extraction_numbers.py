@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -49,30 +50,48 @@ class Tok:
         return "".join(chr(i) for i in ids)
 
 
+class Scores:
+    """An engine whose log-prob of a token is ``per_char[char]`` (default -1): the
+    same at every position. Records what it scores."""
+
+    def __init__(self, per_char):
+        self.per_char = per_char
+        self.scored = []
+
+    def continuation_logprobs(self, prefixes, continuations):
+        for prefix, conts in zip(prefixes, continuations):
+            self.scored.append(("".join(map(chr, prefix[1:])),
+                                ["".join(map(chr, c)) for c in conts]))
+        return [[[self.per_char.get(chr(t), -1.0) for t in c] for c in conts]
+                for conts in continuations]
+
+
 def _completion(text: str, confidence=None) -> Completion:
     return Completion(text=text, token_ids=tuple(ord(c) for c in text), finish_reason="stop",
                       usage=Usage(prompt_tokens=1, completion_tokens=len(text),
-                                        cached_prompt_tokens=0, latency_s=0.0,
-                                        time_to_first_token_s=None),
+                                  cached_prompt_tokens=0, latency_s=0.0,
+                                  time_to_first_token_s=None),
                       value=json.loads(text), field_confidence=confidence)
 
 
 def test_the_best_mean_log_prob_wins_and_is_written_in():
-    seen = []
-
-    def score(prefix, conts):  # "8" best by its mean; "175" by its sum would lose too
-        seen.append(("".join(map(chr, prefix[1:])), ["".join(map(chr, c)) for c in conts]))
-        return [[-0.2, -0.2] if c[0] == ord("8") else [-1.0] * len(c) for c in conts]
-
+    engine = Scores({"8": -0.2, ",": -0.2, "}": -0.2})
     first = _completion('{"servings":175,"price":4.5}', {"/servings": -3.0, "/price": -0.1})
-    got = rechosen([first], [[0]], [TEXT], PLAN, json.loads, Tok(), score)[0]
+    got = rechosen([first], [[0]], [TEXT], PLAN, json.loads, Tok(), engine)[0]
     assert got.text == '{"servings":8,"price":8}'
     assert got.value == {"servings": 8, "price": 8}
     assert got.token_ids == tuple(ord(c) for c in got.text)
     assert got.field_confidence == {"/servings": -0.2, "/price": -0.2}
     # each field is scored after the output up to it, with the character after it
-    assert seen[0] == ('{"servings":', ["8,", "175,"])
-    assert seen[1][0] == '{"servings":175,"price":' and "4.5}" in seen[1][1]
+    assert engine.scored[0] == ('{"servings":', ["8,", "175,"])
+    assert engine.scored[1][0] == '{"servings":175,"price":'
+    assert sorted(engine.scored[1][1]) == ["1299.5}", "175}", "4.5}", "8}"]
+
+
+def test_a_tie_keeps_the_current_value():
+    engine = Scores({})     # every token -1: every mean the same
+    first = _completion('{"servings":175}')
+    assert rechosen([first], [[0]], [TEXT], PLAN, json.loads, Tok(), engine) == [first]
 
 
 def test_a_choice_the_parser_rejects_keeps_the_output():
@@ -80,8 +99,7 @@ def test_a_choice_the_parser_rejects_keeps_the_output():
         raise OutputValidationError("no", text=text, error=None)
 
     first = _completion('{"servings":175}')
-    got = rechosen([first], [[0]], [TEXT], PLAN, reject, Tok(),
-                   lambda p, cs: [[-0.1] if c[0] == ord("8") else [-2.0] for c in cs])
+    got = rechosen([first], [[0]], [TEXT], PLAN, reject, Tok(), Scores({"8": -0.1}))
     assert got == [first]
 
 
@@ -89,21 +107,29 @@ def test_errors_and_unchanged_outputs_pass_through():
     err = OutputValidationError("bad", text="", error=None)
     same = _completion('{"servings":8}')
     got = rechosen([err, same], [[0], [0]], [TEXT, TEXT], PLAN, json.loads, Tok(),
-                   lambda p, cs: [[-0.1] if c[0] == ord("8") else [-2.0] for c in cs])
+                   Scores({"8": -0.1, "}": -0.1}))
     assert got[0] is err and got[1] is same
 
 
-def test_engine_scores_continuations_as_a_whole_forward_does(smollm2_engine):
+@pytest.mark.parametrize("budget", [None, 7])   # 7: in chunks, two continuations a pass
+def test_engine_scores_continuations_as_a_whole_forward_does(smollm2_engine, monkeypatch,
+                                                             budget):
+    if budget:
+        monkeypatch.setattr(smollm2_engine, "config", dataclasses.replace(
+            smollm2_engine.config, max_num_batched_tokens=budget, max_num_seqs=2))
     tok = smollm2_engine.tokenizer
     prompt = tok.encode("Serves 8. Bake at 175 C for 40 minutes.\nServings: " * 3,
                         add_special_tokens=False)
     # (a finished request leaves the prompt's blocks in the prefix cache)
     smollm2_engine.generate([prompt[:40]], None)
     conts = [tok.encode(c, add_special_tokens=False) for c in ("8\n", "175\n", "40 minutes")]
-    got = smollm2_engine.continuation_logprobs(prompt, conts)
-    for cont, lps in zip(conts, got):
-        full = smollm2_engine.forward_logits(prompt + cont)
-        want = torch.log_softmax(full[len(prompt) - 1:-1], -1).gather(
+    other = prompt[:30]     # (a second prefix in the same passes, partly cached)
+    got = smollm2_engine.continuation_logprobs([prompt, other], [conts, conts[1:]])
+    monkeypatch.undo()
+    for prefix, cont, lps in [(prompt, c, lp) for c, lp in zip(conts, got[0])] + \
+            [(other, c, lp) for c, lp in zip(conts[1:], got[1])]:
+        full = smollm2_engine.forward_logits(prefix + cont)
+        want = torch.log_softmax(full[len(prefix) - 1:-1], -1).gather(
             1, torch.tensor(cont)[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(lps), want, atol=1e-4)
     assert smollm2_engine.block_manager.num_free_blocks == smollm2_engine.block_manager.num_blocks
