@@ -138,7 +138,8 @@ class AsyncLLM:
                        grounding: str = "auto", max_tokens: int | None = None,
                        seed: int | None = None, temperature: float = 0.0,
                        return_completions: bool = False) -> Any:
-        """:meth:`formcast.LLM.extract`, awaited; same parameters, result and errors."""
+        """:meth:`formcast.LLM.extract`, awaited; same parameters, result and errors, but
+        grounded numbers as decoded (not re-chosen whole, which waits for an idle engine)."""
         from formcast.extraction import Extraction
 
         job = Extraction(schema, [text], grounding=grounding, instructions=instructions)

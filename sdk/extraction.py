@@ -166,13 +166,16 @@ class Extraction:
         self._matchers[index] = matcher
         return matcher
 
-    def rechosen(self, results: list, tokenizer: Any, engine: Any) -> list:
-        """``results`` with each grounded number field the text's number the model scores
-        best in its place (:func:`~formcast.extraction_numbers.rechosen`)."""
-        from formcast.extraction_numbers import rechosen  # (its tables import torch)
+    def finished(self, results: list, tokenizer: Any, engine: Any, greedy: bool) -> list:
+        """``results`` as ``extract`` returns them: in ``greedy`` calls, each grounded
+        number field the text's number ``engine`` scores best in its place
+        (:func:`~formcast.extraction_numbers.rechosen`); then each :meth:`checked`."""
+        if greedy:
+            from formcast.extraction_numbers import rechosen  # (its tables import torch)
 
-        return rechosen(results, self.ids(tokenizer), self.texts, self.plan, self.spec.parse,
-                        tokenizer, engine)
+            results = rechosen(results, self.ids(tokenizer), self.texts, self.plan,
+                               self.spec.parse, tokenizer, engine)
+        return [self.checked(i, r) for i, r in enumerate(results)]
 
     def checked(self, index: int, result: Any) -> Any:
         """``result`` of text ``index``, or a :class:`GroundingError` naming the field

@@ -439,10 +439,8 @@ class LLM:
                            seed=seed, logprobs=0 if logprobs else None)
         results = self._run(job.ids(self.tokenizer), params, job.spec, raise_first=False,
                             matcher_for=job.matcher)
-        if temperature == 0.0:  # (greedy: grounded numbers chosen whole)
-            with self._lock:
-                results = job.rechosen(results, self.tokenizer, self.engine)
-        results = [job.checked(i, r) for i, r in enumerate(results)]
+        with self._lock:  # (greedy: grounded numbers chosen whole on the engine)
+            results = job.finished(results, self.tokenizer, self.engine, temperature == 0.0)
         if raise_first and isinstance(results[0], FormcastError):
             raise results[0]  # (an empty text comes back here without being generated)
         return results
